@@ -1,0 +1,55 @@
+# The README's two commands are `make demo` and `make test`; each installs what it needs first.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+# On a CPU box DeepSpeed must be told to use its CPU accelerator; on a GPU box it finds CUDA itself.
+ifneq ($(HAS_GPU),1)
+export DS_ACCELERATOR ?= cpu
+NUM_GPUS ?= 2
+# CPU torch from the local wheel; a GPU box keeps (or pulls) its CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+else
+TORCH_SPEC ?= torch
+endif
+# A stable place for DeepSpeed's JIT-built ops, so they are compiled once per machine.
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
+
+LAUNCH := $(BIN)/deepspeed $(if $(NUM_GPUS),--num_gpus $(NUM_GPUS))
+
+.PHONY: install demo test test-all lint format bench presets clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python scripts/warm_ops.py
+	touch $@
+
+demo: install
+	$(LAUNCH) scripts/train.py
+
+test: install
+	$(BIN)/python -m pytest -m "not slow and not gpu" -q
+
+test-all: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
+
+bench: install
+	$(BIN)/python scripts/bench.py --device $(if $(HAS_GPU),cuda,cpu)
+
+presets: install
+	$(BIN)/trainer ds-config presets
+
+clean:
+	rm -rf $(VENV) output .pytest_cache .ruff_cache

@@ -1,0 +1,33 @@
+"""A DeepSpeed-based trainer for large language models.
+
+``from trainer import Trainer, TrainingArguments`` mirrors HF Transformers. Heavy modules (torch,
+deepspeed) load on first use, so ``trainer.config`` and the config CLI stay light.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["Trainer", "TrainingArguments", "TrainerCallback", "TrainerControl", "TrainerState"]
+
+_LAZY = {
+    "Trainer": "trainer.trainer",
+    "TrainingArguments": "trainer.args",
+    "TrainerCallback": "trainer.callbacks",
+    "TrainerControl": "trainer.callbacks",
+    "TrainerState": "trainer.callbacks",
+}
+
+if TYPE_CHECKING:
+    from trainer.args import TrainingArguments
+    from trainer.callbacks import TrainerCallback, TrainerControl, TrainerState
+    from trainer.trainer import Trainer
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'trainer' has no attribute {name!r}")

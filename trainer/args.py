@@ -1,0 +1,272 @@
+"""Run arguments: HF-style ``TrainingArguments`` plus model and data arguments.
+
+A run is described by one flat YAML recipe plus ``--field value`` overrides. Every key belongs to
+exactly one of the three argument models below; an unknown key is an error that names it and
+suggests the nearest valid one. No DeepSpeed calls happen here: ``trainer.config.resolve`` turns
+these arguments into a DeepSpeed dict.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainer.config.errors import ConfigError, unknown_key_message
+
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+OffloadDevice = Literal["none", "cpu", "nvme"]
+Strategy = Literal["no", "steps", "epoch"]
+
+
+class _Args(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields)
+            for key in data:
+                if key not in known:
+                    raise ValueError(f"{key}: {unknown_key_message(key, known)}")
+        return data
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class TrainingArguments(_Args):
+    """The HF ``TrainingArguments`` fields users reach for, with the same names and meanings."""
+
+    output_dir: str = Field("output", description="Where metrics, checkpoints and the final export go.")
+    num_train_epochs: float = Field(1.0, gt=0, description="Epochs to train when max_steps is -1.")
+    max_steps: int = Field(-1, ge=-1, description="Optimizer steps to train; -1 means use num_train_epochs.")
+    seed: int = Field(42, description="Seed for model init, data order and dropout.")
+
+    per_device_train_batch_size: int = Field(8, ge=1, description="Micro-batch size per rank.")
+    per_device_eval_batch_size: int = Field(8, ge=1, description="Evaluation batch size per rank.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    dataloader_num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
+    dataloader_drop_last: bool = Field(
+        False, description="Drop the last incomplete batch of each rank instead of keeping it."
+    )
+
+    optim: Literal["adamw_torch", "adamw_fused", "lion", "sgd"] = Field(
+        "adamw_torch",
+        description="Optimizer. adamw_torch is DeepSpeed's Adam with torch_adam (resumes bit-exactly); "
+        "adamw_fused is DeepSpeed's FusedAdam. CPU offload always uses DeepSpeedCPUAdam.",
+    )
+    learning_rate: float = Field(5e-5, ge=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (not applied to biases and norms).")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
+    adam_epsilon: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables clipping.")
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
+        "linear", description="Learning-rate schedule after warmup."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps; overrides warmup_ratio when > 0.")
+    warmup_ratio: float = Field(0.0, ge=0, le=1, description="Warmup as a fraction of total steps.")
+
+    logging_steps: int = Field(10, ge=1, description="Log metrics every N optimizer steps.")
+    eval_strategy: Strategy = Field("no", description="When to evaluate: no, steps or epoch.")
+    eval_steps: int | None = Field(None, ge=1, description="Evaluate every N steps (default: logging_steps).")
+    save_strategy: Strategy = Field("steps", description="When to checkpoint: no, steps or epoch.")
+    save_steps: int = Field(500, ge=1, description="Checkpoint every N optimizer steps.")
+    save_total_limit: int | None = Field(
+        None, ge=1, description="Keep at most N checkpoints; never deletes the newest or the best."
+    )
+    report_to: list[str] = Field(default_factory=list, description="Extra metric sinks: tensorboard.")
+    load_best_model_at_end: bool = Field(False, description="Reload the best checkpoint when training ends.")
+    metric_for_best_model: str | None = Field(None, description="Metric that ranks checkpoints (default: loss).")
+    greater_is_better: bool | None = Field(None, description="Whether a larger metric is better.")
+    disable_tqdm: bool = Field(False, description="Hide the progress bar.")
+
+    bf16: bool = Field(False, description="Train in bf16 mixed precision.")
+    fp16: bool = Field(False, description="Train in fp16 mixed precision with dynamic loss scaling.")
+    precision: Precision = Field(
+        "auto", description="fp32, bf16, fp16, or auto: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+
+    deepspeed: str | dict[str, Any] | None = Field(
+        None, description="A DeepSpeed JSON path, a dict, or a preset name (zero2, zero3_offload, ...)."
+    )
+    resume_from_checkpoint: str | bool | None = Field(
+        None, description="A checkpoint dir, 'auto' (newest complete one in output_dir), or None."
+    )
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage when no DeepSpeed config is given.")
+    offload_optimizer: OffloadDevice = Field("none", description="Offload optimizer states to cpu or nvme.")
+    offload_param: OffloadDevice = Field("none", description="Offload parameters to cpu or nvme (ZeRO-3).")
+    nvme_path: str | None = Field(None, description="Directory for NVMe offload.")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (ZeRO stage 0 or 1 only).")
+    peak_tflops: float | None = Field(None, gt=0, description="Device peak TFLOP/s for MFU when not in the table.")
+
+    @model_validator(mode="after")
+    def _precision_flags(self) -> TrainingArguments:
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16, fp16: both enabled; choose one")
+        flag = "bf16" if self.bf16 else "fp16" if self.fp16 else None
+        if flag and self.precision not in ("auto", flag):
+            raise ValueError(f"precision, {flag}: precision={self.precision} contradicts {flag}=true")
+        return self
+
+    @property
+    def requested_precision(self) -> Precision:
+        """The precision asked for: the HF-style flags win over the ``precision`` field's default."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else self.precision
+
+
+class ModelArguments(_Args):
+    model_name_or_path: str | None = Field(
+        None, description="A local HF model directory (or hub name) to fine-tune; None builds from model_config."
+    )
+    model_type: Literal["llama", "gpt2"] = Field("llama", description="Architecture built from model_config.")
+    model_config_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Config fields for a model built from scratch (hidden_size, ...)."
+    )
+    tokenizer_name_or_path: str | None = Field(
+        None, description="Tokenizer directory; None uses the model's, or trains a byte-level BPE on the corpus."
+    )
+    vocab_size: int = Field(4096, ge=256, description="Vocabulary size of a tokenizer trained on the corpus.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the model directory to run.")
+
+
+class DataArguments(_Args):
+    dataset: str = Field(
+        "stdlib", description="'stdlib' (the Python standard library source), a local file/dir, or a hub name."
+    )
+    dataset_config: str | None = Field(None, description="Hub dataset configuration name.")
+    text_column: str = Field("text", description="Column holding raw text.")
+    data_format: Literal["text", "sft"] = Field(
+        "text", description="text: causal LM on packed blocks; sft: prompt/response with the prompt masked."
+    )
+    block_size: int = Field(256, ge=8, description="Tokens per training sequence.")
+    packing: bool = Field(True, description="Pack documents into full blocks instead of padding each.")
+    validation_split_percentage: float = Field(5.0, ge=0, lt=100, description="Share held out for eval.")
+    max_train_samples: int | None = Field(None, ge=1, description="Truncate the training set (for quick runs).")
+    preprocessing_num_workers: int | None = Field(None, ge=1, description="Processes for tokenisation.")
+    cache_dir: str | None = Field(None, description="Tokenisation cache (default: ~/.cache/trainer/datasets).")
+
+
+SECTIONS: dict[str, type[_Args]] = {
+    "training": TrainingArguments,
+    "model": ModelArguments,
+    "data": DataArguments,
+}
+
+
+class RunConfig(BaseModel):
+    """A whole run: the three argument groups, validated together."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    training: TrainingArguments = Field(default_factory=TrainingArguments)
+    model: ModelArguments = Field(default_factory=ModelArguments)
+    data: DataArguments = Field(default_factory=DataArguments)
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> RunConfig:
+        """Build from one flat mapping of field -> value; each field is routed to its section."""
+        owners = {name: section for section, model in SECTIONS.items() for name in model.model_fields}
+        grouped: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+        problems = []
+        for key, value in flat.items():
+            if key not in owners:
+                problems.append((key, unknown_key_message(key, owners)))
+            else:
+                grouped[owners[key]][key] = value
+        if problems:
+            raise ConfigError(problems)
+        try:
+            return cls(**grouped)
+        except ValidationError as err:
+            raise ConfigError(_validation_problems(err)) from None
+
+    def to_flat(self) -> dict[str, Any]:
+        return {k: v for section in (self.training, self.model, self.data) for k, v in section.to_dict().items()}
+
+
+def _validation_problems(err: ValidationError) -> list[tuple[str, str]]:
+    problems = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"] if str(p) not in SECTIONS]
+        msg = e["msg"].removeprefix("Value error, ")
+        # Our own validators already lead with the key path ("key: message").
+        if not loc and ": " in msg:
+            path, msg = msg.split(": ", 1)
+            problems.append((path, msg))
+        else:
+            problems.append((".".join(loc), msg))
+    return problems
+
+
+def _parse_value(text: str) -> Any:
+    """A CLI value as YAML would read it: numbers, booleans, lists, dicts; otherwise the string."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def parse_cli(argv: list[str]) -> dict[str, Any]:
+    """``--config FILE`` plus ``--field value`` / ``--field=value`` / bare ``--flag`` pairs."""
+    flat: dict[str, Any] = {}
+    config_path = None
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--"):
+            raise ConfigError([(token, "unexpected argument; fields are given as --field value")])
+        name, eq, value = token[2:].partition("=")
+        name = name.replace("-", "_")
+        if name == "local_rank":  # injected by the deepspeed launcher; distributed.py reads LOCAL_RANK
+            i += 1 if eq else 2
+            continue
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is None or nxt.startswith("--"):
+                value = "true"
+            else:
+                value, i = nxt, i + 1
+        i += 1
+        if name == "config":
+            config_path = value
+        else:
+            flat[name] = _parse_value(value)
+    base = load_recipe(config_path) if config_path else {}
+    return {**base, **flat}
+
+
+def load_recipe(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([("config", f"recipe file not found: {path}")])
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError([(str(path), f"invalid YAML: {err}")]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([(str(path), "a recipe must be a mapping of field: value")])
+    if isinstance(data.get("deepspeed"), str) and data["deepspeed"].endswith(".json"):
+        # Relative DeepSpeed paths in a recipe are relative to the recipe itself.
+        ds = Path(data["deepspeed"])
+        if not ds.is_absolute() and not ds.exists() and (path.parent / ds).exists():
+            data["deepspeed"] = str(path.parent / ds)
+    return data
+
+
+def parse_run_config(argv: list[str]) -> RunConfig:
+    return RunConfig.from_flat(parse_cli(argv))
+
+
+def dump_run_config(run: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(run.to_flat(), sort_keys=False))
+
+
+def to_json(run: RunConfig) -> str:
+    return json.dumps(run.to_flat(), sort_keys=True)

@@ -1,0 +1,1 @@
+"""Console entry points; each subcommand lives in its own module and only handles arguments."""

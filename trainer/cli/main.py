@@ -1,0 +1,36 @@
+"""``trainer <subcommand>``: dispatch to the subcommand modules, importing only the one used."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Each module defines add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS = {
+    "train": ("trainer.cli.train", "train a model (same flags as scripts/train.py)"),
+    "ds-config": ("trainer.cli.ds_config", "generate, validate and write DeepSpeed configs"),
+    "plan": ("trainer.cli.plan", "plan memory per GPU for each ZeRO stage and offload"),
+    "export": ("trainer.cli.export", "export a checkpoint to an HF model directory"),
+    "plot": ("trainer.cli.plot", "plot metrics of one or more runs"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="trainer", description="DeepSpeed-based LLM trainer")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    if argv and argv[0] in SUBCOMMANDS:
+        # Only import the subcommand that runs: the config tools must not pay for torch.
+        name = argv[0]
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        module.add_arguments(sub.add_parser(name, help=SUBCOMMANDS[name][1]))
+    else:
+        for name, (_, help_text) in SUBCOMMANDS.items():
+            sub.add_parser(name, help=help_text)
+    args = parser.parse_args(argv)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
