@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.config.errors import ConfigError, unknown_key_message
 
@@ -80,7 +80,9 @@ class TrainingArguments(_Args):
     save_total_limit: int | None = Field(
         None, ge=1, description="Keep at most N checkpoints; never deletes the newest or the best."
     )
-    report_to: list[str] = Field(default_factory=list, description="Extra metric sinks: tensorboard.")
+    report_to: list[str] = Field(
+        default_factory=list, description="Extra metric sinks: tensorboard ('none' or 'all' as in HF)."
+    )
     load_best_model_at_end: bool = Field(False, description="Reload the best checkpoint when training ends.")
     metric_for_best_model: str | None = Field(None, description="Metric that ranks checkpoints (default: loss).")
     greater_is_better: bool | None = Field(None, description="Whether a larger metric is better.")
@@ -105,6 +107,15 @@ class TrainingArguments(_Args):
     nvme_path: str | None = Field(None, description="Directory for NVMe offload.")
     pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (ZeRO stage 0 or 1 only).")
     peak_tflops: float | None = Field(None, gt=0, description="Device peak TFLOP/s for MFU when not in the table.")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if value is None or value == ["none"]:
+            return []
+        return ["tensorboard"] if value == ["all"] else value
 
     @model_validator(mode="after")
     def _precision_flags(self) -> TrainingArguments:

@@ -1,0 +1,182 @@
+"""Callbacks in the HF style: they read ``TrainerState`` and set ``TrainerControl`` flags.
+
+A callback never steps the optimizer or calls backward. ``TrainerState`` is saved as JSON in every
+checkpoint, so a resumed run knows its step, epoch, data position, log history and best metric.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.args import TrainingArguments
+
+
+@dataclass
+class TrainerState:
+    global_step: int = 0
+    epoch: float = 0.0
+    max_steps: int = 0
+    num_train_epochs: int = 0
+    steps_per_epoch: int = 0
+    # Samples of the current epoch already consumed by this rank: the sampler resumes from here.
+    epoch_index: int = 0
+    samples_into_epoch: int = 0
+    num_input_tokens_seen: int = 0
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    best_metric: float | None = None
+    best_model_checkpoint: str | None = None
+    is_world_process_zero: bool = True
+    world_size: int = 1
+
+    def save_to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True))
+
+    @classmethod
+    def load_from_json(cls, path: str | Path) -> TrainerState:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+@dataclass
+class TrainerControl:
+    should_training_stop: bool = False
+    should_epoch_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+    should_log: bool = False
+
+
+class TrainerCallback:
+    """Override any event. Each gets ``(args, state, control, **kwargs)`` and may return a control."""
+
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw): ...
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw): ...
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw): ...
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw): ...
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw): ...
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw): ...
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw): ...
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw): ...
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw): ...
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw): ...
+
+
+class CallbackHandler:
+    def __init__(self, callbacks: list[TrainerCallback]):
+        self.callbacks = list(callbacks)
+
+    def add(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        self.callbacks.append(callback() if isinstance(callback, type) else callback)
+
+    def fire(self, event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw):
+        for cb in self.callbacks:
+            result = getattr(cb, event)(args, state, control, **kw)
+            if isinstance(result, TrainerControl):
+                control = result
+        return control
+
+
+class DefaultFlowCallback(TrainerCallback):
+    """Turns the step/epoch strategies of the arguments into log/eval/save/stop decisions."""
+
+    def on_step_end(self, args, state, control, **kw):
+        step = state.global_step
+        control.should_log = step % args.logging_steps == 0 or step == state.max_steps
+        eval_every = args.eval_steps or args.logging_steps
+        control.should_evaluate = args.eval_strategy == "steps" and step % eval_every == 0
+        control.should_save = args.save_strategy == "steps" and step % args.save_steps == 0
+        if step >= state.max_steps:
+            control.should_training_stop = True
+            control.should_save = control.should_save or args.save_strategy != "no"
+        return control
+
+    def on_epoch_end(self, args, state, control, **kw):
+        control.should_evaluate = control.should_evaluate or args.eval_strategy == "epoch"
+        control.should_save = control.should_save or args.save_strategy == "epoch"
+        return control
+
+
+class ProgressCallback(TrainerCallback):
+    """A tqdm bar on the main rank with the ETA and the latest loss."""
+
+    def __init__(self) -> None:
+        self.bar = None
+
+    def on_train_begin(self, args, state, control, **kw):
+        if state.is_world_process_zero and not args.disable_tqdm:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True)
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if self.bar is not None and logs and "loss" in logs:
+            self.bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs.get('learning_rate', 0):.2e}")
+
+    def on_train_end(self, args, state, control, **kw):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class MetricsCallback(TrainerCallback):
+    """Writes every log row to ``metrics.jsonl`` (and TensorBoard when asked) on the main rank."""
+
+    def __init__(self) -> None:
+        self.writer = None
+
+    def on_train_begin(self, args, state, control, **kw):
+        from trainer.monitor import MetricsWriter
+
+        self.writer = MetricsWriter(args.output_dir, args.report_to, is_main=state.is_world_process_zero)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if self.writer is not None and logs:
+            self.writer.write(logs)
+
+    def on_train_end(self, args, state, control, **kw):
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class EarlyStoppingCallback(TrainerCallback):
+    """Stop when the eval metric has not improved by ``threshold`` for ``patience`` evaluations."""
+
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0):
+        self.patience = early_stopping_patience
+        self.threshold = early_stopping_threshold
+        self.best: float | None = None
+        self.bad_evals = 0
+
+    def on_evaluate(self, args, state, control, metrics=None, **kw):
+        key = metric_key(args)
+        value = (metrics or {}).get(key)
+        if value is None or not math.isfinite(value):
+            return control
+        sign = 1 if greater_is_better(args) else -1
+        if self.best is None or sign * (value - self.best) > self.threshold:
+            self.best, self.bad_evals = value, 0
+        else:
+            self.bad_evals += 1
+            if self.bad_evals >= self.patience:
+                control.should_training_stop = True
+        return control
+
+
+def metric_key(args: TrainingArguments) -> str:
+    name = args.metric_for_best_model or "loss"
+    return name if name.startswith("eval_") else f"eval_{name}"
+
+
+def greater_is_better(args: TrainingArguments) -> bool:
+    if args.greater_is_better is not None:
+        return args.greater_is_better
+    return not metric_key(args).endswith("loss")

@@ -1,0 +1,164 @@
+"""A small adapter over ``deepspeed.initialize``: forward, token-normalised backward, step, save/load.
+
+The Trainer owns *when* things happen; this module owns *how* DeepSpeed is driven:
+
+- The accumulation boundary is set explicitly before every backward, so a short final window of an
+  epoch is stepped like any other.
+- The loss of a window is the sum of per-token losses divided by the number of target tokens in the
+  whole window on all ranks. DeepSpeed averages gradients over data-parallel ranks and (by default)
+  divides by the accumulation steps; we turn the latter off and pre-multiply by the world size, so
+  the update equals one big batch however it is split into micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import deepspeed
+import torch
+import torch.nn.functional as F
+
+from trainer.distributed import all_reduce_sum
+
+IGNORE_INDEX = -100
+
+
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two parameter groups: decay for matrices, none for biases, norms and other 1-d tensors."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 partitions keep the real shape here
+        (no_decay if len(shape) < 2 or name.endswith(".bias") else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def count_targets(batch: dict[str, torch.Tensor]) -> int:
+    """Target tokens of a causal-LM batch: labels after the one-token shift, minus ignored ones."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over non-ignored targets, in fp32."""
+    logits = logits[:, :-1].float()
+    targets = labels[:, 1:]
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+class Engine:
+    """Drives one DeepSpeed engine. ``module`` is the wrapped model; ``ds`` the DeepSpeed engine."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ds_config: dict[str, Any],
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any = None,
+        weight_decay: float = 0.0,
+    ):
+        if "activation_checkpointing" in ds_config:
+            # Custom models that call deepspeed.checkpointing.checkpoint read these settings.
+            deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
+        params = optimizer.param_groups if optimizer is not None else weight_decay_groups(model, weight_decay)
+        self.ds, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
+            model=model,
+            config=ds_config,
+            model_parameters=None if optimizer is not None else params,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+        )
+        self.device = self.ds.device
+        self.world_size = self.ds.dp_world_size
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.ds.module
+
+    # ---- one accumulation window ---------------------------------------------------------------
+
+    def window_targets(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Target tokens in a whole window on all ranks, as a device tensor (no host sync)."""
+        local = torch.tensor(float(sum(count_targets(b) for b in batches)))
+        if self.device.type == "cuda":
+            local = local.to(self.device, non_blocking=True)
+        return all_reduce_sum(local).clamp_(min=1.0)
+
+    def forward_backward(
+        self, batch: dict[str, torch.Tensor], window_tokens: torch.Tensor, is_boundary: bool
+    ) -> torch.Tensor:
+        """One micro-batch; returns its detached summed loss (for logging, stays on device)."""
+        self.ds.set_gradient_accumulation_boundary(is_boundary)
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        logits = self.ds(**batch).logits
+        loss_sum = causal_lm_loss_sum(logits, labels)
+        # DeepSpeed averages gradients over ranks; multiplying by the world size turns that into a sum.
+        self.ds.backward(loss_sum * (self.world_size / window_tokens), scale_wrt_gas=False)
+        return loss_sum.detach()
+
+    def step(self) -> None:
+        self.ds.step()
+
+    @torch.no_grad()
+    def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, target count) of one batch, both on device."""
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        logits = self.ds(**batch).logits
+        count = (labels[:, 1:] != IGNORE_INDEX).sum().float()
+        return causal_lm_loss_sum(logits, labels), count
+
+    def train(self, mode: bool = True) -> None:
+        self.ds.train(mode)
+
+    # ---- what a logging step reports -----------------------------------------------------------
+
+    @property
+    def global_steps(self) -> int:
+        return self.ds.global_steps
+
+    def learning_rate(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+    def grad_norm(self) -> float | None:
+        norm = self.ds.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def loss_scale(self) -> float | None:
+        """Current fp16 loss scale; None outside fp16."""
+        return float(self.ds.loss_scale()) if self.ds.fp16_enabled() else None
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.ds.skipped_steps)
+
+    # ---- DeepSpeed state on disk ---------------------------------------------------------------
+
+    def save(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
+        # universal_checkpoint_info lets ds_to_universal convert this save for another world size.
+        state = {"universal_checkpoint_info": {}, **client_state}
+        self.ds.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
+
+    def load(self, directory: str, tag: str, load_optimizer_states: bool = True) -> dict[str, Any]:
+        path, client_state = self.ds.load_checkpoint(
+            directory,
+            tag=tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=True,
+        )
+        if path is None:
+            raise FileNotFoundError(f"{directory}/{tag}: DeepSpeed found no checkpoint to load")
+        return client_state or {}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on rank 0 (gathered under ZeRO-3); None on other ranks."""
+        if self.ds.zero_optimization_partition_weights():
+            state = self.ds._zero3_consolidated_16bit_state_dict()
+            return state if self.ds.global_rank == 0 else None
+        if self.ds.global_rank != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}

@@ -1,0 +1,101 @@
+"""One training job from a ``RunConfig``: what ``scripts/train.py`` and ``trainer train`` run.
+
+Order matters for the error contract: arguments are validated and the DeepSpeed config is resolved
+(batch arithmetic, precision against the hardware) before any data is tokenised or model built.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from trainer.args import RunConfig, parse_run_config
+from trainer.config import resolve
+from trainer.config.errors import ConfigError
+from trainer.distributed import detect_hardware, dist_info, print_main
+
+EXIT_BAD_INPUT = 2
+
+
+def run(run_config: RunConfig) -> int:
+    import torch
+
+    from trainer.data import build_datasets, get_tokenizer
+    from trainer.modeling import build_model, hidden_size_of, model_config
+    from trainer.trainer import Trainer, set_seed
+
+    args, model_args, data_args = run_config.training, run_config.model, run_config.data
+    hardware = detect_hardware()
+    world = dist_info().world_size
+    # Fails fast on impossible batch sizes, fp16 on CPU, bad DeepSpeed JSON: nothing is loaded yet.
+    resolve(args, world_size=world, hardware=hardware, total_steps=1)
+    _check_paths(run_config)
+
+    tokenizer = get_tokenizer(model_args, data_args)
+    train_ds, eval_ds = build_datasets(data_args, tokenizer, seed=args.seed)
+    config = model_config(model_args, tokenizer, data_args.block_size)
+    # The config for building the model (zero.Init under ZeRO-3); the Trainer re-resolves it once
+    # it knows the total number of steps for the scheduler.
+    ds_config = resolve(args, world_size=world, hardware=hardware, hidden_size=hidden_size_of(config), total_steps=1)
+    set_seed(args.seed)
+    model = build_model(model_args, config, ds_config, gradient_checkpointing=args.gradient_checkpointing)
+    if args.eval_strategy == "no":
+        eval_ds = eval_ds if eval_ds is not None and len(eval_ds) else None
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        processing_class=tokenizer,
+        run_config=run_config,
+    )
+    trainer.train()
+    if eval_ds is not None:
+        metrics = trainer.evaluate()
+        print_main(f"eval_loss {metrics['eval_loss']:.4f}  perplexity {metrics['eval_perplexity']:.2f}")
+    final = trainer.save_model(str(Path(args.output_dir) / "final"))
+    if dist_info().is_main:
+        _plot(args.output_dir)
+        print_main(f"Exported the model to {final}")
+        print_main(_sample(final, torch.device("cpu")))
+    return 0
+
+
+def _check_paths(run_config: RunConfig) -> None:
+    model_path = run_config.model.model_name_or_path
+    if model_path and (model_path.startswith((".", "/")) or Path(model_path).exists()):
+        if not (Path(model_path) / "config.json").is_file():
+            raise ConfigError([("model_name_or_path", f"{model_path}: no config.json there")])
+    dataset = run_config.data.dataset
+    if dataset != "stdlib" and dataset.startswith((".", "/", "~")) and not Path(dataset).expanduser().exists():
+        raise ConfigError([("dataset", f"{dataset}: no such file or directory")])
+
+
+def _plot(output_dir: str) -> None:
+    try:
+        from trainer.monitor import plot_runs
+    except ImportError:
+        return
+    plot_runs([output_dir])
+
+
+def _sample(model_dir: Path, device, prompt: str = "def fibonacci(n):\n") -> str:
+    """A short greedy completion from the exported model: proof that the export loads and works."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(device)
+    out = model.generate(**inputs, max_new_tokens=48, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return "Sample completion:\n" + tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return run(parse_run_config(argv))
+    except ConfigError as err:
+        # Every rank sees the same bad input; one message is enough.
+        if dist_info().is_main:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT

@@ -1,0 +1,400 @@
+"""The HF-style ``Trainer``: one readable training loop over a DeepSpeed engine.
+
+The host waits for the device only at logging steps: losses, token counts and the step count stay
+as device tensors in between, so the loop never stalls the GPU queue just to print.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from trainer import checkpoint as ckpt
+from trainer.args import RunConfig, TrainingArguments, dump_run_config
+from trainer.callbacks import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    MetricsCallback,
+    ProgressCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    greater_is_better,
+    metric_key,
+)
+from trainer.config import resolve
+from trainer.data import CausalLMCollator, ResumableDistributedSampler
+from trainer.distributed import (
+    all_gather_object,
+    all_reduce_sum,
+    barrier,
+    detect_hardware,
+    init_distributed,
+    print_main,
+)
+from trainer.engine import IGNORE_INDEX, Engine
+from trainer.monitor import StepTimer, memory_stats, model_flops_per_token, summary_table
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
+
+
+@dataclass
+class PredictionOutput:
+    predictions: np.ndarray
+    label_ids: np.ndarray | None
+    metrics: dict[str, float]
+
+
+class EvalPrediction(PredictionOutput):
+    pass
+
+
+def set_seed(seed: int) -> None:
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        train_dataset: Dataset | None = None,
+        eval_dataset: Dataset | None = None,
+        data_collator: Callable | None = None,
+        processing_class: Any = None,
+        tokenizer: Any = None,
+        compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        run_config: RunConfig | None = None,
+    ):
+        if model is None:
+            raise ValueError("Trainer: model is required")
+        self.args = args or TrainingArguments()
+        self.hardware = detect_hardware()
+        self.dist = init_distributed(self.hardware)
+        self.model = model
+        self.train_dataset = _model_columns(train_dataset)
+        self.eval_dataset = _model_columns(eval_dataset)
+        self.processing_class = processing_class or tokenizer
+        self.data_collator = data_collator or _default_collator(self.processing_class)
+        self.compute_metrics = compute_metrics
+        self.client_optimizer, self.client_scheduler = optimizers
+        self.run_config = run_config
+        self.state = TrainerState(is_world_process_zero=self.dist.is_main, world_size=self.dist.world_size)
+        self.control = TrainerControl()
+        default = [DefaultFlowCallback(), MetricsCallback(), ProgressCallback()]
+        self.callback_handler = CallbackHandler(default + list(callbacks or []))
+        self.engine: Engine | None = None
+        self.ds_config: dict[str, Any] | None = None
+
+    # ---- public API ----------------------------------------------------------------------------
+
+    def is_world_process_zero(self) -> bool:
+        return self.dist.is_main
+
+    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        self.callback_handler.add(callback)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainerState:
+        args, state = self.args, self.state
+        if self.train_dataset is None:
+            raise ValueError("Trainer.train: train_dataset is required")
+        set_seed(args.seed)
+        sampler = ResumableDistributedSampler(
+            len(self.train_dataset), self.dist.world_size, self.dist.rank, seed=args.seed
+        )
+        micro_per_epoch = math.ceil(len(sampler) / args.per_device_train_batch_size)
+        state.steps_per_epoch = math.ceil(micro_per_epoch / args.gradient_accumulation_steps)
+        state.max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * state.steps_per_epoch)
+        state.num_train_epochs = math.ceil(state.max_steps / state.steps_per_epoch)
+        self._ensure_engine(state.max_steps)
+        self._resume(resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint)
+
+        timer = StepTimer(self._flops_per_token(), self.hardware.name, self._precision(), args.peak_tflops)
+        self.control = self.callback_handler.fire("on_train_begin", args, state, self.control)
+        self.engine.train()
+        loss_sum = torch.zeros((), device=self.engine.device)
+        token_sum = torch.zeros((), device=self.engine.device)
+        while state.epoch_index < state.num_train_epochs and not self.control.should_training_stop:
+            sampler.set_epoch(state.epoch_index, state.samples_into_epoch)
+            self.control = self.callback_handler.fire("on_epoch_begin", args, state, self.control)
+            for window in self._windows(sampler):
+                self.control = self.callback_handler.fire("on_step_begin", args, state, self.control)
+                window_tokens = self.engine.window_targets(window)
+                for i, batch in enumerate(window):
+                    loss_sum += self.engine.forward_backward(batch, window_tokens, i == len(window) - 1)
+                self.engine.step()
+                token_sum += window_tokens
+                samples = sum(len(b["input_ids"]) for b in window)
+                timer.step_end(tokens=sum(b["input_ids"].numel() for b in window), samples=samples)
+                state.global_step += 1
+                state.samples_into_epoch += samples
+                state.epoch = state.epoch_index + state.samples_into_epoch / max(len(self.train_dataset) / self.dist.world_size, 1)
+                self.control = self.callback_handler.fire("on_step_end", args, state, self.control)
+                if self.control.should_log:
+                    self._log_train(loss_sum, token_sum, timer)
+                    loss_sum.zero_()
+                    token_sum.zero_()
+                self._maybe_evaluate_and_save()
+                if self.control.should_training_stop:
+                    break
+            else:
+                state.epoch_index += 1
+                state.samples_into_epoch = 0
+                state.epoch = float(state.epoch_index)
+                self.control = self.callback_handler.fire("on_epoch_end", args, state, self.control)
+                self._maybe_evaluate_and_save()
+        if args.load_best_model_at_end and state.best_model_checkpoint:
+            self._load_checkpoint(Path(state.best_model_checkpoint), weights_only=True)
+        self.control = self.callback_handler.fire("on_train_end", args, state, self.control)
+        print_main(summary_table(state.log_history))
+        return state
+
+    def evaluate(self, eval_dataset: Dataset | None = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        dataset = _model_columns(eval_dataset) if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer.evaluate: no eval_dataset")
+        self._ensure_engine(max(self.state.max_steps, 1))
+        self.engine.train(False)
+        loss_total = torch.zeros((), device=self.engine.device)
+        count_total = torch.zeros((), device=self.engine.device)
+        for batch in self._eval_batches(dataset):
+            loss, count = self.engine.eval_loss_sum(batch)
+            loss_total += loss
+            count_total += count
+        self.engine.train(True)
+        totals = all_reduce_sum(torch.stack([loss_total, count_total]).float()).tolist()
+        eval_loss = totals[0] / max(totals[1], 1.0)
+        metrics = {f"{metric_key_prefix}_loss": eval_loss, f"{metric_key_prefix}_perplexity": _safe_exp(eval_loss)}
+        if self.compute_metrics is not None:
+            pred = self.predict(dataset)
+            extra = self.compute_metrics(EvalPrediction(pred.predictions, pred.label_ids, {}))
+            metrics.update({f"{metric_key_prefix}_{k}": v for k, v in extra.items()})
+        self._log({**metrics, "step": self.state.global_step, "epoch": self.state.epoch})
+        self.control = self.callback_handler.fire("on_evaluate", self.args, self.state, self.control, metrics=metrics)
+        return metrics
+
+    def predict(self, test_dataset: Dataset) -> PredictionOutput:
+        """Logits and labels of every sample, in dataset order, on every rank."""
+        dataset = _model_columns(test_dataset)
+        self._ensure_engine(max(self.state.max_steps, 1))
+        self.engine.train(False)
+        rows: list[tuple[int, np.ndarray, np.ndarray]] = []
+        with torch.no_grad():
+            for batch, indices in self._eval_batches(dataset, with_indices=True):
+                inputs = {k: v.to(self.engine.device) for k, v in batch.items() if k != "labels"}
+                logits = self.engine.ds(**inputs).logits.float().cpu().numpy()
+                labels = batch["labels"].numpy()
+                rows += [(i, logits[j], labels[j]) for j, i in enumerate(indices) if i >= 0]
+        self.engine.train(True)
+        merged = sorted((r for part in all_gather_object(rows) for r in part), key=lambda r: r[0])
+        return PredictionOutput(
+            predictions=_stack_padded([r[1] for r in merged], 0.0),
+            label_ids=_stack_padded([r[2] for r in merged], IGNORE_INDEX),
+            metrics={},
+        )
+
+    def save_model(self, output_dir: str | None = None) -> Path | None:
+        """An HF export (config, safetensors, tokenizer) of the current weights; default: output_dir."""
+        target = Path(output_dir or self.args.output_dir)
+        state_dict = self.engine.full_state_dict() if self.engine else self.model.state_dict()
+        if self.dist.is_main:
+            module = self.engine.module if self.engine else self.model
+            ckpt.export_hf(module, state_dict, self.processing_class, target)
+        barrier("save_model")
+        return target
+
+    # ---- engine and data -----------------------------------------------------------------------
+
+    def _ensure_engine(self, total_steps: int) -> None:
+        if self.engine is not None:
+            return
+        self.ds_config = resolve(
+            self.args,
+            world_size=self.dist.world_size,
+            hardware=self.hardware,
+            hidden_size=_hidden_size(self.model),
+            total_steps=total_steps,
+            client_optimizer=self.client_optimizer is not None,
+            client_scheduler=self.client_scheduler is not None,
+        )
+        if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
+            from trainer.modeling import enable_gradient_checkpointing
+
+            enable_gradient_checkpointing(self.model)
+        self.engine = Engine(
+            self.model,
+            self.ds_config,
+            optimizer=self.client_optimizer,
+            lr_scheduler=self.client_scheduler,
+            weight_decay=self.args.weight_decay,
+        )
+        if self.dist.is_main:
+            out = Path(self.args.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2, sort_keys=True))
+            if self.run_config is not None:
+                dump_run_config(self.run_config, out / "run_config.yaml")
+
+    def _windows(self, sampler: ResumableDistributedSampler) -> Iterator[list[dict[str, torch.Tensor]]]:
+        """Accumulation windows of micro-batches; the epoch's last window may be shorter."""
+        loader = DataLoader(
+            self.train_dataset,
+            batch_size=self.args.per_device_train_batch_size,
+            sampler=sampler,
+            collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
+            drop_last=self.args.dataloader_drop_last,
+            # A private generator: creating the iterator must not consume the global RNG, or a
+            # resumed run would draw different dropout masks than the uninterrupted one.
+            generator=torch.Generator().manual_seed(self.args.seed),
+            pin_memory=self.hardware.accelerator == "cuda",
+        )
+        window: list[dict[str, torch.Tensor]] = []
+        for batch in loader:
+            window.append({k: v for k, v in batch.items() if k in MODEL_INPUTS})
+            if len(window) == self.args.gradient_accumulation_steps:
+                yield window
+                window = []
+        if window:
+            yield window
+
+    def _eval_batches(self, dataset: Dataset, with_indices: bool = False) -> Iterator[Any]:
+        """This rank's share of ``dataset``; short shards are padded with fully masked rows so all
+        ranks run the same number of forwards (ZeRO-3 gathers weights collectively)."""
+        n, world, rank = len(dataset), self.dist.world_size, self.dist.rank
+        per_rank = math.ceil(n / world)
+        indices = list(range(rank, n, world))
+        indices += [-1] * (per_rank - len(indices))
+        bs = self.args.per_device_eval_batch_size
+        for start in range(0, len(indices), bs):
+            chunk = indices[start : start + bs]
+            batch = self.data_collator([dataset[i if i >= 0 else 0] for i in chunk])
+            batch = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
+            pad_rows = torch.tensor([i < 0 for i in chunk])
+            batch["labels"] = batch["labels"].masked_fill(pad_rows[:, None], IGNORE_INDEX)
+            yield (batch, chunk) if with_indices else batch
+
+    # ---- logging, evaluation, saving -----------------------------------------------------------
+
+    def _log(self, logs: dict[str, Any]) -> None:
+        self.state.log_history.append(logs)
+        self.control = self.callback_handler.fire("on_log", self.args, self.state, self.control, logs=logs)
+
+    def _log_train(self, loss_sum: torch.Tensor, token_sum: torch.Tensor, timer: StepTimer) -> None:
+        # The one host-device sync of a logging window. token_sum is already a global count.
+        loss = all_reduce_sum(loss_sum.clone()).item() / max(token_sum.item(), 1.0)
+        logs = {
+            "step": self.state.global_step,
+            "epoch": round(self.state.epoch, 4),
+            "loss": loss,
+            "learning_rate": self.engine.learning_rate(),
+            "grad_norm": self.engine.grad_norm(),
+        }
+        scale = self.engine.loss_scale()
+        if scale is not None:
+            logs.update(loss_scale=scale, skipped_steps=self.engine.skipped_steps)
+        logs.update(timer.flush(world_size=self.dist.world_size))
+        logs.update(memory_stats(self.engine.device))
+        self._log(logs)
+
+    def _maybe_evaluate_and_save(self) -> None:
+        if self.control.should_evaluate and self.eval_dataset is not None:
+            self.evaluate()
+        if self.control.should_save:
+            self._save_checkpoint()
+        self.control.should_evaluate = self.control.should_save = self.control.should_log = False
+
+    def _save_checkpoint(self) -> None:
+        final = ckpt.final_dir(self.args.output_dir, self.state.global_step)
+        self._update_best(final)
+        ckpt.save(self.engine, self.state, self.args, self.dist, self.ds_config, self.run_config)
+        self.control = self.callback_handler.fire("on_save", self.args, self.state, self.control, checkpoint=str(final))
+
+    def _update_best(self, final: Path) -> None:
+        key = metric_key(self.args)
+        latest = next((row[key] for row in reversed(self.state.log_history) if key in row), None)
+        if latest is None:
+            return
+        sign = 1 if greater_is_better(self.args) else -1
+        best = self.state.best_metric
+        if best is None or sign * (latest - best) > 0:
+            self.state.best_metric = latest
+            self.state.best_model_checkpoint = str(final)
+
+    def _resume(self, spec: str | bool | None) -> None:
+        path = ckpt.find_resumable(spec, self.args.output_dir, self.dist)
+        if path is not None:
+            self._load_checkpoint(path)
+            print_main(f"Resumed from {path} at step {self.state.global_step}.")
+
+    def _load_checkpoint(self, path: Path, weights_only: bool = False) -> None:
+        saved = ckpt.load(self.engine, path, self.dist, restore_rng=not weights_only)
+        if not weights_only:
+            saved.is_world_process_zero, saved.max_steps = self.state.is_world_process_zero, self.state.max_steps
+            self.state = saved
+
+    # ---- small helpers -------------------------------------------------------------------------
+
+    def _precision(self) -> str:
+        cfg = self.ds_config or {}
+        return "bf16" if cfg.get("bf16", {}).get("enabled") else "fp16" if cfg.get("fp16", {}).get("enabled") else "fp32"
+
+    def _flops_per_token(self) -> float:
+        config = getattr(self.model, "config", None)
+        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())
+        if config is None:
+            return 6.0 * n_params
+        layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
+        seq = len(self.train_dataset[0]["input_ids"]) if self.train_dataset is not None else 0
+        return model_flops_per_token(n_params, layers, _hidden_size(self.model) or 0, seq)
+
+
+def _hidden_size(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+
+
+def _model_columns(dataset: Dataset | None) -> Dataset | None:
+    """Like HF's remove_unused_columns: keep only what the model and collator consume."""
+    names = getattr(dataset, "column_names", None)
+    if names is None:
+        return dataset
+    extra = [c for c in names if c not in MODEL_INPUTS]
+    return dataset.remove_columns(extra) if extra else dataset
+
+
+def _default_collator(tokenizer: Any) -> Callable:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None) or 0
+    return CausalLMCollator(pad_token_id=pad)
+
+
+def _stack_padded(arrays: list[np.ndarray], fill: float) -> np.ndarray:
+    if not arrays:
+        return np.zeros((0,))
+    length = max(a.shape[0] for a in arrays)
+    out = np.full((len(arrays), length, *arrays[0].shape[1:]), fill, dtype=arrays[0].dtype)
+    for i, a in enumerate(arrays):
+        out[i, : a.shape[0]] = a
+    return out
+
+
+def _safe_exp(x: float) -> float:
+    return math.exp(x) if x < 700 else float("inf")
