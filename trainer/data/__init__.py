@@ -1,0 +1,29 @@
+"""The data pipeline: raw documents -> tokens -> packed blocks -> batches, in a resumable order.
+
+``get_tokenizer`` loads or trains the tokenizer, ``build_datasets`` returns cached (train, eval)
+datasets, ``CausalLMCollator`` pads batches and ``ResumableDistributedSampler`` orders and shards
+them so a resumed run continues exactly where it stopped. See docs/data.md.
+"""
+
+from trainer.data.build import PreparedData, build_datasets, prepare_datasets
+from trainer.data.collator import CausalLMCollator, SFTCollator
+from trainer.data.processing import IGNORE_INDEX, render_messages
+from trainer.data.sampler import ResumableDistributedSampler
+from trainer.data.sources import DataError, corpus_files, default_cache_root
+from trainer.data.tokenizer import get_tokenizer, train_bpe_tokenizer
+
+__all__ = [
+    "IGNORE_INDEX",
+    "CausalLMCollator",
+    "DataError",
+    "PreparedData",
+    "ResumableDistributedSampler",
+    "SFTCollator",
+    "build_datasets",
+    "corpus_files",
+    "default_cache_root",
+    "get_tokenizer",
+    "prepare_datasets",
+    "render_messages",
+    "train_bpe_tokenizer",
+]

@@ -1,0 +1,57 @@
+"""Batching rows of token ids into padded LongTensors for a causal LM."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from trainer.data.processing import IGNORE_INDEX
+
+
+class CausalLMCollator:
+    """Pads a list of rows on the right to the longest row of the batch.
+
+    Each row has ``input_ids`` and optionally ``labels`` (SFT: -100 on the prompt) and
+    ``position_ids`` (packed blocks). The batch holds ``input_ids`` (padded with
+    ``pad_token_id``), ``attention_mask`` (1 on real tokens), ``labels`` (the row's labels, else a
+    copy of ``input_ids``; -100 on every padding position) and, when the rows carry them,
+    ``position_ids`` (0 on padding). Padding is recognised by position, never by token id, so a
+    tokenizer whose pad token is its EOS keeps EOS in the loss.
+
+    ``pad_to_multiple_of`` rounds the padded length up (tensor-core friendly shapes on GPUs).
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if not rows:
+            raise ValueError("cannot collate an empty batch")
+        lengths = [len(r["input_ids"]) for r in rows]
+        width = max(lengths)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch = {
+            "input_ids": torch.full((len(rows), width), self.pad_token_id, dtype=torch.long),
+            "attention_mask": torch.zeros((len(rows), width), dtype=torch.long),
+            "labels": torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long),
+        }
+        with_positions = "position_ids" in rows[0]
+        if with_positions:
+            batch["position_ids"] = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+            ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
+            batch["input_ids"][i, :n] = ids
+            batch["attention_mask"][i, :n] = 1
+            labels = row.get("labels")
+            batch["labels"][i, :n] = ids if labels is None else torch.as_tensor(labels, dtype=torch.long)
+            if with_positions:
+                batch["position_ids"][i, :n] = torch.as_tensor(row["position_ids"], dtype=torch.long)
+        return batch
+
+
+# SFT rows carry their own masked labels, which the causal-LM collator already honours.
+SFTCollator = CausalLMCollator
