@@ -1,0 +1,161 @@
+"""``trainer plan``: memory per GPU and per node for each ZeRO stage, offload and checkpointing choice."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from trainer.config.errors import ConfigError
+from trainer.memory import (
+    PRESETS,
+    Cluster,
+    ModelSpec,
+    Setup,
+    format_table,
+    load_model_spec,
+    no_fit_message,
+    spec_from_counts,
+)
+from trainer.memory import plan as make_plan
+
+SIZE_FLAGS = ("params", "layers", "hidden", "heads", "vocab")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model (either --model, or all five size flags)")
+    model.add_argument(
+        "--model", help=f"an HF config.json, a directory holding one, or a preset: {', '.join(PRESETS)}"
+    )
+    model.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9")
+    model.add_argument("--layers", type=int, help="transformer layers")
+    model.add_argument("--hidden", type=int, help="hidden size")
+    model.add_argument("--heads", type=int, help="attention heads")
+    model.add_argument("--vocab", type=int, help="vocabulary size")
+    run = parser.add_argument_group("run and cluster")
+    run.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    run.add_argument(
+        "--micro-batch", type=int, default=1, help="sequences per GPU per micro-step (default 1)"
+    )
+    run.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    run.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    run.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU in GB (default 80)")
+    run.add_argument(
+        "--cpu-memory-gb", type=float, default=1024.0, help="host memory of one node in GB (default 1024)"
+    )
+    run.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16", help="default bf16")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _spec(args: argparse.Namespace) -> ModelSpec:
+    given = [name for name in SIZE_FLAGS if getattr(args, name) is not None]
+    if args.model and given:
+        raise ConfigError(
+            f"give --model or the size flags, not both (got --model and --{given[0]})", "--model"
+        )
+    if args.model:
+        return load_model_spec(args.model)
+    if not given:
+        raise ConfigError("no model: give --model, or --params --layers --hidden --heads --vocab", "--model")
+    missing = [f"--{name}" for name in SIZE_FLAGS if name not in given]
+    if missing:
+        raise ConfigError(f"missing {', '.join(missing)} (all five size flags are needed)", missing[0])
+    return spec_from_counts(args.params, args.layers, args.hidden, args.heads, args.vocab)
+
+
+def _check_positive(args: argparse.Namespace) -> None:
+    flags = [
+        "seq_len",
+        "micro_batch",
+        "gpus_per_node",
+        "nodes",
+        "gpu_memory_gb",
+        "cpu_memory_gb",
+        *SIZE_FLAGS,
+    ]
+    problems = [
+        (f"--{name.replace('_', '-')}", f"must be > 0, got {getattr(args, name)}")
+        for name in flags
+        if getattr(args, name) is not None and getattr(args, name) <= 0
+    ]
+    if problems:
+        raise ConfigError(problems)
+
+
+def deepspeed_config(
+    setup: Setup, precision: str, micro_batch: int, world_size: int, hidden: int
+) -> dict[str, Any]:
+    """The DeepSpeed config a setup runs with, built through the schema."""
+    from trainer.config import generate
+
+    return generate(
+        zero_stage=setup.zero_stage,
+        precision=precision,
+        offload_optimizer=setup.offload_optimizer,
+        offload_param=setup.offload_param,
+        micro_batch=micro_batch,
+        grad_accum=1,
+        world_size=world_size,
+        hidden_size=hidden,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _check_positive(args)
+        spec = _spec(args)
+    except ConfigError as err:
+        print(f"trainer plan: {err}", file=sys.stderr)
+        return 2
+    cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_memory_gb, args.cpu_memory_gb)
+
+    def config_for(setup: Setup) -> dict[str, Any]:
+        return deepspeed_config(setup, args.precision, args.micro_batch, cluster.world_size, spec.hidden_size)
+
+    result = make_plan(spec, cluster, args.seq_len, args.micro_batch, args.precision, config_for)
+    best = result["recommended"]
+    if best is not None:
+        best["deepspeed_config"] = config_for(Setup(**{k: best[k] for k in Setup.__dataclass_fields__}))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(_report(result))
+    if best is None:
+        print(f"trainer plan: {no_fit_message(result)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _report(result: dict[str, Any]) -> str:
+    m, c = result["model"], result["cluster"]
+    lines = [
+        f"model {m['name']}: {m['n_params'] / 1e9:.2f}B parameters, {m['n_layers']} layers, hidden "
+        f"{m['hidden_size']}, {m['n_heads']} heads, vocab {m['vocab_size']}",
+        f"run: {result['precision']}, seq_len {result['seq_len']}, micro-batch {result['micro_batch']}; "
+        f"{c['nodes']} node(s) x {c['gpus_per_node']} GPUs of {c['gpu_memory_gb']:g} GB, "
+        f"{c['cpu_memory_gb']:g} GB host memory per node (10% of each kept free)",
+        "GB per GPU (1 GB = 1e9 bytes), fastest configuration first:",
+        "",
+        format_table(result),
+        "",
+    ]
+    best = result["recommended"]
+    if best is None:
+        return "\n".join(lines)
+    offload = "no offload"
+    if best["offload_optimizer"] == "cpu":
+        offload = (
+            "optimizer and parameters offloaded to CPU"
+            if best["offload_param"] == "cpu"
+            else "optimizer offloaded to CPU"
+        )
+    ckpt = "on" if best["activation_checkpointing"] else "off"
+    lines += [
+        f"recommended: ZeRO-{best['zero_stage']}, {offload}, activation checkpointing {ckpt} "
+        f"({best['total_gb_per_gpu']:.1f} GB of {result['usable_gpu_memory_gb']:.1f} GB usable per GPU)",
+    ]
+    if best["activation_checkpointing"]:
+        lines.append("train with --gradient_checkpointing true")
+    lines += ["DeepSpeed config:", json.dumps(best["deepspeed_config"], indent=2)]
+    return "\n".join(lines)
