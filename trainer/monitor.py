@@ -217,8 +217,9 @@ def memory_stats(device: Any = None) -> dict[str, int]:
     import torch
 
     device = torch.device(device) if device is not None else None
-    out: dict[str, int] = {"host_peak_rss_bytes": _host_peak_rss_bytes()}
     rss = _host_rss_bytes()
+    # The kernel updates the recorded peak lazily, so it can trail the current RSS by a few pages.
+    out: dict[str, int] = {"host_peak_rss_bytes": max(_host_peak_rss_bytes(), rss or 0)}
     if rss is not None:
         out["host_rss_bytes"] = rss
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
