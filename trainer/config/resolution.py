@@ -1,0 +1,514 @@
+"""Resolution: training arguments + world size + hardware -> one concrete DeepSpeed dict.
+
+The DeepSpeed config can come from nowhere (generated from the arguments), a preset name, a dict,
+or a JSON file written for HF Trainer, Accelerate, LLaMA-Factory or axolotl. All go the same way:
+
+1. keys that the run determines (batch sizes, clipping, precision, optimizer and scheduler
+   params, the ZeRO-3 bucket sizes) are filled in where missing or ``"auto"``;
+2. an explicit value that contradicts the training arguments is an error showing both;
+3. an ``"auto"`` the run cannot determine is an error naming the key;
+4. the result goes through the schema, with the batch arithmetic at this world size.
+
+Nothing here reads the environment or imports torch: the caller passes the world size and a
+``Hardware`` description.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.config.base import Problem, dedupe
+from trainer.config.errors import ConfigError
+from trainer.config.hardware import Hardware
+from trainer.config.optim import OPTIMIZER_PARAMS, ZERO_TESTED_OPTIMIZERS
+from trainer.config.presets import AIO_BLOCK, FP16_BLOCK, PRESETS, preset_base, zero_section
+from trainer.config.schema import validate
+from trainer.config.zero import STAGE3_KNOBS
+
+if TYPE_CHECKING:
+    from trainer.args import RunConfig, TrainingArguments
+
+_MISSING: Any = object()
+
+# TrainingArguments.optim -> (optimizer type, extra params)
+_OPTIMIZERS = {
+    "adamw_torch": ("Adam", {"torch_adam": True}),
+    "adamw_fused": ("Adam", {}),
+    "lion": ("Lion", {}),
+    "sgd": ("SGD", {}),
+}
+# TrainingArguments.lr_scheduler_type -> DeepSpeed scheduler type
+_SCHEDULERS = {
+    "linear": "WarmupDecayLR",
+    "cosine": "WarmupCosineLR",
+    "constant": "WarmupLR",
+    "constant_with_warmup": "WarmupLR",
+}
+ARGS_NOTE = "in the training arguments"
+
+
+def is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def _get(data: dict[str, Any], path: str) -> Any:
+    node: Any = data
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _set(data: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    node = data
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[last] = value
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _same(have: Any, want: Any) -> bool | None:
+    """Whether an explicit value equals the run's; None when ``have`` is malformed (the schema reports it)."""
+    if isinstance(want, bool) or isinstance(have, bool):
+        return have == want if isinstance(have, bool) else None
+    if isinstance(want, list | tuple):
+        if not isinstance(have, list | tuple) or len(have) != len(want):
+            return None
+        pairs = [_same(h, w) for h, w in zip(have, want, strict=True)]
+        return None if None in pairs else all(pairs)
+    if isinstance(want, int | float):
+        number = _number(have)
+        return None if number is None else math.isclose(number, want, rel_tol=1e-9, abs_tol=1e-12)
+    return have == want
+
+
+def _show(value: Any) -> str:
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
+
+
+def load_deepspeed_json(path: str | Path) -> dict[str, Any]:
+    """Read a DeepSpeed JSON file; duplicate keys are an error, as they are in DeepSpeed."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([("deepspeed", f"DeepSpeed config file not found: {path}")])
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        dupes = sorted({k for k in keys if keys.count(k) > 1})
+        if dupes:
+            raise ConfigError([(str(path), f"duplicate key {', '.join(dupes)}")])
+        return dict(pairs)
+
+    try:
+        data = json.loads(path.read_text(), object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as err:
+        raise ConfigError([(str(path), f"invalid JSON: {err}")]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([(str(path), "a DeepSpeed config must be a JSON object")])
+    return data
+
+
+@dataclass
+class _Resolver:
+    args: TrainingArguments
+    world_size: int
+    hardware: Hardware | None  # None: the target is unknown, so support is not checked
+    hidden_size: int | None = None
+    total_steps: int | None = None
+    check: bool = True  # compare explicit values with the training arguments
+    data: dict[str, Any] = field(default_factory=dict)
+    problems: list[Problem] = field(default_factory=list)
+
+    def explicit(self, name: str) -> bool:
+        return name in self.args.model_fields_set
+
+    def settle(self, path: str, want: Any, source: str, *, fill: bool = True, compare: bool = True) -> None:
+        """Make ``path`` equal the run's value ``want``: fill it in, replace ``"auto"``, or report a contradiction.
+
+        ``want`` None means the run cannot tell; only an ``"auto"`` is then an error (``source`` says why).
+        """
+        have = _get(self.data, path)
+        if want is None:
+            if is_auto(have):
+                self.problems.append((path, f'"auto" cannot be resolved: {source}'))
+            return
+        if have is _MISSING:
+            if fill:
+                _set(self.data, path, want)
+            return
+        if is_auto(have):
+            _set(self.data, path, want)
+            return
+        if self.check and compare and _same(have, want) is False:
+            self.problems.append(
+                (
+                    path,
+                    f'{_show(have)} contradicts {source}; remove the key, set it to "auto", or make them equal',
+                )
+            )
+
+    def settle_arg(self, path: str, arg: str, want: Any = _MISSING) -> None:
+        """Settle a key that mirrors one training argument; only an explicitly set argument overrides the file."""
+        value = getattr(self.args, arg) if want is _MISSING else want
+        given = self.explicit(arg)
+        self.settle(path, value, f"{arg}={_show(value)} {ARGS_NOTE}", fill=given, compare=given)
+
+    # --- the steps -------------------------------------------------------------------------
+
+    def parallelism(self) -> int:
+        """Pipeline stages and the data-parallel size the batch keys are computed for."""
+        pp = self.args.pipeline_parallel_size
+        if pp > 1 or self.explicit("pipeline_parallel_size"):
+            self.settle_arg("pipeline.stages", "pipeline_parallel_size")
+        stages = _get(self.data, "pipeline.stages")
+        stages = stages if isinstance(stages, int) and not isinstance(stages, bool) and stages >= 1 else pp
+        if self.world_size % stages:
+            self.problems.append(
+                (
+                    "pipeline_parallel_size",
+                    f"world size {self.world_size} is not divisible by {stages} pipeline stages",
+                )
+            )
+            return 1
+        return self.world_size // stages
+
+    def batch(self) -> None:
+        a = self.args
+        mbs, gas = a.per_device_train_batch_size, a.gradient_accumulation_steps
+        dp = self.parallelism()
+        note = ARGS_NOTE
+        self.settle("train_micro_batch_size_per_gpu", mbs, f"per_device_train_batch_size={mbs} {note}")
+        self.settle("gradient_accumulation_steps", gas, f"gradient_accumulation_steps={gas} {note}")
+        self.settle(
+            "train_batch_size",
+            mbs * gas * dp,
+            f"per_device_train_batch_size × gradient_accumulation_steps × data-parallel world size "
+            f"= {mbs} × {gas} × {dp} = {mbs * gas * dp}",
+        )
+        self.settle("gradient_clipping", a.max_grad_norm, f"max_grad_norm={a.max_grad_norm} {note}")
+
+    def precision(self) -> None:
+        requested = self.args.requested_precision
+        flags = {p: _get(self.data, f"{p}.enabled") for p in ("fp16", "bf16")}
+        on = [p for p, v in flags.items() if v is True]
+        if requested == "auto":
+            precision = (
+                on[0] if len(on) == 1 else self.hardware.default_precision() if self.hardware else "fp32"
+            )
+        else:
+            precision = requested
+        source = (
+            f"precision={precision} {ARGS_NOTE}"
+            if requested != "auto"
+            else f"precision auto ({precision} here)"
+        )
+        for p in ("fp16", "bf16"):
+            want = precision == p
+            if flags[p] is _MISSING:
+                if want and isinstance(self.data.get(p), dict):
+                    self.data[p]["enabled"] = True
+                elif want:
+                    self.data[p] = dict(FP16_BLOCK) if p == "fp16" else {"enabled": True}
+            elif requested != "auto" or is_auto(flags[p]):
+                self.settle(f"{p}.enabled", want, source)
+        if self.hardware is not None and not self.hardware.supports(precision):
+            other = "bf16 or fp32" if precision == "fp16" else "fp16 or fp32"
+            self.problems.append(
+                (f"{precision}.enabled", f"{precision} is not supported on {self.hardware.name}; use {other}")
+            )
+
+    def zero(self) -> None:
+        self.settle_arg("zero_optimization.stage", "zero_stage")
+        for block in ("offload_optimizer", "offload_param"):
+            if (
+                getattr(self.args, block) != "none"
+                or _get(self.data, f"zero_optimization.{block}") is not _MISSING
+            ):
+                self.settle_arg(f"zero_optimization.{block}.device", block)
+            if _get(self.data, f"zero_optimization.{block}.device") == "nvme" and self.args.nvme_path:
+                self.settle_arg(f"zero_optimization.{block}.nvme_path", "nvme_path")
+        if "nvme" in (
+            _get(self.data, f"zero_optimization.{b}.device") for b in ("offload_optimizer", "offload_param")
+        ):
+            self.data.setdefault("aio", dict(AIO_BLOCK))
+        self.bucket_sizes()
+
+    def bucket_sizes(self) -> None:
+        """ZeRO bucket sizes from the hidden size h: reduce h², prefetch 0.9·h², persistence 10·h."""
+        h = self.hidden_size
+        stage3 = _get(self.data, "zero_optimization.stage") == 3
+        sizes = {
+            "reduce_bucket_size": h * h if h else None,
+            "prefetch_bucket_size": int(0.9 * h * h) if h else None,
+            "param_persistence_threshold": 10 * h if h else None,
+        }
+        for key, want in sizes.items():
+            names = [f"stage3_{key}", key] if key in STAGE3_KNOBS else [key]
+            present = [n for n in names if _get(self.data, f"zero_optimization.{n}") is not _MISSING]
+            path = f"zero_optimization.{present[0] if present else names[0]}"
+            reason = (
+                "needs the model's hidden size; pass hidden_size or set model_config_overrides.hidden_size"
+            )
+            # Explicit sizes are tuning choices, not run facts: they are kept, never compared.
+            self.settle(path, want, reason, fill=stage3 and not present, compare=False)
+
+    def optimizer(self) -> None:
+        a = self.args
+        offload = _get(self.data, "zero_optimization.offload_optimizer.device") in ("cpu", "nvme")
+        opt_type, extra = _OPTIMIZERS[a.optim]
+        if offload:
+            extra = {}  # CPU offload runs DeepSpeed's CPU Adam; torch_adam would bypass it
+        if _get(self.data, "optimizer") is _MISSING:
+            self.data["optimizer"] = {"type": opt_type, "params": dict(extra)}
+            stage = _get(self.data, "zero_optimization.stage")
+            if isinstance(stage, int) and stage >= 1 and opt_type not in ZERO_TESTED_OPTIMIZERS:
+                self.data["zero_allow_untested_optimizer"] = True
+        have = _get(self.data, "optimizer.type")
+        # DeepSpeed runs both Adam and AdamW in AdamW mode unless adam_w_mode is false.
+        same = {"adam", "adamw"} if opt_type == "Adam" else {opt_type.lower()}
+        if is_auto(have) or (self.explicit("optim") and isinstance(have, str) and have.lower() not in same):
+            self.settle_arg("optimizer.type", "optim", opt_type)
+        model = OPTIMIZER_PARAMS.get(str(_get(self.data, "optimizer.type")))
+        if model is None:
+            return  # an unknown type: the schema names it
+        wants = {
+            "lr": ("learning_rate", a.learning_rate),
+            "betas": ("adam_beta1, adam_beta2", [a.adam_beta1, a.adam_beta2]),
+            "eps": ("adam_epsilon", a.adam_epsilon),
+            "weight_decay": ("weight_decay", a.weight_decay),
+        }
+        for key, (arg, want) in wants.items():
+            if key in model.model_fields:
+                self.settle(f"optimizer.params.{key}", want, f"{arg}={_show(want)} {ARGS_NOTE}")
+
+    def steps(self) -> tuple[int | None, int | None, str]:
+        """Total and warmup steps, and why they are unknown when they are."""
+        a = self.args
+        total = self.total_steps or (a.max_steps if a.max_steps > 0 else None)
+        why = "max_steps is -1 and the run's number of training steps was not given; set max_steps"
+        if a.warmup_steps > 0:
+            return total, a.warmup_steps, why
+        if a.warmup_ratio == 0:
+            return total, 0, why
+        return total, (math.ceil(a.warmup_ratio * total) if total else None), why
+
+    def scheduler(self) -> None:
+        a = self.args
+        lr = a.learning_rate
+        total, warmup, why = self.steps()
+        sched_type = _SCHEDULERS[a.lr_scheduler_type]
+        if _get(self.data, "scheduler") is _MISSING:
+            self.data["scheduler"] = {
+                "type": sched_type,
+                "params": self._scheduler_params(sched_type, lr, total, warmup, why),
+            }
+            return
+        have = _get(self.data, "scheduler.type")
+        if is_auto(have) or (
+            self.explicit("lr_scheduler_type") and isinstance(have, str) and have != sched_type
+        ):
+            self.settle_arg("scheduler.type", "lr_scheduler_type", sched_type)
+        kind = _get(self.data, "scheduler.type")
+        warmup_steps = max(1, warmup) if warmup is not None else None
+        warmup_src = f"warmup_steps={a.warmup_steps} / warmup_ratio={a.warmup_ratio} {ARGS_NOTE}"
+        if kind in ("WarmupLR", "WarmupDecayLR"):
+            self.settle("scheduler.params.warmup_min_lr", 0.0, "", fill=False, compare=False)
+            self.settle("scheduler.params.warmup_max_lr", lr, f"learning_rate={lr} {ARGS_NOTE}")
+        if kind == "WarmupCosineLR":
+            self.settle("scheduler.params.warmup_min_ratio", 0.0, "", fill=False, compare=False)
+        if kind in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+            self.settle(
+                "scheduler.params.warmup_num_steps", warmup_steps, warmup_src if warmup is not None else why
+            )
+        if kind in ("WarmupDecayLR", "WarmupCosineLR"):
+            self.settle(
+                "scheduler.params.total_num_steps", total, f"the run's total steps={total}" if total else why
+            )
+
+    def _scheduler_params(
+        self, kind: str, lr: float, total: int | None, warmup: int | None, why: str
+    ) -> dict[str, Any]:
+        a = self.args
+        if a.lr_scheduler_type == "constant":
+            return {"warmup_min_lr": lr, "warmup_max_lr": lr, "warmup_num_steps": 1, "warmup_type": "linear"}
+        if warmup is None:
+            self.problems.append(
+                (
+                    "scheduler.params.warmup_num_steps",
+                    f"cannot be resolved: warmup_ratio needs the total steps; {why}",
+                )
+            )
+            warmup = 0
+        if kind == "WarmupLR":
+            start = lr if warmup == 0 else 0.0
+            return {
+                "warmup_min_lr": start,
+                "warmup_max_lr": lr,
+                "warmup_num_steps": max(1, warmup),
+                "warmup_type": "linear",
+            }
+        if total is None:
+            self.problems.append(("scheduler.params.total_num_steps", f"cannot be resolved: {why}"))
+            total = max(1, warmup)
+        if kind == "WarmupDecayLR":
+            start = lr if warmup == 0 else 0.0  # no warmup: start at the peak, as HF does
+            return {
+                "warmup_min_lr": start,
+                "warmup_max_lr": lr,
+                "warmup_num_steps": max(1, warmup),
+                "warmup_type": "linear",
+                "total_num_steps": total,
+            }
+        return {
+            "total_num_steps": total,
+            "warmup_min_ratio": 1.0 if warmup == 0 else 0.0,
+            "warmup_num_steps": max(1, warmup),
+            "cos_min_ratio": 0.0,
+            "warmup_type": "linear",
+        }
+
+    def leftover_autos(self, node: Any = None, prefix: str = "") -> None:
+        node = self.data if node is None else node
+        for key in list(node):
+            path = f"{prefix}{key}"
+            value = node[key]
+            if path == "data_types.keep_in_fp32_modules" and is_auto(value):
+                del node[key]  # leaving it out is DeepSpeed's own automatic choice
+            elif is_auto(value):
+                self.problems.append(
+                    (path, '"auto" cannot be resolved from the run for this key; give a value')
+                )
+            elif isinstance(value, dict):
+                self.leftover_autos(value, f"{path}.")
+
+    def finish(self) -> dict[str, Any]:
+        try:
+            config = validate(self.data, world_size=self.world_size)
+        except ConfigError as err:
+            seen = {path for path, _ in self.problems}
+            raise ConfigError(dedupe(self.problems + [p for p in err.problems if p[0] not in seen])) from None
+        if self.problems:
+            raise ConfigError(dedupe(self.problems))
+        return config.to_dict()
+
+
+def _base(args: TrainingArguments) -> tuple[dict[str, Any], bool]:
+    """The config to start from, and whether its explicit values must agree with the arguments."""
+    source = args.deepspeed
+    if source is None:
+        data: dict[str, Any] = {
+            "zero_optimization": zero_section(
+                args.zero_stage, args.offload_optimizer, args.offload_param, args.nvme_path
+            )
+        }
+        return data, False
+    if isinstance(source, dict):
+        return json.loads(json.dumps(source)), True  # a deep copy: the caller's dict is never changed
+    if source in PRESETS:
+        return preset_base(source, args.nvme_path), True
+    return load_deepspeed_json(source), True
+
+
+def resolve(
+    run: RunConfig | TrainingArguments,
+    world_size: int,
+    hardware: Hardware,
+    *,
+    hidden_size: int | None = None,
+    total_steps: int | None = None,
+    client_optimizer: bool = False,
+    client_scheduler: bool = False,
+) -> dict[str, Any]:
+    """The concrete DeepSpeed dict for a run: no ``"auto"`` left, every rule checked.
+
+    ``run`` is a RunConfig or just its TrainingArguments. ``world_size`` counts all ranks;
+    the batch keys use the data-parallel part of it. ``hidden_size`` (default: the model's
+    ``model_config_overrides``) sizes the ZeRO-3 buckets; ``total_steps`` (default: max_steps)
+    feeds the schedule. ``client_optimizer`` / ``client_scheduler``: the caller passes its own to
+    ``deepspeed.initialize``, so the config must not define one. Raises ConfigError listing every problem.
+    """
+    args = run.training if hasattr(run, "training") else run
+    if hidden_size is None and hasattr(run, "model"):
+        hidden_size = run.model.model_config_overrides.get("hidden_size")
+    ds = args.deepspeed
+    if isinstance(ds, str) and ds not in PRESETS and not ds.endswith(".json") and not Path(ds).exists():
+        raise ConfigError(
+            [("deepspeed", f"{ds!r} is neither a JSON file nor a preset ({', '.join(PRESETS)})")]
+        )
+    data, check = _base(args)
+    r = _Resolver(args, world_size, hardware, hidden_size, total_steps, check=check, data=data)
+    r.batch()
+    r.precision()
+    r.zero()
+    for section, client, step in (
+        ("optimizer", client_optimizer, r.optimizer),
+        ("scheduler", client_scheduler, r.scheduler),
+    ):
+        if not client:
+            step()
+        elif section in r.data:
+            r.problems.append(
+                (section, f"the config defines a {section} and the caller passes its own; remove one")
+            )
+    r.leftover_autos()
+    return r.finish()
+
+
+def generate(
+    *,
+    zero_stage: int,
+    precision: str,
+    micro_batch: int,
+    grad_accum: int = 1,
+    world_size: int | None = None,
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+    nvme_path: str | None = None,
+    gradient_clipping: float = 1.0,
+    hidden_size: int | None = None,
+) -> dict[str, Any]:
+    """One config for a target cluster (``trainer ds-config generate``): no optimizer or scheduler,
+    which the training script supplies. With a world size it includes train_batch_size; with a
+    hidden size, the ZeRO-3 bucket sizes."""
+    from trainer.args import TrainingArguments
+
+    args = TrainingArguments(
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=grad_accum,
+        zero_stage=zero_stage,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        nvme_path=nvme_path,
+        precision=precision,
+        max_grad_norm=gradient_clipping,
+    )
+    data, _ = _base(args)
+    r = _Resolver(args, world_size or 1, hardware=None, hidden_size=hidden_size, check=False, data=data)
+    r.batch()
+    if world_size is None:
+        del r.data["train_batch_size"]
+    r.precision()
+    r.zero()
+    if r.problems:
+        raise ConfigError(dedupe(r.problems))
+    return validate(r.data, world_size=world_size).to_dict()
