@@ -9,7 +9,8 @@ Cache layout under the cache root (``data_args.cache_dir`` or ``~/.cache/trainer
 
 ``key`` hashes the source fingerprint, the tokenizer, the format, the text column, block size,
 packing, the validation percentage and the seed. ``final/`` appears by an atomic rename, so a run
-that finds ``final/info.json`` uses it as is; that is a cache hit and nothing is tokenised.
+that finds ``final/info.json`` uses it as is; that is a cache hit and nothing is tokenised. A file
+lock (``<format>-<key>.lock``) lets one process build while the other ranks of a node wait for it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.compute as pc
 from datasets.arrow_writer import ArrowWriter
+from filelock import FileLock
 
 from trainer.args import DataArguments
 from trainer.data.processing import (
@@ -107,11 +109,14 @@ def prepare_datasets(data_args: DataArguments, tokenizer: Any, seed: int) -> Pre
     key = cache_key(data_args, source.fingerprint, tokenizer, seed)
     base = cache_root(data_args) / f"{data_args.data_format}-{key[:20]}"
     final = base / "final"
-    hit = (final / "info.json").exists()
-    if hit:
-        logger.info("tokenised dataset cache hit: %s", final)
-    else:
-        _build(data_args, tokenizer, seed, raw or load_raw(data_args, source), base)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    # One process builds while the others (ranks of this node) wait, then find the cache warm.
+    with FileLock(str(base) + ".lock"):
+        hit = (final / "info.json").exists()
+        if hit:
+            logger.info("tokenised dataset cache hit: %s", final)
+        else:
+            _build(data_args, tokenizer, seed, raw or load_raw(data_args, source), base)
     info = json.loads((final / "info.json").read_text())
     train = datasets.Dataset.from_file(str(final / "train.arrow"))
     eval_ds = datasets.Dataset.from_file(str(final / "eval.arrow")) if info["eval"] else None

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from filelock import FileLock
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from trainer.args import DataArguments, ModelArguments
@@ -49,14 +50,17 @@ def get_tokenizer(model_args: ModelArguments, data_args: DataArguments) -> PreTr
         }
     )
     target = cache_root(data_args) / f"tokenizer-bpe-{key[:16]}"
-    if (target / "tokenizer.json").exists():
-        logger.info("tokenizer cache hit: %s", target)
-        return AutoTokenizer.from_pretrained(str(target))
-    raw = load_raw(data_args, source)
-    texts = iter_texts(raw.train, data_args.data_format, data_args.text_column)
-    tokenizer = train_bpe_tokenizer(texts, model_args.vocab_size)
-    _save_atomically(tokenizer, target)
-    logger.info("trained a %d-token byte-level BPE tokenizer; cached at %s", len(tokenizer), target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One process trains while the other ranks of the node wait for it, then load its result.
+    with FileLock(str(target) + ".lock"):
+        if (target / "tokenizer.json").exists():
+            logger.info("tokenizer cache hit: %s", target)
+        else:
+            raw = load_raw(data_args, source)
+            texts = iter_texts(raw.train, data_args.data_format, data_args.text_column)
+            tokenizer = train_bpe_tokenizer(texts, model_args.vocab_size)
+            _save_atomically(tokenizer, target)
+            logger.info("trained a %d-token byte-level BPE tokenizer; cached at %s", len(tokenizer), target)
     return AutoTokenizer.from_pretrained(str(target))
 
 
