@@ -299,3 +299,16 @@ def test_parallel_tokenisation_matches_single_process(code_dir, tmp_path, tokeni
     two_args = args_for(code_dir, tmp_path / "b", block_size=32, preprocessing_num_workers=2)
     two, _ = build_datasets(two_args, tokenizer, seed=0)
     assert two["input_ids"] == one["input_ids"]
+
+
+def test_bad_tokenizer_paths_are_clear_errors(tmp_path):
+    with pytest.raises(DataError) as err:
+        get_tokenizer(ModelArguments(tokenizer_name_or_path=str(tmp_path / "none")), DataArguments())
+    assert str(err.value) == f"tokenizer_name_or_path: directory not found: {tmp_path / 'none'}"
+    (tmp_path / "model").mkdir()
+    with pytest.raises(DataError) as err:
+        get_tokenizer(ModelArguments(model_name_or_path=str(tmp_path / "model")), DataArguments())
+    assert str(err.value) == (
+        "model_name_or_path: no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.json, "
+        f"tokenizer.model) in {tmp_path / 'model'}"
+    )

@@ -135,3 +135,19 @@ def test_sft_needs_its_columns(tmp_path, tokenizer):
         build_datasets(sft_args(tmp_path, [{"text": "a"}]), tokenizer, seed=0)
     with pytest.raises(DataError, match="last message of every 'messages' row must be the assistant's"):
         build_datasets(sft_args(tmp_path, [{"messages": CHATS[0][:2]}]), tokenizer, seed=0)
+
+
+def test_tokenizer_trained_on_an_sft_corpus_reads_prompts_responses_and_messages(tmp_path):
+    from trainer.args import ModelArguments
+    from trainer.data import get_tokenizer
+
+    rows = [*ROWS, {"prompt": "zqzqzq " * 50, "response": "wkwkwk " * 50}]
+    tok = get_tokenizer(ModelArguments(vocab_size=300), sft_args(tmp_path, rows))
+    # Frequent strings from both columns became single tokens.
+    assert len(tok("zqzqzq")["input_ids"]) < 3 and len(tok("wkwkwk")["input_ids"]) < 3
+    chats = [
+        {"messages": [{"role": "user", "content": "vbvbvb " * 50}, {"role": "assistant", "content": "ok"}]}
+    ]
+    (tmp_path / "m").mkdir()
+    tok2 = get_tokenizer(ModelArguments(vocab_size=300), sft_args(tmp_path / "m", chats))
+    assert len(tok2("vbvbvb")["input_ids"]) < 3

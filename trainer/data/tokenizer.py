@@ -19,7 +19,7 @@ from filelock import FileLock
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from trainer.args import DataArguments, ModelArguments
-from trainer.data.sources import cache_root, iter_texts, load_raw, resolve_source, stable_hash
+from trainer.data.sources import DataError, cache_root, iter_texts, load_raw, resolve_source, stable_hash
 
 logger = logging.getLogger(__name__)
 
@@ -28,13 +28,25 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 _BPE_VERSION = 1
 # Train on at most this many characters (a deterministic prefix of the corpus) to stay fast.
 MAX_TRAIN_CHARS = 64 * 1024 * 1024
+# Any one of these marks a directory that AutoTokenizer can load.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 def get_tokenizer(model_args: ModelArguments, data_args: DataArguments) -> PreTrainedTokenizerFast:
     """The run's tokenizer: a local (or hub) one when named, else a BPE trained on the corpus."""
     name = model_args.tokenizer_name_or_path or model_args.model_name_or_path
     if name:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=model_args.trust_remote_code)
+        key = "tokenizer_name_or_path" if model_args.tokenizer_name_or_path else "model_name_or_path"
+        local = Path(name).expanduser()
+        if name.startswith((".", "/", "~")) and not local.is_dir():
+            raise DataError([(key, f"directory not found: {name}")])
+        if local.is_dir() and not any((local / f).exists() for f in _TOKENIZER_FILES):
+            raise DataError([(key, f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {name}")])
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=model_args.trust_remote_code)
+        except (OSError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise DataError([(key, f"could not load a tokenizer from {name}: {first}")]) from None
         if tokenizer.pad_token is None and tokenizer.eos_token is not None:
             # Padding positions are masked out of the loss, so reusing EOS as pad is harmless.
             tokenizer.pad_token = tokenizer.eos_token
