@@ -106,6 +106,16 @@ def _show(value: Any) -> str:
     return json.dumps(list(value) if isinstance(value, tuple) else value)
 
 
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+def _overlaps(path: str, problems: list[Problem]) -> bool:
+    """Whether a problem at ``path`` is about a key (or under a key) some problem already names."""
+    known = [k for p, _ in problems for k in p.split(", ")]
+    return any(key == k or key.startswith(k + ".") for key in path.split(", ") for k in known)
+
+
 def load_deepspeed_json(path: str | Path) -> dict[str, Any]:
     """Read a DeepSpeed JSON file; duplicate keys are an error, as they are in DeepSpeed."""
     path = Path(path)
@@ -181,24 +191,21 @@ class _Resolver:
         if pp > 1 or self.explicit("pipeline_parallel_size"):
             self.settle_arg("pipeline.stages", "pipeline_parallel_size")
         stages = _get(self.data, "pipeline.stages")
-        stages = stages if isinstance(stages, int) and not isinstance(stages, bool) and stages >= 1 else pp
-        if self.world_size % stages:
-            self.problems.append(
-                (
-                    "pipeline_parallel_size",
-                    f"world size {self.world_size} is not divisible by {stages} pipeline stages",
-                )
-            )
-            return 1
-        return self.world_size // stages
+        stages = stages if _positive_int(stages) else pp
+        # A world size the stages do not divide is reported by the schema's batch check.
+        return self.world_size // stages if self.world_size % stages == 0 else 1
 
     def batch(self) -> None:
         a = self.args
+        note = ARGS_NOTE
         mbs, gas = a.per_device_train_batch_size, a.gradient_accumulation_steps
         dp = self.parallelism()
-        note = ARGS_NOTE
         self.settle("train_micro_batch_size_per_gpu", mbs, f"per_device_train_batch_size={mbs} {note}")
         self.settle("gradient_accumulation_steps", gas, f"gradient_accumulation_steps={gas} {note}")
+        if not self.check:
+            # Nothing is compared, so the file's own micro batch and accumulation size the total.
+            mbs = _positive_int(_get(self.data, "train_micro_batch_size_per_gpu")) or mbs
+            gas = _positive_int(_get(self.data, "gradient_accumulation_steps")) or gas
         self.settle(
             "train_batch_size",
             mbs * gas * dp,
@@ -251,6 +258,14 @@ class _Resolver:
             _get(self.data, f"zero_optimization.{b}.device") for b in ("offload_optimizer", "offload_param")
         ):
             self.data.setdefault("aio", dict(AIO_BLOCK))
+        if (
+            self.hardware is not None
+            and self.hardware.device != "cuda"
+            and _get(self.data, "aio.use_gds") is True
+        ):
+            self.problems.append(
+                ("aio.use_gds", f"GPUDirect Storage needs a CUDA GPU; this run is on {self.hardware.name}")
+            )
         self.bucket_sizes()
 
     def bucket_sizes(self) -> None:
@@ -394,7 +409,7 @@ class _Resolver:
             value = node[key]
             if path == "data_types.keep_in_fp32_modules" and is_auto(value):
                 del node[key]  # leaving it out is DeepSpeed's own automatic choice
-            elif is_auto(value):
+            elif is_auto(value) and not _overlaps(path, self.problems):
                 self.problems.append(
                     (path, '"auto" cannot be resolved from the run for this key; give a value')
                 )
@@ -405,8 +420,9 @@ class _Resolver:
         try:
             config = validate(self.data, world_size=self.world_size)
         except ConfigError as err:
-            seen = {path for path, _ in self.problems}
-            raise ConfigError(dedupe(self.problems + [p for p in err.problems if p[0] not in seen])) from None
+            # The schema often restates a problem found here (a contradiction breaks the batch rule).
+            later = [p for p in err.problems if not _overlaps(p[0], self.problems)]
+            raise ConfigError(dedupe(self.problems + later)) from None
         if self.problems:
             raise ConfigError(dedupe(self.problems))
         return config.to_dict()
@@ -457,6 +473,12 @@ def resolve(
         )
     data, check = _base(args)
     r = _Resolver(args, world_size, hardware, hidden_size, total_steps, check=check, data=data)
+    return _run(r, client_optimizer, client_scheduler)
+
+
+def _run(
+    r: _Resolver, client_optimizer: bool = False, client_scheduler: bool = False, add_sections: bool = True
+) -> dict[str, Any]:
     r.batch()
     r.precision()
     r.zero()
@@ -465,13 +487,38 @@ def resolve(
         ("scheduler", client_scheduler, r.scheduler),
     ):
         if not client:
-            step()
+            if add_sections or section in r.data:
+                step()
         elif section in r.data:
             r.problems.append(
                 (section, f"the config defines a {section} and the caller passes its own; remove one")
             )
     r.leftover_autos()
     return r.finish()
+
+
+def resolve_json(
+    data: dict[str, Any],
+    world_size: int = 1,
+    run: RunConfig | TrainingArguments | None = None,
+    hardware: Hardware | None = None,
+    hidden_size: int | None = None,
+) -> dict[str, Any]:
+    """Check a DeepSpeed JSON on its own (``trainer ds-config validate``).
+
+    With a run, ``"auto"`` comes from its training arguments and explicit values must agree with
+    them, as in ``resolve``. Without one, ``"auto"`` is filled from the default arguments and
+    nothing is compared. Sections the file leaves out (optimizer, scheduler) stay out. Without
+    hardware, precision support is not checked.
+    """
+    from trainer.args import TrainingArguments
+
+    args = TrainingArguments() if run is None else run.training if hasattr(run, "training") else run
+    if hidden_size is None and hasattr(run, "model"):
+        hidden_size = run.model.model_config_overrides.get("hidden_size")
+    copy = json.loads(json.dumps(data))
+    r = _Resolver(args, world_size, hardware, hidden_size=hidden_size, check=run is not None, data=copy)
+    return _run(r, add_sections=False)
 
 
 def generate(

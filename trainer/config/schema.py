@@ -49,7 +49,7 @@ BATCH_KEYS = "train_batch_size, train_micro_batch_size_per_gpu, gradient_accumul
 
 
 class DSConfig(ConfigModel):
-    """A DeepSpeed config as users write it. ``to_dict()`` gives the JSON DeepSpeed reads."""
+    """The top level of a DeepSpeed config."""
 
     removed_keys = REMOVED_TOP_LEVEL
     key_hints = {"bfloat16": "renamed; use bf16"}
@@ -107,6 +107,14 @@ class DSConfig(ConfigModel):
     csv_monitor: CsvMonitorConfig | None = Field(None, description="DeepSpeed's CSV monitor.")
     wandb: WandbConfig | None = Field(None, description="DeepSpeed's Weights & Biases monitor.")
     pipeline: PipelineConfig | None = Field(None, description="Pipeline parallelism (ZeRO stage 0 or 1).")
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _never_print(cls, value: Any) -> Any:
+        # Accelerate writes infinity to mean "never"; leaving the key out means the same to DeepSpeed.
+        if value == float("inf") or (isinstance(value, str) and value.strip().lower() in ("inf", "infinity")):
+            return None
+        return value
 
     @field_validator("communication_data_type", mode="before")
     @classmethod
