@@ -44,7 +44,13 @@ def test_generated_from_the_training_arguments():
         "zero_optimization": {"stage": 0},
         "optimizer": {
             "type": "Adam",
-            "params": {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True},
+            "params": {
+                "lr": 3e-4,
+                "betas": [0.9, 0.999],
+                "eps": 1e-8,
+                "weight_decay": 0.1,
+                "torch_adam": True,
+            },
         },
         "scheduler": {
             "type": "WarmupDecayLR",
@@ -61,7 +67,11 @@ def test_generated_from_the_training_arguments():
 
 def test_batch_keys_come_from_the_arguments_and_world_size():
     ds = resolve(args(per_device_train_batch_size=4, gradient_accumulation_steps=8, max_steps=1), 16, CPU)
-    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (512, 4, 8)
+    assert (
+        ds["train_batch_size"],
+        ds["train_micro_batch_size_per_gpu"],
+        ds["gradient_accumulation_steps"],
+    ) == (512, 4, 8)
 
 
 def test_batch_keys_count_data_parallel_ranks_only_under_pipeline():
@@ -84,7 +94,13 @@ def test_pipeline_with_zero_3_from_the_arguments():
 
 @pytest.mark.parametrize(
     "hardware, precision",
-    [(CPU, "fp32"), (A100, "bf16"), (V100, "fp16"), (Hardware.cuda("Tesla T4", (7, 5)), "fp16"), (P100, "fp32")],
+    [
+        (CPU, "fp32"),
+        (A100, "bf16"),
+        (V100, "fp16"),
+        (Hardware.cuda("Tesla T4", (7, 5)), "fp16"),
+        (P100, "fp32"),
+    ],
 )
 def test_precision_auto_follows_the_hardware(hardware, precision):
     ds = resolve(args(max_steps=1), 1, hardware)
@@ -112,10 +128,16 @@ def test_fp16_on_cpu_is_refused_at_resolve_time():
 
 def test_fp16_on_pascal_and_bf16_on_volta_are_refused():
     assert problems(resolve, args(precision="fp16", max_steps=1), 1, P100) == [
-        ("fp16.enabled", "fp16 is not supported on Tesla P100-PCIE-16GB (compute capability 6.0); use bf16 or fp32")
+        (
+            "fp16.enabled",
+            "fp16 is not supported on Tesla P100-PCIE-16GB (compute capability 6.0); use bf16 or fp32",
+        )
     ]
     assert problems(resolve, args(bf16=True, max_steps=1), 1, V100) == [
-        ("bf16.enabled", "bf16 is not supported on Tesla V100-SXM2-32GB (compute capability 7.0); use fp16 or fp32")
+        (
+            "bf16.enabled",
+            "bf16 is not supported on Tesla V100-SXM2-32GB (compute capability 7.0); use fp16 or fp32",
+        )
     ]
 
 
@@ -134,14 +156,20 @@ def test_zero3_bucket_sizes_come_from_the_hidden_size():
 
 
 def test_hidden_size_from_the_model_arguments():
-    run = RunConfig.from_flat({"zero_stage": 3, "max_steps": 1, "model_config_overrides": {"hidden_size": 64}})
+    run = RunConfig.from_flat(
+        {"zero_stage": 3, "max_steps": 1, "model_config_overrides": {"hidden_size": 64}}
+    )
     assert resolve(run, 1, CPU)["zero_optimization"]["reduce_bucket_size"] == 4096
 
 
 def test_explicit_bucket_sizes_are_kept():
     ds_json = {"zero_optimization": {"stage": 3, "prefetch_bucket_size": 123, "reduce_bucket_size": 456}}
     zero = resolve(args(deepspeed=ds_json, max_steps=1), 1, CPU, hidden_size=64)["zero_optimization"]
-    assert (zero["prefetch_bucket_size"] if "prefetch_bucket_size" in zero else zero["stage3_prefetch_bucket_size"]) == 123
+    assert (
+        zero["prefetch_bucket_size"]
+        if "prefetch_bucket_size" in zero
+        else zero["stage3_prefetch_bucket_size"]
+    ) == 123
     assert zero["reduce_bucket_size"] == 456
     assert zero["stage3_param_persistence_threshold"] == 640
 
@@ -149,13 +177,49 @@ def test_explicit_bucket_sizes_are_kept():
 @pytest.mark.parametrize(
     "schedule, expected",
     [
-        ("constant", {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-3, "warmup_num_steps": 1, "warmup_type": "linear"}}),
-        ("constant_with_warmup", {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 20, "warmup_type": "linear"}}),
-        ("cosine", {"type": "WarmupCosineLR", "params": {"total_num_steps": 200, "warmup_min_ratio": 0.0, "warmup_num_steps": 20, "cos_min_ratio": 0.0, "warmup_type": "linear"}}),
+        (
+            "constant",
+            {
+                "type": "WarmupLR",
+                "params": {
+                    "warmup_min_lr": 1e-3,
+                    "warmup_max_lr": 1e-3,
+                    "warmup_num_steps": 1,
+                    "warmup_type": "linear",
+                },
+            },
+        ),
+        (
+            "constant_with_warmup",
+            {
+                "type": "WarmupLR",
+                "params": {
+                    "warmup_min_lr": 0.0,
+                    "warmup_max_lr": 1e-3,
+                    "warmup_num_steps": 20,
+                    "warmup_type": "linear",
+                },
+            },
+        ),
+        (
+            "cosine",
+            {
+                "type": "WarmupCosineLR",
+                "params": {
+                    "total_num_steps": 200,
+                    "warmup_min_ratio": 0.0,
+                    "warmup_num_steps": 20,
+                    "cos_min_ratio": 0.0,
+                    "warmup_type": "linear",
+                },
+            },
+        ),
     ],
 )
 def test_schedules(schedule, expected):
-    ds = resolve(args(lr_scheduler_type=schedule, learning_rate=1e-3, warmup_ratio=0.1, max_steps=200), 1, CPU)
+    ds = resolve(
+        args(lr_scheduler_type=schedule, learning_rate=1e-3, warmup_ratio=0.1, max_steps=200), 1, CPU
+    )
     assert ds["scheduler"] == expected
 
 
@@ -183,7 +247,13 @@ def test_total_steps_unknown():
 @pytest.mark.parametrize(
     "optim, expected",
     [
-        ("adamw_fused", {"type": "Adam", "params": {"lr": 5e-05, "betas": [0.9, 0.999], "eps": 1e-08, "weight_decay": 0.0}}),
+        (
+            "adamw_fused",
+            {
+                "type": "Adam",
+                "params": {"lr": 5e-05, "betas": [0.9, 0.999], "eps": 1e-08, "weight_decay": 0.0},
+            },
+        ),
         ("lion", {"type": "Lion", "params": {"lr": 5e-05, "betas": [0.9, 0.999], "weight_decay": 0.0}}),
         ("sgd", {"type": "SGD", "params": {"lr": 5e-05, "weight_decay": 0.0}}),
     ],
@@ -272,8 +342,16 @@ def test_third_party_configs_resolve_without_any_auto(name):
 
 
 def test_hf_zero3_autos_take_the_runs_values():
-    run = args(deepspeed=str(THIRD_PARTY / "hf_zero3.json"), max_steps=100, learning_rate=2e-5, warmup_steps=7,
-               adam_beta2=0.95, per_device_train_batch_size=2, gradient_accumulation_steps=4, max_grad_norm=0.5)
+    run = args(
+        deepspeed=str(THIRD_PARTY / "hf_zero3.json"),
+        max_steps=100,
+        learning_rate=2e-5,
+        warmup_steps=7,
+        adam_beta2=0.95,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        max_grad_norm=0.5,
+    )
     ds = resolve(run, 4, A100, hidden_size=256)
     assert ds["train_batch_size"] == 32
     assert ds["gradient_clipping"] == 0.5
@@ -284,14 +362,21 @@ def test_hf_zero3_autos_take_the_runs_values():
     assert ds["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-5, "warmup_num_steps": 7}
     assert ds["fp16"]["enabled"] is False and ds["bf16"]["enabled"] is True
     zero = ds["zero_optimization"]
-    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"], zero["stage3_param_persistence_threshold"]) == (65536, 58982, 2560)
+    assert (
+        zero["reduce_bucket_size"],
+        zero["stage3_prefetch_bucket_size"],
+        zero["stage3_param_persistence_threshold"],
+    ) == (65536, 58982, 2560)
     assert zero["sub_group_size"] == 1_000_000_000 and zero["stage3_max_live_parameters"] == 1_000_000_000
 
 
 def test_auto_the_run_cannot_resolve_names_the_key():
     run = args(deepspeed=str(THIRD_PARTY / "llamafactory_z3.json"), max_steps=10)
     assert problems(resolve, run, 1, CPU) == [
-        (f"zero_optimization.{key}", '"auto" cannot be resolved: needs the model\'s hidden size; pass hidden_size or set model_config_overrides.hidden_size')
+        (
+            f"zero_optimization.{key}",
+            '"auto" cannot be resolved: needs the model\'s hidden size; pass hidden_size or set model_config_overrides.hidden_size',
+        )
         for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
     ]
 
@@ -305,7 +390,9 @@ def test_auto_on_a_key_the_run_does_not_determine():
 
 def test_auto_stage_takes_zero_stage():
     ds_json = {"zero_optimization": {"stage": "auto"}}
-    assert resolve(args(deepspeed=ds_json, zero_stage=2, max_steps=1), 1, CPU)["zero_optimization"] == {"stage": 2}
+    assert resolve(args(deepspeed=ds_json, zero_stage=2, max_steps=1), 1, CPU)["zero_optimization"] == {
+        "stage": 2
+    }
 
 
 def test_explicit_values_contradicting_the_arguments_show_both():
@@ -322,7 +409,7 @@ def test_explicit_values_contradicting_the_arguments_show_both():
         ),
         (
             "train_batch_size",
-            '64 contradicts per_device_train_batch_size × gradient_accumulation_steps × data-parallel world size = 8 × 1 × 2 = 16; '
+            "64 contradicts per_device_train_batch_size × gradient_accumulation_steps × data-parallel world size = 8 × 1 × 2 = 16; "
             'remove the key, set it to "auto", or make them equal',
         ),
         (
@@ -341,7 +428,10 @@ def test_explicit_values_contradicting_the_arguments_show_both():
 
 
 def test_explicit_values_that_agree_are_fine_even_as_strings():
-    ds_json = {"train_micro_batch_size_per_gpu": "8", "optimizer": {"type": "adamw", "params": {"lr": "5e-5"}}}
+    ds_json = {
+        "train_micro_batch_size_per_gpu": "8",
+        "optimizer": {"type": "adamw", "params": {"lr": "5e-5"}},
+    }
     ds = resolve(args(deepspeed=ds_json, max_steps=1), 1, CPU)
     assert ds["train_micro_batch_size_per_gpu"] == 8
     assert ds["optimizer"]["type"] == "AdamW" and ds["optimizer"]["params"]["lr"] == 5e-5
@@ -350,21 +440,29 @@ def test_explicit_values_that_agree_are_fine_even_as_strings():
 def test_precision_contradiction():
     ds_json = {"fp16": {"enabled": True}}
     assert problems(resolve, args(deepspeed=ds_json, bf16=True, max_steps=1), 1, A100) == [
-        ("fp16.enabled", 'true contradicts precision=bf16 in the training arguments; remove the key, set it to "auto", or make them equal')
+        (
+            "fp16.enabled",
+            'true contradicts precision=bf16 in the training arguments; remove the key, set it to "auto", or make them equal',
+        )
     ]
 
 
 def test_explicit_zero_stage_argument_contradicting_the_json():
     ds_json = {"zero_optimization": {"stage": 3}}
     assert problems(resolve, args(deepspeed=ds_json, zero_stage=2, max_steps=1), 1, CPU) == [
-        ("zero_optimization.stage", '3 contradicts zero_stage=2 in the training arguments; remove the key, set it to "auto", or make them equal')
+        (
+            "zero_optimization.stage",
+            '3 contradicts zero_stage=2 in the training arguments; remove the key, set it to "auto", or make them equal',
+        )
     ]
     # an argument left at its default does not override the file
     assert resolve(args(deepspeed=ds_json, max_steps=1), 1, CPU)["zero_optimization"]["stage"] == 3
 
 
 def test_warmup_and_total_steps_in_a_json_scheduler():
-    ds_json = {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100, "total_num_steps": "auto"}}}
+    ds_json = {
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100, "total_num_steps": "auto"}}
+    }
     assert problems(resolve, args(deepspeed=ds_json, max_steps=1000, warmup_steps=10), 1, CPU) == [
         (
             "scheduler.params.warmup_num_steps",
@@ -381,7 +479,9 @@ def test_caller_dict_is_not_modified():
 
 def test_json_file_errors(tmp_path):
     missing = tmp_path / "nope.json"
-    assert problems(load_deepspeed_json, missing) == [("deepspeed", f"DeepSpeed config file not found: {missing}")]
+    assert problems(load_deepspeed_json, missing) == [
+        ("deepspeed", f"DeepSpeed config file not found: {missing}")
+    ]
     bad = tmp_path / "bad.json"
     bad.write_text('{"fp16": {"enabled": true,}}')
     [(path, msg)] = problems(load_deepspeed_json, bad)
@@ -400,7 +500,9 @@ def test_resolve_json_without_a_run_does_not_compare_or_add_sections():
 
 
 def test_generate_matches_the_cli_example():
-    ds = generate(zero_stage=3, precision="bf16", offload_optimizer="cpu", micro_batch=4, grad_accum=8, world_size=16)
+    ds = generate(
+        zero_stage=3, precision="bf16", offload_optimizer="cpu", micro_batch=4, grad_accum=8, world_size=16
+    )
     assert ds == {
         "train_batch_size": 512,
         "train_micro_batch_size_per_gpu": 4,

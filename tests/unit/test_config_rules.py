@@ -142,7 +142,10 @@ def test_batch_train_batch_alone():
 
 def test_batch_needs_train_batch_or_micro_batch():
     assert problems({"gradient_accumulation_steps": 2}, world_size=1) == [
-        ("train_batch_size, train_micro_batch_size_per_gpu", "give at least one; DeepSpeed needs it to size batches")
+        (
+            "train_batch_size, train_micro_batch_size_per_gpu",
+            "give at least one; DeepSpeed needs it to size batches",
+        )
     ]
 
 
@@ -155,7 +158,9 @@ def test_batch_is_per_data_parallel_rank_under_pipeline():
             "8 = 2 × g × 3 has no integer solution for gradient_accumulation_steps g at data-parallel world size 3",
         )
     ]
-    assert problems(data, world_size=3) == [("pipeline.stages", "world size 3 is not divisible by 2 pipeline stages")]
+    assert problems(data, world_size=3) == [
+        ("pipeline.stages", "world size 3 is not divisible by 2 pipeline stages")
+    ]
 
 
 def test_batch_problem_is_reported_alongside_other_errors():
@@ -172,7 +177,10 @@ def test_batch_problem_is_reported_alongside_other_errors():
 @pytest.mark.parametrize("stage", [2, 3])
 def test_pipeline_with_zero_2_or_3(stage):
     assert problems({**zero(stage), "pipeline": {"stages": 2}}) == [
-        ("pipeline, zero_optimization.stage", f"pipeline parallelism needs ZeRO stage 0 or 1, got stage {stage}")
+        (
+            "pipeline, zero_optimization.stage",
+            f"pipeline parallelism needs ZeRO stage 0 or 1, got stage {stage}",
+        )
     ]
 
 
@@ -234,7 +242,9 @@ def test_schedule_shorter_than_its_warmup():
 
 
 def test_schedule_missing_its_total():
-    assert problems({**BASE, "scheduler": {"type": "WarmupDecayLR"}}) == [("scheduler.params.total_num_steps", "required")]
+    assert problems({**BASE, "scheduler": {"type": "WarmupDecayLR"}}) == [
+        ("scheduler.params.total_num_steps", "required")
+    ]
 
 
 def test_nesterov_needs_momentum():
@@ -250,7 +260,10 @@ def test_nesterov_needs_momentum():
 def test_one_cycle_bounds_in_order():
     data = {**BASE, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 0.01}}}
     assert problems(data) == [
-        ("scheduler.params.cycle_min_lr, scheduler.params.cycle_max_lr", "cycle_min_lr 0.1 is above cycle_max_lr 0.01")
+        (
+            "scheduler.params.cycle_min_lr, scheduler.params.cycle_max_lr",
+            "cycle_min_lr 0.1 is above cycle_max_lr 0.01",
+        )
     ]
 
 

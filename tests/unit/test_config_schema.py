@@ -37,7 +37,12 @@ def test_error_text_is_one_line_per_problem():
 @pytest.mark.parametrize(
     "section, key, path, suggestion",
     [
-        ("activation_checkpointing", "partition_activation", "activation_checkpointing", "partition_activations"),
+        (
+            "activation_checkpointing",
+            "partition_activation",
+            "activation_checkpointing",
+            "partition_activations",
+        ),
         ("checkpoint", "load_universial", "checkpoint", "load_universal"),
         ("data_types", "grad_acum_dtype", "data_types", "grad_accum_dtype"),
         ("flops_profiler", "enabeld", "flops_profiler", "enabled"),
@@ -135,16 +140,30 @@ def test_numbers_written_as_strings_are_numbers():
     out = validate(data).to_dict()
     assert out["train_micro_batch_size_per_gpu"] == 4
     assert out["gradient_clipping"] == 0.5
-    assert out["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 500_000_000, "stage3_max_live_parameters": 1_000_000_000}
+    assert out["zero_optimization"] == {
+        "stage": 3,
+        "reduce_bucket_size": 500_000_000,
+        "stage3_max_live_parameters": 1_000_000_000,
+    }
     assert out["fp16"] == {"enabled": True, "loss_scale": 0.0, "initial_scale_power": 16}
 
 
 def test_wrong_types_name_the_path_and_value():
-    data = {"train_micro_batch_size_per_gpu": True, "gradient_clipping": "abc", "zero_optimization": {"stage": 2.5}}
+    data = {
+        "train_micro_batch_size_per_gpu": True,
+        "gradient_clipping": "abc",
+        "zero_optimization": {"stage": 2.5},
+    }
     assert problems(data) == [
         ("train_micro_batch_size_per_gpu", "expected a number, got true"),
-        ("gradient_clipping", "Input should be a valid number, unable to parse string as a number; got 'abc'"),
-        ("zero_optimization.stage", "Input should be a valid integer, got a number with a fractional part; got 2.5"),
+        (
+            "gradient_clipping",
+            "Input should be a valid number, unable to parse string as a number; got 'abc'",
+        ),
+        (
+            "zero_optimization.stage",
+            "Input should be a valid integer, got a number with a fractional part; got 2.5",
+        ),
     ]
 
 
@@ -166,7 +185,10 @@ def test_each_stage3_knob_accepts_both_names_and_writes_the_prefixed_one(knob):
 
 
 def test_both_names_of_a_stage3_knob_are_refused():
-    data = {**BASE, "zero_optimization": {"stage": 3, "max_live_parameters": 1, "stage3_max_live_parameters": 2}}
+    data = {
+        **BASE,
+        "zero_optimization": {"stage": 3, "max_live_parameters": 1, "stage3_max_live_parameters": 2},
+    }
     assert problems(data) == [
         (
             "zero_optimization.stage3_max_live_parameters, zero_optimization.max_live_parameters",
