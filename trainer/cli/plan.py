@@ -157,5 +157,6 @@ def _report(result: dict[str, Any]) -> str:
     ]
     if best["activation_checkpointing"]:
         lines.append("train with --gradient_checkpointing true")
-    lines += ["DeepSpeed config:", json.dumps(best["deepspeed_config"], indent=2)]
+    lines += ["DeepSpeed config (the optimizer and scheduler come from the training arguments):"]
+    lines.append(json.dumps(best["deepspeed_config"], indent=2))
     return "\n".join(lines)
