@@ -48,20 +48,14 @@ def dist_info() -> DistInfo:
 def detect_hardware() -> Hardware:
     """What this rank computes on; decides what precision "auto" means."""
     if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") == "cuda":
-        major, _ = torch.cuda.get_device_capability()
-        return Hardware(
-            accelerator="cuda",
-            bf16_supported=torch.cuda.is_bf16_supported(),
-            fp16_supported=major >= 6,
-            name=torch.cuda.get_device_name(),
-        )
-    return Hardware(accelerator="cpu", bf16_supported=True, fp16_supported=False, name="cpu")
+        return Hardware.cuda(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+    return Hardware.cpu()
 
 
 def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
     """Join the process group (idempotent). A world of one still gets a group: DeepSpeed wants one."""
     info = dist_info()
-    if hardware.accelerator == "cuda":
+    if hardware.device == "cuda":
         torch.cuda.set_device(info.local_rank)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -72,7 +66,7 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
         import deepspeed
 
         deepspeed.init_distributed(
-            dist_backend="nccl" if hardware.accelerator == "cuda" else "gloo",
+            dist_backend="nccl" if hardware.device == "cuda" else "gloo",
             timeout=datetime.timedelta(seconds=timeout_s),
             verbose=False,
         )
@@ -80,7 +74,7 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
 
 
 def device_for(hardware: Hardware, info: DistInfo) -> torch.device:
-    return torch.device("cuda", info.local_rank) if hardware.accelerator == "cuda" else torch.device("cpu")
+    return torch.device("cuda", info.local_rank) if hardware.device == "cuda" else torch.device("cpu")
 
 
 def barrier(label: str) -> None:
@@ -90,8 +84,14 @@ def barrier(label: str) -> None:
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    """Sum over ranks, in place where possible. CPU tensors work under NCCL too (copied over)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return tensor
+    if tensor.device.type == "cpu" and dist.get_backend() == "nccl":
+        on_device = tensor.cuda()
+        dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
+        return tensor.copy_(on_device.cpu())
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 
@@ -113,10 +113,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 def all_agree(flag: bool) -> bool:
     """True only if every rank passes True: the collective vote behind atomic commits."""
-    t = torch.tensor([0 if flag else 1], dtype=torch.int64)
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        t = t.cuda()
-    return int(all_reduce_sum(t).item()) == 0
+    return int(all_reduce_sum(torch.tensor([0 if flag else 1])).item()) == 0
 
 
 def print_main(*args: Any, **kwargs: Any) -> None:

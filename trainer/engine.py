@@ -92,10 +92,8 @@ class Engine:
     ) -> torch.Tensor:
         """One micro-batch; returns its detached summed loss (for logging, stays on device)."""
         self.ds.set_gradient_accumulation_boundary(is_boundary)
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        labels = batch.pop("labels")
-        logits = self.ds(**batch).logits
-        loss_sum = causal_lm_loss_sum(logits, labels)
+        labels, inputs = self.model_inputs(batch)
+        loss_sum = causal_lm_loss_sum(self.ds(**inputs).logits, labels)
         # DeepSpeed averages gradients over ranks; multiplying by the world size turns that into a sum.
         self.ds.backward(loss_sum * (self.world_size / window_tokens), scale_wrt_gas=False)
         return loss_sum.detach()
@@ -106,11 +104,21 @@ class Engine:
     @torch.no_grad()
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, target count) of one batch, both on device."""
+        labels, inputs = self.model_inputs(batch)
+        count = (labels[:, 1:] != IGNORE_INDEX).sum().float()
+        return causal_lm_loss_sum(self.ds(**inputs).logits, labels), count
+
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(labels, model inputs) on the device. Packed rows carry position_ids that restart at each
+        document: then the attention mask is left out, so HF models build a block-diagonal mask from
+        the positions and documents do not attend to each other. Right padding needs no mask in a
+        causal model (no real token looks right), and padded labels are ignored anyway."""
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         labels = batch.pop("labels")
-        logits = self.ds(**batch).logits
-        count = (labels[:, 1:] != IGNORE_INDEX).sum().float()
-        return causal_lm_loss_sum(logits, labels), count
+        if "position_ids" in batch:
+            batch.pop("attention_mask", None)
+            batch["use_cache"] = False
+        return labels, batch
 
     def train(self, mode: bool = True) -> None:
         self.ds.train(mode)

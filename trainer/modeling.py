@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig
 from transformers.integrations import HfDeepSpeedConfig
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from trainer.args import ModelArguments
 
@@ -54,24 +55,53 @@ def build_model(
     config: PretrainedConfig,
     ds_config: dict[str, Any],
     gradient_checkpointing: bool = False,
+    seed: int = 42,
 ) -> torch.nn.Module:
     """The model, partitioned at creation under ZeRO-3, in fp32 (DeepSpeed casts for bf16/fp16)."""
     zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
     # Held by the model: transformers consults it (through a weak reference) while building.
+    # A stage below 3 clears any earlier one, or this model would be partitioned too.
+    unset_hf_deepspeed_config()
     hf_ds = HfDeepSpeedConfig(ds_config) if zero3 else None
     if model_args.model_name_or_path:
         model = AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path,
             config=config,
-            torch_dtype=torch.float32,
+            dtype=torch.float32,
             trust_remote_code=model_args.trust_remote_code,
         )
     else:
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        init_weights(model, seed, zero3)
     model._trainer_hf_ds_config = hf_ds
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model
+
+
+def init_weights(model: torch.nn.Module, seed: int, zero3: bool = False) -> None:
+    """Initialise every parameter from its own seed (seed + name): the same weights whether the
+    model was built whole or partitioned by ZeRO-3, on any number of ranks.
+
+    Matrices get N(0, initializer_range), biases zeros and 1-d weights (norm scales) ones. Each
+    parameter is gathered alone under ZeRO-3, so peak memory stays one tensor.
+    """
+    import zlib
+    from contextlib import nullcontext
+
+    import deepspeed
+
+    std = getattr(model.config, "initializer_range", 0.02)
+    for name, param in model.named_parameters():
+        gathered = deepspeed.zero.GatheredParameters([param], modifier_rank=0) if zero3 else nullcontext()
+        with gathered, torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + zlib.crc32(name.encode()))
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() < 2:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std)
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:

@@ -38,7 +38,7 @@ def run(run_config: RunConfig) -> int:
     # it knows the total number of steps for the scheduler.
     ds_config = resolve(args, world_size=world, hardware=hardware, hidden_size=hidden_size_of(config), total_steps=1)
     set_seed(args.seed)
-    model = build_model(model_args, config, ds_config, gradient_checkpointing=args.gradient_checkpointing)
+    model = build_model(model_args, config, ds_config, args.gradient_checkpointing, seed=args.seed)
     if args.eval_strategy == "no":
         eval_ds = eval_ds if eval_ds is not None and len(eval_ds) else None
     trainer = Trainer(

@@ -41,7 +41,13 @@ from trainer.distributed import (
     print_main,
 )
 from trainer.engine import IGNORE_INDEX, Engine
-from trainer.monitor import StepTimer, memory_stats, model_flops_per_token, summary_table
+from trainer.monitor import (
+    StepTimer,
+    flops_per_token_for_model,
+    memory_stats,
+    non_padding_tokens,
+    summary_table,
+)
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
 
@@ -125,7 +131,13 @@ class Trainer:
         self._ensure_engine(state.max_steps)
         self._resume(resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint)
 
-        timer = StepTimer(self._flops_per_token(), self.hardware.name, self._precision(), args.peak_tflops)
+        timer = StepTimer(
+            self._flops_per_token(),
+            self.hardware.name,
+            self._precision(),
+            args.peak_tflops,
+            self.dist.world_size,
+        )
         self.control = self.callback_handler.fire("on_train_begin", args, state, self.control)
         self.engine.train()
         loss_sum = torch.zeros((), device=self.engine.device)
@@ -141,7 +153,7 @@ class Trainer:
                 self.engine.step()
                 token_sum += window_tokens
                 samples = sum(len(b["input_ids"]) for b in window)
-                timer.step_end(tokens=sum(b["input_ids"].numel() for b in window), samples=samples)
+                timer.step_end(tokens=sum(int(non_padding_tokens(b)) for b in window), samples=samples)
                 state.global_step += 1
                 state.samples_into_epoch += samples
                 state.epoch = state.epoch_index + state.samples_into_epoch / max(len(self.train_dataset) / self.dist.world_size, 1)
@@ -150,7 +162,8 @@ class Trainer:
                     self._log_train(loss_sum, token_sum, timer)
                     loss_sum.zero_()
                     token_sum.zero_()
-                self._maybe_evaluate_and_save()
+                if self._maybe_evaluate_and_save():
+                    timer.start()  # evaluation and checkpoint time is not training throughput
                 if self.control.should_training_stop:
                     break
             else:
@@ -197,9 +210,9 @@ class Trainer:
         rows: list[tuple[int, np.ndarray, np.ndarray]] = []
         with torch.no_grad():
             for batch, indices in self._eval_batches(dataset, with_indices=True):
-                inputs = {k: v.to(self.engine.device) for k, v in batch.items() if k != "labels"}
+                labels, inputs = self.engine.model_inputs(batch)
                 logits = self.engine.ds(**inputs).logits.float().cpu().numpy()
-                labels = batch["labels"].numpy()
+                labels = labels.cpu().numpy()
                 rows += [(i, logits[j], labels[j]) for j, i in enumerate(indices) if i >= 0]
         self.engine.train(True)
         merged = sorted((r for part in all_gather_object(rows) for r in part), key=lambda r: r[0])
@@ -263,7 +276,7 @@ class Trainer:
             # A private generator: creating the iterator must not consume the global RNG, or a
             # resumed run would draw different dropout masks than the uninterrupted one.
             generator=torch.Generator().manual_seed(self.args.seed),
-            pin_memory=self.hardware.accelerator == "cuda",
+            pin_memory=self.hardware.device == "cuda",
         )
         window: list[dict[str, torch.Tensor]] = []
         for batch in loader:
@@ -309,16 +322,25 @@ class Trainer:
         scale = self.engine.loss_scale()
         if scale is not None:
             logs.update(loss_scale=scale, skipped_steps=self.engine.skipped_steps)
-        logs.update(timer.flush(world_size=self.dist.world_size))
+        logs.update(timer.flush(sync_fn=self._sync, all_reduce_sum=_sum_over_ranks))
         logs.update(memory_stats(self.engine.device))
         self._log(logs)
 
-    def _maybe_evaluate_and_save(self) -> None:
+    def _maybe_evaluate_and_save(self) -> bool:
+        """Evaluate and/or save as the control flags ask; True if anything ran."""
+        ran = False
         if self.control.should_evaluate and self.eval_dataset is not None:
             self.evaluate()
+            ran = True
         if self.control.should_save:
             self._save_checkpoint()
+            ran = True
         self.control.should_evaluate = self.control.should_save = self.control.should_log = False
+        return ran
+
+    def _sync(self) -> None:
+        if self.hardware.device == "cuda":
+            torch.cuda.synchronize()
 
     def _save_checkpoint(self) -> None:
         final = ckpt.final_dir(self.args.output_dir, self.state.global_step)
@@ -355,19 +377,19 @@ class Trainer:
         cfg = self.ds_config or {}
         return "bf16" if cfg.get("bf16", {}).get("enabled") else "fp16" if cfg.get("fp16", {}).get("enabled") else "fp32"
 
-    def _flops_per_token(self) -> float:
-        config = getattr(self.model, "config", None)
-        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())
-        if config is None:
-            return 6.0 * n_params
-        layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
-        seq = len(self.train_dataset[0]["input_ids"]) if self.train_dataset is not None else 0
-        return model_flops_per_token(n_params, layers, _hidden_size(self.model) or 0, seq)
+    def _flops_per_token(self) -> float | None:
+        if getattr(self.model, "config", None) is None or self.train_dataset is None:
+            return None
+        return flops_per_token_for_model(self.model, len(self.train_dataset[0]["input_ids"]))
 
 
 def _hidden_size(model: torch.nn.Module) -> int | None:
     config = getattr(model, "config", None)
     return getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+
+
+def _sum_over_ranks(values: list[float]) -> list[float]:
+    return all_reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist()
 
 
 def _model_columns(dataset: Dataset | None) -> Dataset | None:

@@ -1,0 +1,124 @@
+"""scripts/train.py through the real launchers: outputs, export, bad input, an HF script ported."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, launch
+
+pytestmark = pytest.mark.distributed
+
+# A short version of the embedded default: same recipe, fewer steps.
+SHORT = ["--max_steps", "24", "--logging_steps", "4", "--save_steps", "12", "--eval_steps", "12",
+         "--max_train_samples", "400", "--block_size", "64"]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("default") / "run"
+    proc = launch(["scripts/train.py", "--output_dir", str(out), *SHORT])
+    return out, proc
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_metrics_rows_have_the_contract_fields(default_run):
+    out, _ = default_run
+    rows = read_metrics(out)
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == [4, 8, 12, 16, 20, 24]
+    for row in train:
+        for key in ("step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second"):
+            assert key in row, key
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert any("eval_loss" in r for r in rows)
+
+
+def test_output_dir_holds_configs_and_checkpoints(default_run):
+    out, _ = default_run
+    ds = json.loads((out / "ds_config.json").read_text())
+    assert ds["train_micro_batch_size_per_gpu"] == 8
+    assert ds["train_batch_size"] == 16
+    assert "auto" not in json.dumps(ds)
+    run = yaml.safe_load((out / "run_config.yaml").read_text())
+    assert run["max_steps"] == 24 and run["dataset"] == "stdlib"
+    for step in (12, 24):
+        assert (out / f"checkpoint-{step}" / "COMPLETE").is_file()
+        manifest = json.loads((out / f"checkpoint-{step}" / "manifest.json").read_text())
+        assert manifest["world_size"] == 2 and manifest["step"] == step
+        assert any(name.startswith("ds/") for name in manifest["files"])
+
+
+def test_final_export_loads_with_auto_classes(default_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, proc = default_run
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    ids = tokenizer("import os\n", return_tensors="pt").input_ids
+    assert model(ids).logits.shape[-1] == len(tokenizer)
+    assert "Sample completion:" in proc.stdout
+
+
+def test_rerun_resumes_from_newest_complete_checkpoint(default_run):
+    out, _ = default_run
+    proc = launch(["scripts/train.py", "--output_dir", str(out), *SHORT[:-2], "--block_size", "64", "--max_steps", "28"])
+    assert f"Resumed from {out / 'checkpoint-24'} at step 24" in proc.stdout
+    steps = [r["step"] for r in read_metrics(out) if "loss" in r]
+    assert steps[-1] == 28
+
+
+def _plain(args: list[str], **env) -> tuple[int, str]:
+    proc = launch(args, launcher="python", check=False)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_unknown_recipe_field_is_one_clear_error(tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("max_step: 10\n")
+    code, out = _plain(["scripts/train.py", "--config", str(recipe), "--output_dir", str(tmp_path / "o")])
+    assert code == 2
+    assert "error: max_step: unknown key; did you mean max_steps?" in out
+    assert "Traceback" not in out
+    assert not (tmp_path / "o").exists()  # nothing was built or written
+
+
+def test_impossible_batch_for_world_size_fails_before_model_build(tmp_path):
+    proc = launch(
+        ["scripts/train.py", "--output_dir", str(tmp_path / "o"), "--deepspeed",
+         json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2})],
+        nproc=3, check=False,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "train_batch_size" in text and "Traceback" not in text
+    assert not (tmp_path / "o").exists()
+
+
+def test_fp16_on_cpu_is_refused_by_name(tmp_path):
+    code, out = _plain(["scripts/train.py", "--output_dir", str(tmp_path / "o"), "--fp16"])
+    assert code == 2
+    assert re.search(r"error: fp16\S*: ", out), out
+    assert "Traceback" not in out
+
+
+def test_hf_trainer_script_runs_with_our_import(tmp_path):
+    source = (ROOT / "tests" / "e2e" / "hf_script.py").read_text()
+    hf_import = "from transformers import Trainer, TrainingArguments"
+    assert hf_import in source
+    ported = tmp_path / "ported.py"
+    ported.write_text(source.replace(hf_import, "from trainer import Trainer, TrainingArguments"))
+    proc = launch([str(ported), str(tmp_path / "out")])
+    metrics = json.loads(proc.stdout.split("METRICS", 1)[1].strip().splitlines()[0])
+    assert metrics["eval_loss"] > 0 and metrics["eval_perplexity"] > 1
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "config.json").is_file()
+    rows = read_metrics(tmp_path / "out")
+    assert [r["step"] for r in rows if "loss" in r] == [4, 8, 12]
