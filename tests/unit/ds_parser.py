@@ -19,7 +19,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def deepspeed_errors(cases: list[tuple[dict[str, Any], int]], timeout: int = 600) -> list[str | None]:
-    """For each (config, world_size): None if DeepSpeed accepts it, else its error message."""
+    """For each (config, data-parallel world size): None if DeepSpeed accepts it, else its error message."""
+    return [r["error"] for r in deepspeed_parse(cases, timeout)]
+
+
+def deepspeed_parse(cases: list[tuple[dict[str, Any], int]], timeout: int = 600) -> list[dict[str, Any]]:
+    """For each case, DeepSpeed's reading of it: ``error`` (None when accepted), and when accepted the
+    batch triple it settled on, the ZeRO stage and the precision flags."""
     env = dict(os.environ)
     env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
@@ -61,9 +67,21 @@ def _child() -> None:
         try:
             parsed = DeepSpeedConfig(case["config"], mpu=_DataParallel(case["world_size"]))
             assert parsed.world_size == case["world_size"], f"parsed at world size {parsed.world_size}"
-            results.append(None)
+            results.append(
+                {
+                    "error": None,
+                    "batch": [
+                        parsed.train_batch_size,
+                        parsed.train_micro_batch_size_per_gpu,
+                        parsed.gradient_accumulation_steps,
+                    ],
+                    "stage": int(parsed.zero_optimization_stage),
+                    "fp16": bool(parsed.float16_config.enabled),
+                    "bf16": bool(parsed.bfloat16_config.enabled),
+                }
+            )
         except Exception as err:  # any refusal is the answer we report
-            results.append(f"{type(err).__name__}: {err}")
+            results.append({"error": f"{type(err).__name__}: {err}"})
     print(json.dumps(results), flush=True)
 
 
