@@ -146,6 +146,7 @@ class _Resolver:
     hidden_size: int | None = None
     total_steps: int | None = None
     check: bool = True  # compare explicit values with the training arguments
+    fill_missing: bool = True  # add keys the run determines; off when checking a file on its own
     data: dict[str, Any] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
 
@@ -163,7 +164,7 @@ class _Resolver:
                 self.problems.append((path, f'"auto" cannot be resolved: {source}'))
             return
         if have is _MISSING:
-            if fill:
+            if fill and self.fill_missing:
                 _set(self.data, path, want)
             return
         if is_auto(have):
@@ -232,9 +233,11 @@ class _Resolver:
         for p in ("fp16", "bf16"):
             want = precision == p
             if flags[p] is _MISSING:
-                if want and isinstance(self.data.get(p), dict):
+                if not (want and self.fill_missing):
+                    continue
+                if isinstance(self.data.get(p), dict):
                     self.data[p]["enabled"] = True
-                elif want:
+                else:
                     self.data[p] = dict(FP16_BLOCK) if p == "fp16" else {"enabled": True}
             elif requested != "auto" or is_auto(flags[p]):
                 self.settle(f"{p}.enabled", want, source)
@@ -507,9 +510,9 @@ def resolve_json(
     """Check a DeepSpeed JSON on its own (``trainer ds-config validate``).
 
     With a run, ``"auto"`` comes from its training arguments and explicit values must agree with
-    them, as in ``resolve``. Without one, ``"auto"`` is filled from the default arguments and
-    nothing is compared. Sections the file leaves out (optimizer, scheduler) stay out. Without
-    hardware, precision support is not checked.
+    them, as in ``resolve``. Without one, only ``"auto"`` is replaced (from the default
+    arguments); nothing is added or compared. Sections the file leaves out (optimizer,
+    scheduler) stay out. Without hardware, precision support is not checked.
     """
     from trainer.args import TrainingArguments
 
@@ -518,6 +521,7 @@ def resolve_json(
         hidden_size = run.model.model_config_overrides.get("hidden_size")
     copy = json.loads(json.dumps(data))
     r = _Resolver(args, world_size, hardware, hidden_size=hidden_size, check=run is not None, data=copy)
+    r.fill_missing = run is not None
     return _run(r, add_sections=False)
 
 
