@@ -180,3 +180,18 @@ def test_make_ds_config_script_writes_the_presets(tmp_path):
     )
     for path in tmp_path.glob("*.json"):
         assert path.read_text() == (ROOT / "ds_configs" / path.name).read_text()
+
+
+def test_config_tools_never_import_torch_or_deepspeed(tmp_path):
+    code = (
+        "import sys\n"
+        "from trainer.cli.main import main\n"
+        "from trainer.config import resolve, Hardware\n"
+        "from trainer.args import TrainingArguments\n"
+        "resolve(TrainingArguments(max_steps=1, zero_stage=3), 2, Hardware.cpu())\n"
+        f"assert main(['ds-config', 'presets', '--out-dir', {str(tmp_path)!r}]) == 0\n"
+        "loaded = sorted(m for m in ('torch', 'deepspeed') if m in sys.modules)\n"
+        "assert not loaded, loaded\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
