@@ -89,7 +89,10 @@ shortcuts `zero_stage`, `offload_optimizer`, `offload_param`, `nvme_path` and `p
 - An optimizer ZeRO has not been tested with (SGD, Lamb, the mup ones) without
   `zero_allow_untested_optimizer`; `adam_w_mode: false` with type AdamW (DeepSpeed ignores it).
 - A schedule whose `total_num_steps` is below its `warmup_num_steps`.
-- At resolve time: fp16 (or bf16) on hardware that cannot run it.
+- At resolve time: fp16 (or bf16) on hardware that cannot run it, and `aio.use_gds` without CUDA.
+
+Of these keys, DeepSpeed's own parser checks only some: `python scripts/ds_key_coverage.py` gives
+each key a wrong type and a misspelling in turn and reports which ones DeepSpeed refuses.
 """
 
 

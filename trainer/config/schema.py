@@ -41,7 +41,8 @@ REMOVED_TOP_LEVEL = {
     "sparse_gradients": f"sparse embedding-gradient compression was removed ({_ISSUE})",
     "eigenvalue": f"eigenvalue-based MoQ was removed ({_ISSUE})",
     "graph_harvesting": f"graph harvesting was removed ({_ISSUE})",
-    "curriculum_learning": "the top-level block was removed; use data_efficiency.data_sampling.curriculum_learning",
+    "curriculum_learning": "the top-level block was removed (DeepSpeed now reads it under data_efficiency, "
+    "which this schema does not cover)",
     "progressive_layer_drop": f"Progressive Layer Dropping was removed ({_ISSUE})",
 }
 
