@@ -210,6 +210,8 @@ def valid_configs(draw) -> tuple[dict[str, Any], int, int]:
     if stage <= 1 and draw(st.booleans()):
         stages = draw(st.sampled_from(_divisors(world_size)))
         data["pipeline"] = {**draw(section(PipelineConfig, exclude=("stages",))), "stages": stages}
+        if data.get("wall_clock_breakdown") and "steps_per_print" not in data:
+            data["steps_per_print"] = draw(st.integers(1, 100))
     dp = world_size // stages
     data.update(draw(batch_keys(dp)))
     if draw(st.booleans()) or stage:

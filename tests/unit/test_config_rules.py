@@ -270,3 +270,14 @@ def test_one_cycle_bounds_in_order():
 def test_betas_in_range():
     data = {**BASE, "optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.5]}}}
     assert problems(data) == [("optimizer.params.betas", "each beta must be in [0, 1); got [0.9, 1.5]")]
+
+
+def test_pipeline_timing_needs_steps_per_print():
+    data = {**BASE, "pipeline": {"stages": 2}, "wall_clock_breakdown": True}
+    assert problems(data) == [
+        (
+            "pipeline, wall_clock_breakdown, steps_per_print",
+            "the pipeline engine's timing needs steps_per_print; set it (e.g. 10)",
+        )
+    ]
+    validate({**data, "steps_per_print": 10})

@@ -85,7 +85,7 @@ shortcuts `zero_stage`, `offload_optimizer`, `offload_param`, `nvme_path` and `p
   without stage 3; an `nvme` device without `nvme_path`.
 - `train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × data-parallel
   world size`, including the case DeepSpeed gets wrong by integer division (8 = 2 × g × 3).
-- `pipeline` with ZeRO stage 2 or 3.
+- `pipeline` with ZeRO stage 2 or 3, or with `wall_clock_breakdown` but no `steps_per_print`.
 - An optimizer ZeRO has not been tested with (SGD, Lamb, the mup ones) without
   `zero_allow_untested_optimizer`; `adam_w_mode: false` with type AdamW (DeepSpeed ignores it).
 - A schedule whose `total_num_steps` is below its `warmup_num_steps`.

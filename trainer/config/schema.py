@@ -147,6 +147,14 @@ class DSConfig(ConfigModel):
                     f"pipeline parallelism needs ZeRO stage 0 or 1, got stage {stage}",
                 )
             )
+        if self.pipeline is not None and self.wall_clock_breakdown and self.steps_per_print is None:
+            # DeepSpeed's pipeline engine takes global_steps % steps_per_print when it times a step.
+            problems.append(
+                (
+                    "pipeline, wall_clock_breakdown, steps_per_print",
+                    "the pipeline engine's timing needs steps_per_print; set it (e.g. 10)",
+                )
+            )
         if self.bf16 is not None and self.bf16.bf16_master_weights_and_grads and stage == 0:
             problems.append(
                 (
