@@ -229,6 +229,8 @@ def valid_configs(draw) -> tuple[dict[str, Any], int, int]:
         data["bf16"] = bf16
     if draw(st.booleans()):
         data["optimizer"] = draw(optimizers())
+        if data["optimizer"]["type"] == "Lamb" and "fp16" in data:
+            data["fp16"]["loss_scale"] = 0
         if stage >= 1 and data["optimizer"]["type"] not in ZERO_TESTED_OPTIMIZERS:
             data["zero_allow_untested_optimizer"] = True
     if draw(st.booleans()):

@@ -281,3 +281,10 @@ def test_pipeline_timing_needs_steps_per_print():
         )
     ]
     validate({**data, "steps_per_print": 10})
+
+
+def test_lamb_needs_dynamic_loss_scaling():
+    data = {**BASE, "optimizer": {"type": "Lamb"}, "fp16": {"enabled": True, "loss_scale": 128}}
+    assert problems(data) == [
+        ("optimizer.type, fp16.loss_scale", "DeepSpeed's Lamb needs dynamic loss scaling (fp16.loss_scale 0)")
+    ]

@@ -87,7 +87,8 @@ shortcuts `zero_stage`, `offload_optimizer`, `offload_param`, `nvme_path` and `p
   world size`, including the case DeepSpeed gets wrong by integer division (8 = 2 × g × 3).
 - `pipeline` with ZeRO stage 2 or 3, or with `wall_clock_breakdown` but no `steps_per_print`.
 - An optimizer ZeRO has not been tested with (SGD, Lamb, the mup ones) without
-  `zero_allow_untested_optimizer`; `adam_w_mode: false` with type AdamW (DeepSpeed ignores it).
+  `zero_allow_untested_optimizer`; `adam_w_mode: false` with type AdamW (DeepSpeed ignores it);
+  Lamb with a static fp16 loss scale.
 - A schedule whose `total_num_steps` is below its `warmup_num_steps`.
 - At resolve time: fp16 (or bf16) on hardware that cannot run it, and `aio.use_gds` without CUDA.
 

@@ -176,6 +176,18 @@ class DSConfig(ConfigModel):
                     f"(tested: {', '.join(ZERO_TESTED_OPTIMIZERS)})",
                 )
             )
+        if (
+            optimizer is not None
+            and optimizer.type == "Lamb"
+            and self.fp16 is not None
+            and self.fp16.loss_scale > 0
+        ):
+            problems.append(
+                (
+                    "optimizer.type, fp16.loss_scale",
+                    "DeepSpeed's Lamb needs dynamic loss scaling (fp16.loss_scale 0)",
+                )
+            )
         if problems:
             raise rule_error(problems)
         return self
