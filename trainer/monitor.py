@@ -141,7 +141,10 @@ class StepTimer:
         self.start()
 
     def start(self, sync_fn: Callable[[], None] | None = None) -> None:
-        """Begin a window now; call again after evaluation or a checkpoint so they are not counted."""
+        """Begin a window now; call again after evaluation or a checkpoint so they are not counted.
+
+        Steps of the current window not yet flushed are dropped, so call it right after a flush.
+        """
         if sync_fn is not None:
             sync_fn()
         self._t0 = self.clock()
