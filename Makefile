@@ -7,6 +7,8 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 # On a CPU box DeepSpeed must be told to use its CPU accelerator; on a GPU box it finds CUDA itself.
 ifneq ($(HAS_GPU),1)
 export DS_ACCELERATOR ?= cpu
+# One thread per rank: two ranks share two cores.
+export OMP_NUM_THREADS ?= 1
 NUM_GPUS ?= 2
 # CPU torch from the local wheel; a GPU box keeps (or pulls) its CUDA build.
 TORCH_SPEC ?= torch==2.13.0

@@ -108,6 +108,12 @@ class TrainingArguments(_Args):
     pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (ZeRO stage 0 or 1 only).")
     peak_tflops: float | None = Field(None, gt=0, description="Device peak TFLOP/s for MFU when not in the table.")
 
+    @field_validator("eval_strategy", "save_strategy", mode="before")
+    @classmethod
+    def _yaml_no(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `no` in a recipe as False.
+        return "no" if value is False else value
+
     @field_validator("report_to", mode="before")
     @classmethod
     def _report_to_list(cls, value: Any) -> Any:
@@ -160,6 +166,7 @@ class DataArguments(_Args):
     packing: bool = Field(True, description="Pack documents into full blocks instead of padding each.")
     validation_split_percentage: float = Field(5.0, ge=0, lt=100, description="Share held out for eval.")
     max_train_samples: int | None = Field(None, ge=1, description="Truncate the training set (for quick runs).")
+    max_eval_samples: int | None = Field(None, ge=1, description="Truncate the evaluation set (for quick runs).")
     preprocessing_num_workers: int | None = Field(None, ge=1, description="Processes for tokenisation.")
     cache_dir: str | None = Field(None, description="Tokenisation cache (default: ~/.cache/trainer/datasets).")
 
@@ -216,8 +223,14 @@ def _validation_problems(err: ValidationError) -> list[tuple[str, str]]:
     return problems
 
 
+_YAML11_BOOLS = {"yes", "no", "on", "off", "y", "n"}
+
+
 def _parse_value(text: str) -> Any:
-    """A CLI value as YAML would read it: numbers, booleans, lists, dicts; otherwise the string."""
+    """A CLI value as YAML would read it: numbers, booleans, lists, dicts; otherwise the string.
+    YAML 1.1's yes/no/on/off stay strings (``--save_strategy no``)."""
+    if text.lower() in _YAML11_BOOLS:
+        return text
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:

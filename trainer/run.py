@@ -28,7 +28,10 @@ def run(run_config: RunConfig) -> int:
     hardware = detect_hardware()
     world = dist_info().world_size
     # Fails fast on impossible batch sizes, fp16 on CPU, bad DeepSpeed JSON: nothing is loaded yet.
-    resolve(args, world_size=world, hardware=hardware, total_steps=1)
+    # An epoch-based run's step count is known only once the data is; until then any count past
+    # the warmup stands in for it.
+    steps = args.max_steps if args.max_steps > 0 else args.warmup_steps + 1
+    resolve(args, world_size=world, hardware=hardware, total_steps=steps)
     _check_paths(run_config)
 
     tokenizer = get_tokenizer(model_args, data_args)
@@ -36,11 +39,11 @@ def run(run_config: RunConfig) -> int:
     config = model_config(model_args, tokenizer, data_args.block_size)
     # The config for building the model (zero.Init under ZeRO-3); the Trainer re-resolves it once
     # it knows the total number of steps for the scheduler.
-    ds_config = resolve(args, world_size=world, hardware=hardware, hidden_size=hidden_size_of(config), total_steps=1)
+    ds_config = resolve(args, world_size=world, hardware=hardware, hidden_size=hidden_size_of(config), total_steps=steps)
     set_seed(args.seed)
     model = build_model(model_args, config, ds_config, args.gradient_checkpointing, seed=args.seed)
-    if args.eval_strategy == "no":
-        eval_ds = eval_ds if eval_ds is not None and len(eval_ds) else None
+    if eval_ds is not None and data_args.max_eval_samples:
+        eval_ds = eval_ds.select(range(min(data_args.max_eval_samples, len(eval_ds))))
     trainer = Trainer(
         model=model,
         args=args,
@@ -49,10 +52,12 @@ def run(run_config: RunConfig) -> int:
         processing_class=tokenizer,
         run_config=run_config,
     )
-    trainer.train()
-    if eval_ds is not None:
-        metrics = trainer.evaluate()
-        print_main(f"eval_loss {metrics['eval_loss']:.4f}  perplexity {metrics['eval_perplexity']:.2f}")
+    state = trainer.train()
+    evals = [row for row in state.log_history if "eval_loss" in row]
+    if eval_ds is not None and len(eval_ds) and not (evals and evals[-1]["step"] == state.global_step):
+        evals.append(trainer.evaluate())
+    if evals:
+        print_main(f"eval_loss {evals[-1]['eval_loss']:.4f}  perplexity {evals[-1]['eval_perplexity']:.2f}")
     final = trainer.save_model(str(Path(args.output_dir) / "final"))
     if dist_info().is_main:
         _plot(args.output_dir)

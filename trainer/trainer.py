@@ -117,20 +117,10 @@ class Trainer:
         self.callback_handler.add(callback)
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainerState:
-        args, state = self.args, self.state
-        if self.train_dataset is None:
-            raise ValueError("Trainer.train: train_dataset is required")
-        set_seed(args.seed)
-        sampler = ResumableDistributedSampler(
-            len(self.train_dataset), self.dist.world_size, self.dist.rank, seed=args.seed
-        )
-        micro_per_epoch = math.ceil(len(sampler) / args.per_device_train_batch_size)
-        state.steps_per_epoch = math.ceil(micro_per_epoch / args.gradient_accumulation_steps)
-        state.max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * state.steps_per_epoch)
-        state.num_train_epochs = math.ceil(state.max_steps / state.steps_per_epoch)
-        self._ensure_engine(state.max_steps)
+        args = self.args
+        sampler = self._prepare_training()
         self._resume(resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint)
-
+        state = self.state  # after the resume: it may have replaced the state
         timer = StepTimer(
             self._flops_per_token(),
             self.hardware.name,
@@ -231,6 +221,23 @@ class Trainer:
             ckpt.export_hf(module, state_dict, self.processing_class, target)
         barrier("save_model")
         return target
+
+    def _prepare_training(self) -> ResumableDistributedSampler:
+        """Seed, plan the run's length from the data, and build the engine."""
+        args, state = self.args, self.state
+        if self.train_dataset is None:
+            raise ValueError("Trainer.train: train_dataset is required")
+        set_seed(args.seed)
+        sampler = ResumableDistributedSampler(
+            len(self.train_dataset), self.dist.world_size, self.dist.rank, seed=args.seed
+        )
+        micro_per_epoch = math.ceil(len(sampler) / args.per_device_train_batch_size)
+        state.steps_per_epoch = math.ceil(micro_per_epoch / args.gradient_accumulation_steps)
+        epochs_steps = math.ceil(args.num_train_epochs * state.steps_per_epoch)
+        state.max_steps = args.max_steps if args.max_steps > 0 else epochs_steps
+        state.num_train_epochs = math.ceil(state.max_steps / state.steps_per_epoch)
+        self._ensure_engine(state.max_steps)
+        return sampler
 
     # ---- engine and data -----------------------------------------------------------------------
 
@@ -368,7 +375,9 @@ class Trainer:
     def _load_checkpoint(self, path: Path, weights_only: bool = False) -> None:
         saved = ckpt.load(self.engine, path, self.dist, restore_rng=not weights_only)
         if not weights_only:
-            saved.is_world_process_zero, saved.max_steps = self.state.is_world_process_zero, self.state.max_steps
+            # Where the run is comes from the checkpoint; how long it runs from these arguments.
+            for plan in ("is_world_process_zero", "world_size", "max_steps", "num_train_epochs", "steps_per_epoch"):
+                setattr(saved, plan, getattr(self.state, plan))
             self.state = saved
 
     # ---- small helpers -------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import DataCollatorForLanguageModeling, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers import Trainer, TrainingArguments
 
-output_dir = sys.argv[1]
+output_dir = [a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]  # the launcher adds --local_rank
 lines = [line for line in open(datasets.__file__.replace("__init__.py", "arrow_dataset.py")).read().splitlines() if line.strip()][:600]
 
 bpe = Tokenizer(models.BPE(unk_token="<unk>"))

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.distributed
 
 # A short version of the embedded default: same recipe, fewer steps.
 SHORT = ["--max_steps", "24", "--logging_steps", "4", "--save_steps", "12", "--eval_steps", "12",
-         "--max_train_samples", "400", "--block_size", "64"]
+         "--max_train_samples", "400", "--max_eval_samples", "32", "--block_size", "64"]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,8 @@ def test_metrics_rows_have_the_contract_fields(default_run):
 def test_output_dir_holds_configs_and_checkpoints(default_run):
     out, _ = default_run
     ds = json.loads((out / "ds_config.json").read_text())
-    assert ds["train_micro_batch_size_per_gpu"] == 8
-    assert ds["train_batch_size"] == 16
+    assert ds["train_micro_batch_size_per_gpu"] == 4
+    assert ds["train_batch_size"] == 8
     assert "auto" not in json.dumps(ds)
     run = yaml.safe_load((out / "run_config.yaml").read_text())
     assert run["max_steps"] == 24 and run["dataset"] == "stdlib"
@@ -69,7 +69,7 @@ def test_final_export_loads_with_auto_classes(default_run):
 
 def test_rerun_resumes_from_newest_complete_checkpoint(default_run):
     out, _ = default_run
-    proc = launch(["scripts/train.py", "--output_dir", str(out), *SHORT[:-2], "--block_size", "64", "--max_steps", "28"])
+    proc = launch(["scripts/train.py", "--output_dir", str(out), *SHORT, "--max_steps", "28"])
     assert f"Resumed from {out / 'checkpoint-24'} at step 24" in proc.stdout
     steps = [r["step"] for r in read_metrics(out) if "loss" in r]
     assert steps[-1] == 28
