@@ -1,6 +1,6 @@
 """The memory planner: bytes per GPU and per node for every ZeRO stage, offload and checkpointing choice.
 
-Three parts are counted separately (docs/planner.md derives each term):
+Three parts are counted separately (docs/memory.md derives each term):
 
 * model states as the ZeRO paper counts them (Rajbhandari et al., 2020): with mixed-precision Adam,
   2Ψ bytes of 16-bit parameters, 2Ψ of 16-bit gradients and KΨ = 12Ψ of optimizer states (fp32 master
@@ -220,7 +220,7 @@ def knobs_from_config(ds_config: dict[str, Any] | None) -> dict[str, Any]:
 
 def buffer_bytes(spec: ModelSpec, setup: Setup, dp: int, precision: str,
                  knobs: dict[str, Any] | None = None) -> dict[str, float]:  # fmt: skip
-    """DeepSpeed's buffers and temporaries on one GPU, by name (see docs/planner.md)."""
+    """DeepSpeed's buffers and temporaries on one GPU, by name (see docs/memory.md)."""
     knobs = knobs or knobs_from_config(None)
     n, p, stage = spec.n_params, param_bytes(precision), setup.zero_stage
     offloaded = setup.offload_optimizer == "cpu"
@@ -393,7 +393,7 @@ def format_table(result: dict[str, Any]) -> str:
 def deepspeed_estimates(spec: ModelSpec, cluster: Cluster) -> dict[str, dict[str, float]]:
     """DeepSpeed's own model-state estimators for the same model and cluster, in GB per GPU / per node.
 
-    Imports deepspeed, so it is kept out of the planner's path; docs/planner.md compares the two.
+    Imports deepspeed, so it is kept out of the planner's path; docs/memory.md compares the two.
     """
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs

@@ -1,7 +1,7 @@
 """Throughput, model FLOPs and MFU, memory, and the metric writers (metrics.jsonl and TensorBoard).
 
 The one rule: nothing here synchronises host and device except ``StepTimer.flush``, which the Trainer
-calls at a logging step. docs/metrics.md defines each metric.
+calls at a logging step. docs/observability.md defines each metric.
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def engine_state_bytes(engine: Any) -> dict[str, int]:
     parameters, and the wrapper's fp32 partitions (attributes named ``*fp32*``). ``grads``: gradients
     of either, and the wrapper's gradient partitions and buffers (attributes named ``*grad*``).
     ``other``: any further tensors of the wrapper (communication buckets). Meta tensors hold no memory and are skipped. Compare with
-    ``trainer.memory.model_state_bytes`` (docs/planner.md).
+    ``trainer.memory.model_state_bytes`` (docs/memory.md).
     """
     import torch
 

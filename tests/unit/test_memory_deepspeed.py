@@ -1,4 +1,4 @@
-"""The planner's model states against DeepSpeed's own estimators (docs/planner.md explains each gap)."""
+"""The planner's model states against DeepSpeed's own estimators (docs/memory.md explains each gap)."""
 
 from __future__ import annotations
 
