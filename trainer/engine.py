@@ -101,6 +101,16 @@ class Engine:
     def step(self) -> None:
         self.ds.step()
 
+    def train_window(self, window: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward every micro-batch of one accumulation window, then one optimizer step.
+        Returns (this rank's summed loss, target tokens of the window on all ranks), on device."""
+        tokens = self.window_targets(window)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, batch in enumerate(window):
+            loss_sum += self.forward_backward(batch, tokens, is_boundary=i == len(window) - 1)
+        self.step()
+        return loss_sum, tokens
+
     @torch.no_grad()
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, target count) of one batch, both on device."""

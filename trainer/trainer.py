@@ -137,10 +137,8 @@ class Trainer:
             self.control = self.callback_handler.fire("on_epoch_begin", args, state, self.control)
             for window in self._windows(sampler):
                 self.control = self.callback_handler.fire("on_step_begin", args, state, self.control)
-                window_tokens = self.engine.window_targets(window)
-                for i, batch in enumerate(window):
-                    loss_sum += self.engine.forward_backward(batch, window_tokens, i == len(window) - 1)
-                self.engine.step()
+                window_loss, window_tokens = self.engine.train_window(window)
+                loss_sum += window_loss
                 token_sum += window_tokens
                 samples = sum(len(b["input_ids"]) for b in window)
                 timer.step_end(tokens=sum(int(non_padding_tokens(b)) for b in window), samples=samples)
