@@ -232,6 +232,14 @@ def _parse_value(text: str) -> Any:
     if text.lower() in _YAML11_BOOLS:
         return text
     try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)  # YAML 1.1 reads 3e-4 (no dot) as a string
+    except ValueError:
+        pass
+    try:
         return yaml.safe_load(text)
     except yaml.YAMLError:
         return text

@@ -222,7 +222,30 @@ def offload(out: Path) -> dict:
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (zero_stages, grad_accum, activation_checkpointing, bf16, offload)}
+def evaluate_zero3(out: Path) -> dict:
+    """evaluate() under ZeRO-3 with 13 samples on 2 ranks (one padded row) against plain torch."""
+    data = token_dataset(13, seed=4)
+    args = TrainingArguments(output_dir=str(out / "eval_z3"), zero_stage=3, per_device_eval_batch_size=4, disable_tqdm=True)
+    ds_config = resolve(args, dist_info().world_size, detect_hardware(), hidden_size=TINY["hidden_size"], total_steps=1)
+    trainer = Trainer(model=make_model(ds_config), args=args, eval_dataset=data, data_collator=CausalLMCollator(0))
+    metrics = trainer.evaluate()
+    from trainer.distributed import all_gather_object
+
+    per_rank = all_gather_object(metrics["eval_loss"])
+    model = LlamaForCausalLM(tiny_config())
+    init_weights(model, seed=0)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in data:
+            b = CausalLMCollator(0)([row])
+            total += causal_lm_loss_sum(model(input_ids=b["input_ids"]).logits, b["labels"]).item()
+            count += count_targets(b)
+    return {"per_rank": per_rank, "reference": total / count, "perplexity": metrics["eval_perplexity"]}
+
+
+SCENARIOS = {
+    f.__name__: f for f in (zero_stages, grad_accum, activation_checkpointing, bf16, offload, evaluate_zero3)
+}
 
 
 def main() -> int:

@@ -11,7 +11,7 @@ from tests.conftest import launch
 
 pytestmark = pytest.mark.distributed
 
-SCENARIOS = ["zero_stages", "grad_accum", "activation_checkpointing", "bf16", "offload"]
+SCENARIOS = ["zero_stages", "grad_accum", "activation_checkpointing", "bf16", "offload", "evaluate_zero3"]
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +82,13 @@ def test_cpu_offload_trains(results, stage):
     run = res["offload"][f"zero{stage}"]
     assert "DeepSpeedCPUAdam" in (run["optimizer"], run["inner"])
     assert run["losses"][-1] < 0.8 * run["losses"][0]
+
+
+def test_evaluate_under_zero3_is_exact_on_every_rank(results):
+    import math
+
+    _, res = results
+    ev = res["evaluate_zero3"]
+    assert len(ev["per_rank"]) == 2 and ev["per_rank"][0] == ev["per_rank"][1]
+    assert abs(ev["per_rank"][0] - ev["reference"]) <= 1e-5 * ev["reference"]
+    assert abs(ev["perplexity"] - math.exp(ev["reference"])) <= 1e-4 * ev["perplexity"]

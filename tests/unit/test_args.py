@@ -1,0 +1,59 @@
+"""Run arguments: recipes, CLI overrides, and the errors bad input gets."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.args import RunConfig, TrainingArguments, parse_cli, parse_run_config
+from trainer.config.errors import ConfigError
+
+
+def test_cli_forms_and_launcher_flag():
+    flat = parse_cli(["--max_steps", "50", "--learning_rate=3e-4", "--bf16", "--local_rank=1", "--report_to", "[tensorboard]"])
+    assert flat == {"max_steps": 50, "learning_rate": 3e-4, "bf16": True, "report_to": ["tensorboard"]}
+    assert parse_cli(["--local_rank", "0", "--seed", "7"]) == {"seed": 7}
+
+
+def test_recipe_then_flags_override(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("max_steps: 10\nsave_strategy: no\nblock_size: 64\nmodel_type: gpt2\n")
+    run = parse_run_config(["--config", str(recipe), "--max_steps", "20", "--eval_strategy", "no"])
+    assert run.training.max_steps == 20
+    assert run.training.save_strategy == "no" and run.training.eval_strategy == "no"
+    assert run.data.block_size == 64 and run.model.model_type == "gpt2"
+    assert RunConfig.from_flat(run.to_flat()) == run
+
+
+def test_unknown_field_names_it_and_suggests():
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_flat({"max_step": 10, "learnin_rate": 1e-3})
+    assert str(err.value) == (
+        "max_step: unknown key; did you mean max_steps?\nlearnin_rate: unknown key; did you mean learning_rate?"
+    )
+
+
+def test_wrong_type_names_the_field():
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_flat({"per_device_train_batch_size": 0})
+    assert str(err.value).startswith("per_device_train_batch_size: ")
+
+
+def test_conflicting_precision_flags():
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_flat({"bf16": True, "fp16": True})
+    assert str(err.value) == "bf16, fp16: both enabled; choose one"
+    assert TrainingArguments(bf16=True).requested_precision == "bf16"
+    assert TrainingArguments().requested_precision == "auto"
+
+
+def test_hf_style_keyword_construction():
+    args = TrainingArguments(output_dir="o", report_to="none", eval_strategy="steps", eval_steps=5)
+    assert args.report_to == [] and args.eval_steps == 5
+    assert TrainingArguments(report_to="all").report_to == ["tensorboard"]
+    with pytest.raises(ValueError, match="max_step: unknown key; did you mean max_steps"):
+        TrainingArguments(max_step=3)
+
+
+def test_missing_recipe_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"config: recipe file not found: .*nope.yaml"):
+        parse_run_config(["--config", str(tmp_path / "nope.yaml")])
