@@ -61,7 +61,9 @@ class TrainingArguments(_Args):
         "adamw_fused is DeepSpeed's FusedAdam. CPU offload always uses DeepSpeedCPUAdam.",
     )
     learning_rate: float = Field(5e-5, ge=0, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (not applied to biases and norms).")
+    weight_decay: float = Field(
+        0.0, ge=0, description="Decoupled weight decay (not applied to biases and norms)."
+    )
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
     adam_epsilon: float = Field(1e-8, gt=0, description="Adam epsilon.")
@@ -84,16 +86,21 @@ class TrainingArguments(_Args):
         default_factory=list, description="Extra metric sinks: tensorboard ('none' or 'all' as in HF)."
     )
     load_best_model_at_end: bool = Field(False, description="Reload the best checkpoint when training ends.")
-    metric_for_best_model: str | None = Field(None, description="Metric that ranks checkpoints (default: loss).")
+    metric_for_best_model: str | None = Field(
+        None, description="Metric that ranks checkpoints (default: loss)."
+    )
     greater_is_better: bool | None = Field(None, description="Whether a larger metric is better.")
     disable_tqdm: bool = Field(False, description="Hide the progress bar.")
 
     bf16: bool = Field(False, description="Train in bf16 mixed precision.")
     fp16: bool = Field(False, description="Train in fp16 mixed precision with dynamic loss scaling.")
     precision: Precision = Field(
-        "auto", description="fp32, bf16, fp16, or auto: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU."
+        "auto",
+        description="fp32, bf16, fp16, or auto: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU.",
     )
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward to save memory."
+    )
 
     deepspeed: str | dict[str, Any] | None = Field(
         None, description="A DeepSpeed JSON path, a dict, or a preset name (zero2, zero3_offload, ...)."
@@ -106,7 +113,23 @@ class TrainingArguments(_Args):
     offload_param: OffloadDevice = Field("none", description="Offload parameters to cpu or nvme (ZeRO-3).")
     nvme_path: str | None = Field(None, description="Directory for NVMe offload.")
     pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (ZeRO stage 0 or 1 only).")
-    peak_tflops: float | None = Field(None, gt=0, description="Device peak TFLOP/s for MFU when not in the table.")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Device peak TFLOP/s for MFU when not in the table."
+    )
+
+    hang_timeout_s: float = Field(
+        1800.0, gt=0, description="A collective phase (init, save, load, eval) slower than this is a hang."
+    )
+    preemption_grace_s: float = Field(
+        120.0, gt=0, description="Time allowed for the checkpoint saved on SIGTERM/SIGUSR1."
+    )
+    nonfinite_policy: Literal["skip", "rollback", "stop"] = Field(
+        "stop",
+        description="On a NaN/Inf loss or grad norm: skip (the optimizer's overflow check drops the step; "
+        "ZeRO 1-3 and fp16), rollback (reload the last checkpoint, lower the learning rate) or stop.",
+    )
+    nonfinite_lr_factor: float = Field(0.5, gt=0, le=1, description="Learning-rate factor on each rollback.")
+    nonfinite_max_rollbacks: int = Field(3, ge=0, description="Rollbacks allowed before the run stops.")
 
     @field_validator("eval_strategy", "save_strategy", mode="before")
     @classmethod
@@ -140,14 +163,16 @@ class TrainingArguments(_Args):
 
 class ModelArguments(_Args):
     model_name_or_path: str | None = Field(
-        None, description="A local HF model directory (or hub name) to fine-tune; None builds from model_config."
+        None,
+        description="A local HF model directory (or hub name) to fine-tune; None builds from model_config.",
     )
     model_type: Literal["llama", "gpt2"] = Field("llama", description="Architecture built from model_config.")
     model_config_overrides: dict[str, Any] = Field(
         default_factory=dict, description="Config fields for a model built from scratch (hidden_size, ...)."
     )
     tokenizer_name_or_path: str | None = Field(
-        None, description="Tokenizer directory; None uses the model's, or trains a byte-level BPE on the corpus."
+        None,
+        description="Tokenizer directory; None uses the model's, or trains a byte-level BPE on the corpus.",
     )
     vocab_size: int = Field(4096, ge=256, description="Vocabulary size of a tokenizer trained on the corpus.")
     trust_remote_code: bool = Field(False, description="Allow model code from the model directory to run.")
@@ -155,7 +180,8 @@ class ModelArguments(_Args):
 
 class DataArguments(_Args):
     dataset: str = Field(
-        "stdlib", description="'stdlib' (the Python standard library source), a local file/dir, or a hub name."
+        "stdlib",
+        description="'stdlib' (the Python standard library source), a local file/dir, or a hub name.",
     )
     dataset_config: str | None = Field(None, description="Hub dataset configuration name.")
     text_column: str = Field("text", description="Column holding raw text.")
@@ -165,10 +191,16 @@ class DataArguments(_Args):
     block_size: int = Field(256, ge=8, description="Tokens per training sequence.")
     packing: bool = Field(True, description="Pack documents into full blocks instead of padding each.")
     validation_split_percentage: float = Field(5.0, ge=0, lt=100, description="Share held out for eval.")
-    max_train_samples: int | None = Field(None, ge=1, description="Truncate the training set (for quick runs).")
-    max_eval_samples: int | None = Field(None, ge=1, description="Truncate the evaluation set (for quick runs).")
+    max_train_samples: int | None = Field(
+        None, ge=1, description="Truncate the training set (for quick runs)."
+    )
+    max_eval_samples: int | None = Field(
+        None, ge=1, description="Truncate the evaluation set (for quick runs)."
+    )
     preprocessing_num_workers: int | None = Field(None, ge=1, description="Processes for tokenisation.")
-    cache_dir: str | None = Field(None, description="Tokenisation cache (default: ~/.cache/trainer/datasets).")
+    cache_dir: str | None = Field(
+        None, description="Tokenisation cache (default: ~/.cache/trainer/datasets)."
+    )
 
 
 SECTIONS: dict[str, type[_Args]] = {
@@ -206,7 +238,9 @@ class RunConfig(BaseModel):
             raise ConfigError(_validation_problems(err)) from None
 
     def to_flat(self) -> dict[str, Any]:
-        return {k: v for section in (self.training, self.model, self.data) for k, v in section.to_dict().items()}
+        return {
+            k: v for section in (self.training, self.model, self.data) for k, v in section.to_dict().items()
+        }
 
 
 def _validation_problems(err: ValidationError) -> list[tuple[str, str]]:

@@ -28,6 +28,10 @@ class TrainerState:
     samples_into_epoch: int = 0
     num_input_tokens_seen: int = 0
     log_history: list[dict[str, Any]] = field(default_factory=list)
+    # Non-finite guard: learning-rate scale after rollbacks, and how often it fired.
+    lr_scale: float = 1.0
+    rollbacks: int = 0
+    nonfinite_windows: int = 0
     best_metric: float | None = None
     best_model_checkpoint: str | None = None
     is_world_process_zero: bool = True

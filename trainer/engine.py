@@ -18,7 +18,7 @@ import deepspeed
 import torch
 import torch.nn.functional as F
 
-from trainer.distributed import all_reduce_sum
+from trainer.distributed import host_all_reduce
 
 IGNORE_INDEX = -100
 
@@ -73,6 +73,7 @@ class Engine:
         )
         self.device = self.ds.device
         self.world_size = self.ds.dp_world_size
+        self.lr_scale = 1.0
 
     @property
     def module(self) -> torch.nn.Module:
@@ -80,36 +81,46 @@ class Engine:
 
     # ---- one accumulation window ---------------------------------------------------------------
 
-    def window_targets(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Target tokens in a whole window on all ranks, as a device tensor (no host sync)."""
-        local = torch.tensor(float(sum(count_targets(b) for b in batches)))
-        if self.device.type == "cuda":
-            local = local.to(self.device, non_blocking=True)
-        return all_reduce_sum(local).clamp_(min=1.0)
+    def window_targets(self, batches: list[dict[str, torch.Tensor]]) -> float:
+        """Target tokens in a whole window on all ranks. Counted on the host from the CPU batches
+        and summed over the gloo control group, so the device stream is never waited on."""
+        local = float(sum(count_targets(b) for b in batches))
+        return max(host_all_reduce([local])[0], 1.0)
 
     def forward_backward(
-        self, batch: dict[str, torch.Tensor], window_tokens: torch.Tensor, is_boundary: bool
+        self, batch: dict[str, torch.Tensor], window_tokens: float, is_boundary: bool, poison: bool = False
     ) -> torch.Tensor:
         """One micro-batch; returns its detached summed loss (for logging, stays on device)."""
         self.ds.set_gradient_accumulation_boundary(is_boundary)
         labels, inputs = self.model_inputs(batch)
         loss_sum = causal_lm_loss_sum(self.ds(**inputs).logits, labels)
+        if poison:  # fault injection: a non-finite loss, as a diverging run would produce
+            loss_sum = loss_sum * float("nan")
         # DeepSpeed averages gradients over ranks; multiplying by the world size turns that into a sum.
         self.ds.backward(loss_sum * (self.world_size / window_tokens), scale_wrt_gas=False)
         return loss_sum.detach()
 
     def step(self) -> None:
         self.ds.step()
+        self._apply_lr_scale()
 
-    def train_window(self, window: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_window(
+        self, window: list[dict[str, torch.Tensor]], poison: bool = False
+    ) -> tuple[torch.Tensor, float]:
         """Forward/backward every micro-batch of one accumulation window, then one optimizer step.
-        Returns (this rank's summed loss, target tokens of the window on all ranks), on device."""
+        Returns (this rank's summed loss on device, target tokens of the window on all ranks)."""
         tokens = self.window_targets(window)
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(window):
-            loss_sum += self.forward_backward(batch, tokens, is_boundary=i == len(window) - 1)
+            loss_sum += self.forward_backward(batch, tokens, i == len(window) - 1, poison=poison)
         self.step()
         return loss_sum, tokens
+
+    def _apply_lr_scale(self) -> None:
+        """A rollback's learning-rate cut: the scheduler sets each step's rate, then we scale it."""
+        if self.lr_scale != 1.0:
+            for group in self.ds.optimizer.param_groups:
+                group["lr"] *= self.lr_scale
 
     @torch.no_grad()
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +181,28 @@ class Engine:
         )
         if path is None:
             raise FileNotFoundError(f"{directory}/{tag}: DeepSpeed found no checkpoint to load")
+        if load_optimizer_states:
+            _replay_cpu_adam_bias_state(self.ds)
         return client_state or {}
+
+    def load_universal(self, directory: str, tag: str) -> dict[str, Any]:
+        """Load a universal checkpoint (``ds_to_universal`` output, saved on any number of ranks):
+        weights, optimizer moments and scheduler, re-partitioned for this world size."""
+        config = self.ds._config
+        groups = self.ds.optimizer.optimizer.param_groups if hasattr(self.ds.optimizer, "optimizer") else []
+        decay = [g.get("weight_decay") for g in groups]
+        # The same switch as "checkpoint": {"load_universal": true}; DeepSpeed reads it only at load.
+        config.load_universal_checkpoint = True
+        try:
+            client_state = self.load(directory, tag)
+        finally:
+            config.load_universal_checkpoint = False
+        if self.ds.zero_optimization_partition_weights() and len(decay) == len(groups):
+            # ZeRO-3's universal load copies the first group's hyperparameters to every group, which
+            # would put weight decay on the no-decay group; each group's own decay is restored here.
+            for group, value in zip(groups, decay, strict=True):
+                group["weight_decay"] = value
+        return client_state
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on rank 0 (gathered under ZeRO-3); None on other ranks."""
@@ -180,3 +212,33 @@ class Engine:
         if self.ds.global_rank != 0:
             return None
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+
+
+def _replay_cpu_adam_bias_state(ds: Any) -> None:
+    """Make DeepSpeed's CPU Adam kernels resume bit-exactly.
+
+    Both DeepSpeedCPUAdam (offload) and FusedAdam on the CPU accelerator keep beta1^t and beta2^t
+    in a C++ optimizer object that outlives each call and is not part of any checkpoint. In a
+    continuing run they are built up by one float multiplication per step; a fresh process that
+    first sees step t computes them with pow() instead, which differs in the last bit, so every
+    update after a resume drifts by ~1e-7. Replaying steps 1..t on a one-element dummy rebuilds the
+    exact same products. CUDA's FusedAdam computes the powers per call and needs nothing.
+    """
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    opt = getattr(ds, "basic_optimizer", None)
+    if isinstance(opt, FusedAdam) and ds.device.type == "cpu":
+        def call(k: int, group: dict[str, Any], t: list[torch.Tensor]) -> None:
+            opt.multi_tensor_adam(2048 * 32, opt._dummy_overflow_buf, [[x] for x in t], 0.0, *group["betas"],
+                                  group["eps"], k, opt.adam_w_mode, int(group["bias_correction"]), 0.0)  # fmt: skip
+    elif isinstance(opt, DeepSpeedCPUAdam):
+        def call(k: int, group: dict[str, Any], t: list[torch.Tensor]) -> None:
+            opt.ds_opt_adam.adam_update(opt.opt_id, k, 0.0, *group["betas"], group["eps"], 0.0,
+                                        group["bias_correction"], t[1], t[0], t[2], t[3])  # fmt: skip
+    else:
+        return
+    steps = [int(s["step"]) for s in opt.state.values() if "step" in s]
+    dummy = [torch.zeros(1) for _ in range(4)]  # grad, param, exp_avg, exp_avg_sq
+    for k in range(1, max(steps, default=0) + 1):
+        for group in opt.param_groups:  # in the order a real step visits them
+            call(k, group, dummy)

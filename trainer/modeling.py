@@ -40,9 +40,16 @@ def model_config(model_args: ModelArguments, tokenizer: Any, block_size: int) ->
         pad_token_id=tokenizer.pad_token_id,
     )
     if model_args.model_type == "gpt2":
-        return GPT2Config(**{**DEFAULT_GPT2, "n_positions": block_size, **special, **model_args.model_config_overrides})
+        return GPT2Config(
+            **{**DEFAULT_GPT2, "n_positions": block_size, **special, **model_args.model_config_overrides}
+        )
     return LlamaConfig(
-        **{**DEFAULT_LLAMA, "max_position_embeddings": block_size, **special, **model_args.model_config_overrides}
+        **{
+            **DEFAULT_LLAMA,
+            "max_position_embeddings": block_size,
+            **special,
+            **model_args.model_config_overrides,
+        }
     )
 
 

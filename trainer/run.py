@@ -39,7 +39,9 @@ def run(run_config: RunConfig) -> int:
     config = model_config(model_args, tokenizer, data_args.block_size)
     # The config for building the model (zero.Init under ZeRO-3); the Trainer re-resolves it once
     # it knows the total number of steps for the scheduler.
-    ds_config = resolve(args, world_size=world, hardware=hardware, hidden_size=hidden_size_of(config), total_steps=steps)
+    ds_config = resolve(
+        args, world_size=world, hardware=hardware, hidden_size=hidden_size_of(config), total_steps=steps
+    )
     set_seed(args.seed)
     model = build_model(model_args, config, ds_config, args.gradient_checkpointing, seed=args.seed)
     if eval_ds is not None and data_args.max_eval_samples:
@@ -72,7 +74,11 @@ def _check_paths(run_config: RunConfig) -> None:
         if not (Path(model_path) / "config.json").is_file():
             raise ConfigError([("model_name_or_path", f"{model_path}: no config.json there")])
     dataset = run_config.data.dataset
-    if dataset != "stdlib" and dataset.startswith((".", "/", "~")) and not Path(dataset).expanduser().exists():
+    if (
+        dataset != "stdlib"
+        and dataset.startswith((".", "/", "~"))
+        and not Path(dataset).expanduser().exists()
+    ):
         raise ConfigError([("dataset", f"{dataset}: no such file or directory")])
 
 

@@ -33,12 +33,20 @@ from trainer.callbacks import (
 from trainer.config import resolve
 from trainer.data import CausalLMCollator, ResumableDistributedSampler
 from trainer.distributed import (
+    EXIT_NONFINITE,
+    EXIT_PREEMPTED,
+    PreemptionFlag,
+    Watchdog,
     all_gather_object,
     all_reduce_sum,
     barrier,
+    crash_now,
     detect_hardware,
+    fault_plan,
+    host_all_reduce,
     init_distributed,
     print_main,
+    warn,
 )
 from trainer.engine import IGNORE_INDEX, Engine
 from trainer.monitor import (
@@ -107,6 +115,9 @@ class Trainer:
         self.callback_handler = CallbackHandler(default + list(callbacks or []))
         self.engine: Engine | None = None
         self.ds_config: dict[str, Any] | None = None
+        self.faults = fault_plan()
+        self.watchdog = Watchdog(self.args.output_dir, self.args.hang_timeout_s, self.faults)
+        self.preemption = PreemptionFlag()
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -119,54 +130,138 @@ class Trainer:
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainerState:
         args = self.args
         sampler = self._prepare_training()
-        self._resume(resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint)
-        state = self.state  # after the resume: it may have replaced the state
-        timer = StepTimer(
+        with self.watchdog.phase("load"):
+            self._resume(
+                resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
+            )
+        self.timer = StepTimer(
             self._flops_per_token(),
             self.hardware.name,
             self._precision(),
             args.peak_tflops,
             self.dist.world_size,
         )
-        self.control = self.callback_handler.fire("on_train_begin", args, state, self.control)
+        self.control = self.callback_handler.fire("on_train_begin", args, self.state, self.control)
         self.engine.train()
-        loss_sum = torch.zeros((), device=self.engine.device)
-        token_sum = torch.zeros((), device=self.engine.device)
-        while state.epoch_index < state.num_train_epochs and not self.control.should_training_stop:
-            sampler.set_epoch(state.epoch_index, state.samples_into_epoch)
-            self.control = self.callback_handler.fire("on_epoch_begin", args, state, self.control)
-            for window in self._windows(sampler):
-                self.control = self.callback_handler.fire("on_step_begin", args, state, self.control)
-                window_loss, window_tokens = self.engine.train_window(window)
-                loss_sum += window_loss
-                token_sum += window_tokens
-                samples = sum(len(b["input_ids"]) for b in window)
-                timer.step_end(tokens=sum(int(non_padding_tokens(b)) for b in window), samples=samples)
-                state.global_step += 1
-                state.samples_into_epoch += samples
-                state.epoch = state.epoch_index + state.samples_into_epoch / max(len(self.train_dataset) / self.dist.world_size, 1)
-                self.control = self.callback_handler.fire("on_step_end", args, state, self.control)
-                if self.control.should_log:
-                    self._log_train(loss_sum, token_sum, timer)
-                    loss_sum.zero_()
-                    token_sum.zero_()
-                if self._maybe_evaluate_and_save():
-                    timer.start()  # evaluation and checkpoint time is not training throughput
-                if self.control.should_training_stop:
-                    break
-            else:
-                state.epoch_index += 1
-                state.samples_into_epoch = 0
-                state.epoch = float(state.epoch_index)
-                self.control = self.callback_handler.fire("on_epoch_end", args, state, self.control)
+        self._reset_window_sums()
+        # self.state is re-read every time: a rollback replaces it.
+        while self.state.epoch_index < self.state.num_train_epochs and not self.control.should_training_stop:
+            sampler.set_epoch(self.state.epoch_index, self.state.samples_into_epoch)
+            self.control = self.callback_handler.fire("on_epoch_begin", args, self.state, self.control)
+            if self._train_epoch(sampler):
+                self.state.epoch_index += 1
+                self.state.samples_into_epoch = 0
+                self.state.epoch = float(self.state.epoch_index)
+                self.control = self.callback_handler.fire("on_epoch_end", args, self.state, self.control)
                 self._maybe_evaluate_and_save()
-        if args.load_best_model_at_end and state.best_model_checkpoint:
-            self._load_checkpoint(Path(state.best_model_checkpoint), weights_only=True)
-        self.control = self.callback_handler.fire("on_train_end", args, state, self.control)
-        print_main(summary_table(state.log_history))
-        return state
+        if args.load_best_model_at_end and self.state.best_model_checkpoint:
+            self._load_checkpoint(Path(self.state.best_model_checkpoint), weights_only=True)
+        self.control = self.callback_handler.fire("on_train_end", args, self.state, self.control)
+        print_main(summary_table(self.state.log_history))
+        return self.state
 
-    def evaluate(self, eval_dataset: Dataset | None = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+    def _train_epoch(self, sampler: ResumableDistributedSampler) -> bool:
+        """Optimizer steps until the epoch ends (True) or the run stops or rolls back (False)."""
+        args, faults = self.args, self.faults
+        for window in self._windows(sampler):
+            if self._preemption_requested():
+                self._save_and_exit_on_preemption()
+            self.control = self.callback_handler.fire("on_step_begin", args, self.state, self.control)
+            poison = faults.get("kind") == "nan" and self.state.global_step + 1 == faults.get("step")
+            if poison:
+                faults.pop("kind")  # once per process, or a rollback would replay it forever
+            window_loss, window_tokens = self.engine.train_window(window, poison=poison)
+            self._loss_sum += window_loss
+            self._token_sum += window_tokens
+            self._nonfinite |= ~torch.isfinite(window_loss)  # on device: read only at log/save time
+            self._advance(window)
+            if (
+                faults.get("kind") == "crash"
+                and faults.get("rank") == self.dist.rank
+                and faults.get("step") == self.state.global_step
+            ):
+                crash_now()
+            self.control = self.callback_handler.fire("on_step_end", args, self.state, self.control)
+            if (self.control.should_log or self.control.should_save) and not self._guard_finite():
+                return False
+            if self.control.should_log:
+                self._log_train()
+            if self._maybe_evaluate_and_save():
+                self.timer.start()  # evaluation and checkpoint time is not training throughput
+            if self.control.should_training_stop:
+                return False
+        return True
+
+    def _advance(self, window: list[dict[str, torch.Tensor]]) -> None:
+        samples = sum(len(b["input_ids"]) for b in window)
+        self.timer.step_end(tokens=sum(int(non_padding_tokens(b)) for b in window), samples=samples)
+        state = self.state
+        state.global_step += 1
+        state.samples_into_epoch += samples
+        state.epoch = state.epoch_index + state.samples_into_epoch / max(
+            len(self.train_dataset) / self.dist.world_size, 1
+        )
+
+    def _reset_window_sums(self) -> None:
+        self._loss_sum = torch.zeros((), device=self.engine.device)
+        self._token_sum = 0.0
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.engine.device)
+
+    # ---- preemption and the non-finite guard ---------------------------------------------------
+
+    def _preemption_requested(self) -> bool:
+        """A host-only vote each step, so every rank stops after the same step."""
+        return host_all_reduce([1.0 if self.preemption.received else 0.0])[0] > 0
+
+    def _save_and_exit_on_preemption(self) -> None:
+        if self._guard_finite(allow_rollback=False):
+            with self.watchdog.phase("save", self.args.preemption_grace_s):
+                self._save_checkpoint()
+            print_main(
+                f"Preempted: saved checkpoint-{self.state.global_step}; exiting with {EXIT_PREEMPTED}."
+            )
+        raise SystemExit(EXIT_PREEMPTED)
+
+    def _guard_finite(self, allow_rollback: bool = True) -> bool:
+        """True if the losses since the last check and the grad norm are finite on every rank.
+        Otherwise apply nonfinite_policy; False means the run rolled back and must re-read its state."""
+        norm = self.engine.grad_norm()
+        local_bad = bool(self._nonfinite.item()) or (norm is not None and not math.isfinite(norm))
+        if host_all_reduce([float(local_bad)])[0] == 0:
+            return True
+        args, state = self.args, self.state
+        state.nonfinite_windows += 1
+        self._nonfinite.zero_()
+        self.control.should_save = False  # a non-finite state is never checkpointed
+        if args.nonfinite_policy == "skip":
+            warn(f"step {state.global_step}: non-finite loss or grad norm; the optimizer skipped the update")
+            return True
+        last = ckpt.complete_checkpoints(args.output_dir)
+        if (
+            args.nonfinite_policy == "rollback"
+            and allow_rollback
+            and last
+            and state.rollbacks < args.nonfinite_max_rollbacks
+        ):
+            rollbacks, scale = state.rollbacks + 1, state.lr_scale * args.nonfinite_lr_factor
+            with self.watchdog.phase("load"):
+                self._load_checkpoint(last[-1])
+            self.state.rollbacks, self.state.lr_scale = rollbacks, scale
+            self.engine.lr_scale = scale
+            self.control = TrainerControl()
+            self._reset_window_sums()
+            print_main(
+                f"Non-finite loss at step {state.global_step}: rolled back to {last[-1].name}, lr x{scale:g}."
+            )
+            return False
+        print_main(
+            f"error: non-finite loss or grad norm at step {state.global_step} (nonfinite_policy={args.nonfinite_policy})"
+        )
+        raise SystemExit(EXIT_NONFINITE)
+
+    def evaluate(
+        self, eval_dataset: Dataset | None = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
         dataset = _model_columns(eval_dataset) if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer.evaluate: no eval_dataset")
@@ -179,15 +274,21 @@ class Trainer:
             loss_total += loss
             count_total += count
         self.engine.train(True)
-        totals = all_reduce_sum(torch.stack([loss_total, count_total]).float()).tolist()
+        with self.watchdog.phase("eval"):
+            totals = all_reduce_sum(torch.stack([loss_total, count_total]).float()).tolist()
         eval_loss = totals[0] / max(totals[1], 1.0)
-        metrics = {f"{metric_key_prefix}_loss": eval_loss, f"{metric_key_prefix}_perplexity": _safe_exp(eval_loss)}
+        metrics = {
+            f"{metric_key_prefix}_loss": eval_loss,
+            f"{metric_key_prefix}_perplexity": _safe_exp(eval_loss),
+        }
         if self.compute_metrics is not None:
             pred = self.predict(dataset)
             extra = self.compute_metrics(EvalPrediction(pred.predictions, pred.label_ids, {}))
             metrics.update({f"{metric_key_prefix}_{k}": v for k, v in extra.items()})
         self._log({**metrics, "step": self.state.global_step, "epoch": self.state.epoch})
-        self.control = self.callback_handler.fire("on_evaluate", self.args, self.state, self.control, metrics=metrics)
+        self.control = self.callback_handler.fire(
+            "on_evaluate", self.args, self.state, self.control, metrics=metrics
+        )
         return metrics
 
     def predict(self, test_dataset: Dataset) -> PredictionOutput:
@@ -255,13 +356,14 @@ class Trainer:
             from trainer.modeling import enable_gradient_checkpointing
 
             enable_gradient_checkpointing(self.model)
-        self.engine = Engine(
-            self.model,
-            self.ds_config,
-            optimizer=self.client_optimizer,
-            lr_scheduler=self.client_scheduler,
-            weight_decay=self.args.weight_decay,
-        )
+        with self.watchdog.phase("init"):
+            self.engine = Engine(
+                self.model,
+                self.ds_config,
+                optimizer=self.client_optimizer,
+                lr_scheduler=self.client_scheduler,
+                weight_decay=self.args.weight_decay,
+            )
         if self.dist.is_main:
             out = Path(self.args.output_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -314,9 +416,9 @@ class Trainer:
         self.state.log_history.append(logs)
         self.control = self.callback_handler.fire("on_log", self.args, self.state, self.control, logs=logs)
 
-    def _log_train(self, loss_sum: torch.Tensor, token_sum: torch.Tensor, timer: StepTimer) -> None:
-        # The one host-device sync of a logging window. token_sum is already a global count.
-        loss = all_reduce_sum(loss_sum.clone()).item() / max(token_sum.item(), 1.0)
+    def _log_train(self) -> None:
+        # The one host-device sync of a logging window; the token count is already global.
+        loss = all_reduce_sum(self._loss_sum.clone()).item() / max(self._token_sum, 1.0)
         logs = {
             "step": self.state.global_step,
             "epoch": round(self.state.epoch, 4),
@@ -327,9 +429,11 @@ class Trainer:
         scale = self.engine.loss_scale()
         if scale is not None:
             logs.update(loss_scale=scale, skipped_steps=self.engine.skipped_steps)
-        logs.update(timer.flush(sync_fn=self._sync, all_reduce_sum=_sum_over_ranks))
+        logs.update(self.timer.flush(sync_fn=self._sync, all_reduce_sum=host_all_reduce))
         logs.update(memory_stats(self.engine.device))
         self._log(logs)
+        self._loss_sum.zero_()
+        self._token_sum = 0.0
 
     def _maybe_evaluate_and_save(self) -> bool:
         """Evaluate and/or save as the control flags ask; True if anything ran."""
@@ -338,7 +442,8 @@ class Trainer:
             self.evaluate()
             ran = True
         if self.control.should_save:
-            self._save_checkpoint()
+            with self.watchdog.phase("save"):
+                self._save_checkpoint()
             ran = True
         self.control.should_evaluate = self.control.should_save = self.control.should_log = False
         return ran
@@ -349,9 +454,14 @@ class Trainer:
 
     def _save_checkpoint(self) -> None:
         final = ckpt.final_dir(self.args.output_dir, self.state.global_step)
+        if getattr(self, "_saved_step", None) == self.state.global_step:
+            return  # saved already in this run (an epoch-end save on a save_steps multiple)
         self._update_best(final)
         ckpt.save(self.engine, self.state, self.args, self.dist, self.ds_config, self.run_config)
-        self.control = self.callback_handler.fire("on_save", self.args, self.state, self.control, checkpoint=str(final))
+        self._saved_step = self.state.global_step
+        self.control = self.callback_handler.fire(
+            "on_save", self.args, self.state, self.control, checkpoint=str(final)
+        )
 
     def _update_best(self, final: Path) -> None:
         key = metric_key(self.args)
@@ -366,15 +476,45 @@ class Trainer:
 
     def _resume(self, spec: str | bool | None) -> None:
         path = ckpt.find_resumable(spec, self.args.output_dir, self.dist)
-        if path is not None:
-            self._load_checkpoint(path)
-            print_main(f"Resumed from {path} at step {self.state.global_step}.")
+        if path is None:
+            return
+        args = self.args
+        gas = ckpt.accumulation_for(path, self.engine.world_size, args.per_device_train_batch_size)
+        if gas is not None and gas != args.gradient_accumulation_steps:
+            # Another number of ranks: the global batch (and so the run's trajectory) stays the
+            # checkpoint's; the accumulation steps absorb the change.
+            print_main(f"{path.name}: gradient_accumulation_steps {args.gradient_accumulation_steps} -> {gas}")
+            args.gradient_accumulation_steps = gas
+            total = gas * args.per_device_train_batch_size * self.engine.world_size
+            self.ds_config.update(gradient_accumulation_steps=gas, train_batch_size=total)
+            self.engine.ds.set_train_batch_size(total)
+            if self.dist.is_main:
+                (Path(args.output_dir) / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2, sort_keys=True))
+            self._prepare_training()  # re-plans steps per epoch; the engine is kept as it is
+        self._load_checkpoint(path)
+        print_main(f"Resumed from {path} at step {self.state.global_step}.")
 
     def _load_checkpoint(self, path: Path, weights_only: bool = False) -> None:
         saved = ckpt.load(self.engine, path, self.dist, restore_rng=not weights_only)
         if not weights_only:
+            if saved.world_size != self.dist.world_size:
+                # The samples all ranks consumed, re-divided among this run's ranks.
+                sampler = ResumableDistributedSampler(
+                    len(self.train_dataset), self.dist.world_size, self.dist.rank, seed=self.args.seed
+                )
+                sampler.load_state_dict(
+                    {"epoch": saved.epoch_index, "start": saved.samples_into_epoch, "seed": self.args.seed,
+                     "num_replicas": saved.world_size}
+                )  # fmt: skip
+                saved.samples_into_epoch = sampler.start
             # Where the run is comes from the checkpoint; how long it runs from these arguments.
-            for plan in ("is_world_process_zero", "world_size", "max_steps", "num_train_epochs", "steps_per_epoch"):
+            for plan in (
+                "is_world_process_zero",
+                "world_size",
+                "max_steps",
+                "num_train_epochs",
+                "steps_per_epoch",
+            ):
                 setattr(saved, plan, getattr(self.state, plan))
             self.state = saved
 
@@ -382,7 +522,13 @@ class Trainer:
 
     def _precision(self) -> str:
         cfg = self.ds_config or {}
-        return "bf16" if cfg.get("bf16", {}).get("enabled") else "fp16" if cfg.get("fp16", {}).get("enabled") else "fp32"
+        return (
+            "bf16"
+            if cfg.get("bf16", {}).get("enabled")
+            else "fp16"
+            if cfg.get("fp16", {}).get("enabled")
+            else "fp32"
+        )
 
     def _flops_per_token(self) -> float | None:
         if getattr(self.model, "config", None) is None or self.train_dataset is None:
@@ -393,10 +539,6 @@ class Trainer:
 def _hidden_size(model: torch.nn.Module) -> int | None:
     config = getattr(model, "config", None)
     return getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
-
-
-def _sum_over_ranks(values: list[float]) -> list[float]:
-    return all_reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist()
 
 
 def _model_columns(dataset: Dataset | None) -> Dataset | None:

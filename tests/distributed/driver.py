@@ -243,8 +243,44 @@ def evaluate_zero3(out: Path) -> dict:
     return {"per_rank": per_rank, "reference": total / count, "perplexity": metrics["eval_perplexity"]}
 
 
+def nonfinite(out: Path) -> dict:
+    """A NaN loss injected at step 6 under each policy (checkpoints every 4 steps)."""
+    import math
+    import os
+
+    from trainer.distributed import EXIT_NONFINITE
+
+    data = learnable_dataset(64)
+    result = {}
+    for policy in ("skip", "rollback", "stop"):
+        os.environ["TRAINER_FAULT"] = "nan:step=6"
+        try:
+            trainer, losses = run_trainer(
+                out, f"nan_{policy}", data, zero_stage=2, max_steps=10, save_steps=4, logging_steps=2,
+                save_strategy="steps", learning_rate=3e-3, nonfinite_policy=policy,
+            )
+            state = trainer.state
+            weights = trainer.engine.full_state_dict()
+            finite = None if weights is None else all(bool(torch.isfinite(v).all()) for v in weights.values())
+            rows = state.log_history
+            result[policy] = {
+                "exit": 0, "steps": state.global_step, "rollbacks": state.rollbacks, "lr_scale": state.lr_scale,
+                "nonfinite_windows": state.nonfinite_windows, "weights_finite": finite,
+                "lrs": [r["learning_rate"] for r in rows if "learning_rate" in r],
+                "losses": [None if not math.isfinite(x) else x for x in losses],
+            }
+        except SystemExit as stop:
+            result[policy] = {"exit": stop.code, "expected": EXIT_NONFINITE}
+        finally:
+            del os.environ["TRAINER_FAULT"]
+        saved = sorted(p.name for p in (out / f"nan_{policy}").glob("checkpoint-*"))
+        result[policy]["checkpoints"] = saved
+    return result
+
+
 SCENARIOS = {
-    f.__name__: f for f in (zero_stages, grad_accum, activation_checkpointing, bf16, offload, evaluate_zero3)
+    f.__name__: f
+    for f in (zero_stages, grad_accum, activation_checkpointing, bf16, offload, evaluate_zero3, nonfinite)
 }
 
 
