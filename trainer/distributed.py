@@ -219,6 +219,12 @@ class Watchdog:
             f.write(message + "\n\n")
             faulthandler.dump_traceback(f, all_threads=True)
         print(message, file=sys.stderr, flush=True)
+        if store is not None:
+            # Let the other ranks finish their dumps before the launcher tears the job down.
+            store.add("trainer/hang/dumped", 1)
+            deadline = time.monotonic() + 10
+            while store.add("trainer/hang/dumped", 0) < world and time.monotonic() < deadline:
+                time.sleep(0.1)
         os._exit(EXIT_HANG)
 
 
