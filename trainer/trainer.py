@@ -357,13 +357,26 @@ class Trainer:
 
             enable_gradient_checkpointing(self.model)
         with self.watchdog.phase("init"):
-            self.engine = Engine(
-                self.model,
-                self.ds_config,
-                optimizer=self.client_optimizer,
-                lr_scheduler=self.client_scheduler,
-                weight_decay=self.args.weight_decay,
-            )
+            if self.args.pipeline_parallel_size > 1:
+                from trainer.pipeline import PipelineAdapter
+
+                self.engine = PipelineAdapter(
+                    self.model,
+                    self.ds_config,
+                    optimizer=self.client_optimizer,
+                    lr_scheduler=self.client_scheduler,
+                    weight_decay=self.args.weight_decay,
+                    gradient_checkpointing=self.args.gradient_checkpointing,
+                )
+                self.ds_config = self.engine.ds_config  # each pipeline pools its stages' micro-batches
+            else:
+                self.engine = Engine(
+                    self.model,
+                    self.ds_config,
+                    optimizer=self.client_optimizer,
+                    lr_scheduler=self.client_scheduler,
+                    weight_decay=self.args.weight_decay,
+                )
         if self.dist.is_main:
             out = Path(self.args.output_dir)
             out.mkdir(parents=True, exist_ok=True)
