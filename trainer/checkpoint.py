@@ -1,4 +1,5 @@
-"""Checkpoint directories: layout, atomic commit, discovery, verification, rotation, HF export.
+"""Checkpoint directories: layout, atomic commit, discovery, verification, rotation, universal
+conversion for a new world size, HF export.
 
 ``output_dir/checkpoint-<step>/`` holds::
 
@@ -7,16 +8,22 @@
     rng_state_<rank>.pt     python/numpy/torch RNG states of each rank (tensors and lists only)
     ds_config.json          the DeepSpeed config that wrote it
     run_config.yaml         the resolved run config
-    manifest.json           size and sha256 of every file above, plus world size and ZeRO stage
+    manifest.json           size and sha256 of every file above, plus world size, ZeRO stage, batch
     COMPLETE                the commit marker: written last, after the rename
+    universal/              only after a resume on another world size: DeepSpeed's universal form
+                            of ds/, committed the same way (its own manifest and marker)
 
 A checkpoint is written into ``.staging-checkpoint-<step>``; once every rank has voted that its part
 is on disk, rank 0 writes the manifest, renames the directory and writes the marker. A directory
-without the marker is never loaded, counted or kept by rotation.
+without the marker is never loaded, counted or kept by rotation. Before anything is loaded, every
+rank checksums its share of the files against the manifest: DeepSpeed unpickles its shards with
+``torch.load(weights_only=False)``, so only verified bytes may reach it.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -32,18 +39,33 @@ import torch
 
 from trainer.args import RunConfig, TrainingArguments, dump_run_config
 from trainer.callbacks import TrainerState
-from trainer.distributed import DistInfo, all_agree, barrier, warn
+from trainer.config.errors import ConfigError
+from trainer.distributed import DistInfo, all_agree, all_gather_object, barrier, warn
 
 PREFIX = "checkpoint-"
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
 STAGING = ".staging-"
 DS_TAG = "ds"
+UNIVERSAL = "universal"
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
+# ZeRO (1-3) and the bf16 optimizer shard optimizer states per data-parallel rank in these files.
+_OPTIM_SHARD = re.compile(rf"^{DS_TAG}/.*optim_states\.pt$")
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be resumed from; the message names the file.
+
+    It is a ConfigError on the key ``resume_from_checkpoint``, so the entry point prints it as one
+    line and exits with the bad-input status, like any other bad input.
+    """
+
+    def __init__(self, message: str):
+        super().__init__([("resume_from_checkpoint", message)])
+
+
+class CheckpointWriteError(RuntimeError):
+    """A rank could not write its part of a checkpoint; nothing was committed."""
 
 
 # ---- discovery -----------------------------------------------------------------------------------
@@ -59,7 +81,7 @@ def is_complete(path: Path) -> bool:
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Committed checkpoints, oldest first."""
+    """Committed checkpoints, oldest first. Staging and unmarked directories are not listed."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
@@ -89,7 +111,8 @@ def write_manifest(root: Path, meta: dict[str, Any]) -> dict[str, Any]:
     with ThreadPoolExecutor(max_workers=4) as pool:
         digests = list(pool.map(_sha256, files))
     entries = {
-        str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": d} for p, d in zip(files, digests, strict=True)
+        str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": d}
+        for p, d in zip(files, digests, strict=True)
     }
     manifest = {**meta, "files": entries}
     _write_durable(root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
@@ -98,14 +121,20 @@ def write_manifest(root: Path, meta: dict[str, Any]) -> dict[str, Any]:
 
 def read_manifest(path: Path) -> dict[str, Any]:
     try:
-        return json.loads((path / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{path / MANIFEST}: unreadable manifest ({err})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{path / MANIFEST}: not a checkpoint manifest (no file list)")
+    return manifest
 
 
 def verify(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
     """Problems with this rank's share of the files (every world_size-th one, so all are covered)."""
-    manifest = read_manifest(path)
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as err:
+        return [err.problems[0][1]]
     problems = []
     for i, (name, entry) in enumerate(sorted(manifest["files"].items())):
         if i % world_size != rank:
@@ -114,10 +143,16 @@ def verify(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
         if not file.is_file():
             problems.append(f"{file}: missing")
         elif file.stat().st_size != entry["size"]:
-            problems.append(f"{file}: size {file.stat().st_size} != manifest {entry['size']}")
+            problems.append(f"{file}: size {file.stat().st_size} bytes, the manifest says {entry['size']}")
         elif _sha256(file) != entry["sha256"]:
             problems.append(f"{file}: checksum does not match the manifest")
     return problems
+
+
+def verify_on_all_ranks(path: Path, dist: DistInfo) -> list[str]:
+    """Every rank checks its share; every rank gets the problems of all (sorted, so all agree)."""
+    mine = verify(path, dist.rank, dist.world_size)
+    return sorted({p for part in all_gather_object(mine) for p in part})
 
 
 # ---- commit and rotation (rank 0) ----------------------------------------------------------------
@@ -152,7 +187,10 @@ def commit(staging: Path, final: Path, meta: dict[str, Any]) -> None:
     """Manifest, rename, marker: after this returns the checkpoint is complete and durable."""
     write_manifest(staging, meta)
     if final.exists():
-        # Only an uncommitted leftover (or a re-save of the same step) can be here: replace it.
+        # An uncommitted leftover, or this step saved by an earlier run that resumed from an older
+        # checkpoint (maybe because this one failed verification): replaced. The marker goes first,
+        # so a crash in between leaves a directory that is ignored, never a half-deleted "complete" one.
+        (final / MARKER).unlink(missing_ok=True)
         shutil.rmtree(final)
     os.replace(staging, final)
     _fsync_dir(final.parent)
@@ -161,7 +199,8 @@ def commit(staging: Path, final: Path, meta: dict[str, Any]) -> None:
 
 
 def rotate(output_dir: str | Path, limit: int | None, keep: set[Path]) -> list[Path]:
-    """Delete the oldest complete checkpoints beyond ``limit``; never the newest or those in ``keep``."""
+    """Delete the oldest complete checkpoints beyond ``limit``; never the newest or those in ``keep``
+    (the best one). Protected checkpoints count towards the limit, so fewer others are kept."""
     if not limit:
         return []
     ckpts = complete_checkpoints(output_dir)
@@ -177,9 +216,10 @@ def rotate(output_dir: str | Path, limit: int | None, keep: set[Path]) -> list[P
 
 
 def remove_stale_staging(output_dir: str | Path) -> None:
+    """Leftovers of saves that never committed (a crash mid-save); only rank 0 calls this."""
     root = Path(output_dir)
     if root.is_dir():
-        for p in root.glob(f"{STAGING}*"):
+        for p in root.glob(f"{STAGING}{PREFIX}*"):
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -215,12 +255,13 @@ def save_rng(directory: Path, rank: int) -> None:
 
 
 def load_rng(directory: Path, rank: int) -> None:
+    """Restore this rank's RNG; a rank the checkpoint did not have keeps its seeded state."""
     path = directory / f"rng_state_{rank}.pt"
     if path.is_file():
         set_rng_state(torch.load(path, weights_only=True))
 
 
-# ---- save and load (collective: every rank calls these) -----------------------------------------
+# ---- save (collective: every rank calls it) ------------------------------------------------------
 
 
 def save(
@@ -232,11 +273,12 @@ def save(
     run_config: RunConfig | None,
 ) -> Path:
     """Write ``checkpoint-<step>`` through a staging directory and commit it once all ranks agree."""
-    staging, final = staging_dir(args.output_dir, state.global_step), final_dir(args.output_dir, state.global_step)
-    if is_complete(final):
-        return final  # this step is already saved (a final save landing on a save_steps multiple)
+    staging, final = (
+        staging_dir(args.output_dir, state.global_step),
+        final_dir(args.output_dir, state.global_step),
+    )
     if dist.is_main:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_stale_staging(args.output_dir)
         staging.mkdir(parents=True)
     barrier("save:prepare")
     ok = True
@@ -253,12 +295,16 @@ def save(
         ok = False
     # Every rank votes that its files are on disk before rank 0 commits.
     if not all_agree(ok):
-        raise CheckpointError(f"{staging}: a rank failed to write its part; not committed")
+        raise CheckpointWriteError(f"{staging}: a rank failed to write its part; not committed")
     if dist.is_main:
         meta = {
             "step": state.global_step,
             "world_size": dist.world_size,
+            "data_parallel_size": getattr(engine, "world_size", dist.world_size),
             "zero_stage": ds_config.get("zero_optimization", {}).get("stage", 0),
+            "train_batch_size": ds_config.get("train_batch_size"),
+            "micro_batch_size": ds_config.get("train_micro_batch_size_per_gpu"),
+            "gradient_accumulation_steps": ds_config.get("gradient_accumulation_steps"),
         }
         commit(staging, final, meta)
         keep = {Path(state.best_model_checkpoint)} if state.best_model_checkpoint else set()
@@ -267,40 +313,129 @@ def save(
     return final
 
 
+# ---- resume (collective) -------------------------------------------------------------------------
+
+
 def find_resumable(spec: str | bool | None, output_dir: str | Path, dist: DistInfo) -> Path | None:
-    """The checkpoint to resume from: ``auto``/True = newest complete one that verifies on every
-    rank, falling back to older ones with a warning; a path = that one, or an error."""
+    """The checkpoint to resume from, verified on every rank before anything is loaded.
+
+    ``auto``/True: the newest complete checkpoint; if it fails verification, every rank warns and
+    the previous one is tried. A path: that checkpoint, or one error naming the bad files.
+    """
     if spec in (None, False, ""):
         return None
-    if spec in (True, "auto"):
-        candidates = list(reversed(complete_checkpoints(output_dir)))
-        if not candidates:
-            if dist.is_main:
-                print(f"No complete checkpoint in {output_dir}; starting from scratch.", flush=True)
-            return None
-    else:
+    if spec not in (True, "auto"):
         path = Path(spec)
         if not is_complete(path):
-            raise CheckpointError(f"{path}: not a complete checkpoint (no {MARKER} marker or manifest)")
-        candidates = [path]
-    for path in candidates:
-        problems = verify(path, dist.rank, dist.world_size)
-        if all_agree(not problems):
+            raise CheckpointError(f"{path}: not a complete checkpoint (no {MARKER} marker or {MANIFEST})")
+        problems = verify_on_all_ranks(path, dist)
+        if problems:
+            raise CheckpointError("; ".join(problems))
+        return path
+    candidates = list(reversed(complete_checkpoints(output_dir)))
+    if not candidates:
+        if dist.is_main:
+            print(f"No complete checkpoint in {output_dir}; starting from scratch.", flush=True)
+        return None
+    for i, path in enumerate(candidates):
+        problems = verify_on_all_ranks(path, dist)
+        if not problems:
             return path
         for problem in problems:
             warn(problem)
-        warn(f"{path}: failed verification; trying the previous checkpoint")
-    raise CheckpointError(f"no loadable checkpoint among {[str(p) for p in candidates]}")
+        fallback = f"falling back to {candidates[i + 1]}" if i + 1 < len(candidates) else "no older one left"
+        warn(f"{path}: failed verification; {fallback}")
+    raise CheckpointError(
+        f"{output_dir}: no complete checkpoint passes verification (tried {', '.join(p.name for p in candidates)}); "
+        "remove the corrupt ones or set resume_from_checkpoint to null to start from scratch"
+    )
+
+
+def saved_batch(path: Path) -> tuple[int, int]:
+    """(data-parallel size, global batch in samples) the checkpoint was written with."""
+    manifest = read_manifest(path)
+    world = manifest.get("data_parallel_size", manifest.get("world_size"))
+    total = manifest.get("train_batch_size")
+    if total is None and (path / "ds_config.json").is_file():
+        total = json.loads((path / "ds_config.json").read_text()).get("train_batch_size")
+    if not isinstance(world, int) or not isinstance(total, int):
+        raise CheckpointError(f"{path / MANIFEST}: no world size or train_batch_size recorded")
+    return world, total
+
+
+def accumulation_for(path: Path, data_parallel: int, micro_batch: int) -> int | None:
+    """Gradient accumulation steps that keep the checkpoint's global batch on ``data_parallel``
+    ranks with micro-batches of ``micro_batch``; None when the data-parallel size is unchanged."""
+    world, total = saved_batch(path)
+    if world == data_parallel:
+        return None
+    if total % (micro_batch * data_parallel):
+        raise CheckpointError(
+            f"{path}: saved with a global batch of {total} samples on {world} ranks; {data_parallel} ranks × "
+            f"per_device_train_batch_size {micro_batch} do not divide it. Choose a micro-batch that divides "
+            f"{total}/{data_parallel}, or a world size that divides {total // micro_batch}"
+        )
+    return total // (micro_batch * data_parallel)
+
+
+def needs_universal(path: Path, data_parallel: int) -> bool:
+    """Optimizer states sharded over another number of ranks must go through the universal form.
+    Unsharded ones (ZeRO-0 in fp32) load on any number of ranks as they are."""
+    manifest = read_manifest(path)
+    world = manifest.get("data_parallel_size", manifest.get("world_size"))
+    return world != data_parallel and any(_OPTIM_SHARD.match(name) for name in manifest["files"])
+
+
+def _convert_to_universal(source: Path, target: Path) -> None:
+    """``deepspeed.checkpoint.ds_to_universal`` into a staging dir, committed like a checkpoint."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    staging = target.with_name(STAGING + target.name)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    options = argparse.Namespace(
+        input_folder=str(source),
+        output_folder=str(staging / DS_TAG),  # the tool writes latest_universal next to it
+        num_extract_workers=1,  # in-process: no worker processes forked from a training rank
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
+    )
+    with (
+        (staging / "conversion.log").open("w") as log,
+        contextlib.redirect_stdout(log),
+        contextlib.redirect_stderr(log),
+    ):
+        ds_to_universal.main(options)
+    commit(staging, target, {"kind": "universal", "source": source.name})
+
+
+def universal_copy(path: Path, dist: DistInfo) -> Path:
+    """``path/universal``: converted once by rank 0 (reused while it verifies), then verified by all."""
+    target = path / UNIVERSAL
+    error = ""
+    if dist.is_main and not (is_complete(target) and not verify(target)):
+        print(f"{path}: converting to a universal checkpoint for {dist.world_size} ranks", flush=True)
+        try:
+            _convert_to_universal(path / DS_TAG, target)
+        except Exception as err:  # any failure of the tool must reach every rank, not hang them
+            error = f"{path / DS_TAG}: universal conversion failed ({type(err).__name__}: {err})"
+    errors = [e for e in all_gather_object(error) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    problems = verify_on_all_ranks(target, dist)
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    return target
 
 
 def load(engine: Any, path: Path, dist: DistInfo, restore_rng: bool = True) -> TrainerState:
-    saved_world = read_manifest(path).get("world_size")
-    if saved_world != dist.world_size:
-        raise CheckpointError(
-            f"{path}: saved on {saved_world} ranks, resuming on {dist.world_size}; "
-            "a world-size change needs a universal checkpoint conversion"
-        )
-    engine.load(str(path), DS_TAG, load_optimizer_states=True)
+    """Load a verified checkpoint into the engine; returns its TrainerState (as saved)."""
+    if needs_universal(path, getattr(engine, "world_size", dist.world_size)):
+        engine.load_universal(str(universal_copy(path, dist)), DS_TAG)
+    else:
+        engine.load(str(path), DS_TAG, load_optimizer_states=True)
     if restore_rng:
         load_rng(path, dist.rank)
     return TrainerState.load_from_json(path / "trainer_state.json")
@@ -309,12 +444,16 @@ def load(engine: Any, path: Path, dist: DistInfo, restore_rng: bool = True) -> T
 # ---- HF export -----------------------------------------------------------------------------------
 
 
-def export_hf(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer: Any, out_dir: str | Path) -> Path:
+def export_hf(
+    model: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer: Any, out_dir: str | Path
+) -> Path:
     """Write an HF model directory (config, safetensors, tokenizer).
 
     Files are written into a staging directory first and then moved in one by one, so a crash never
     leaves a truncated weights file, and other contents of ``out_dir`` (e.g. output_dir) are kept.
     """
+    if not state_dict:
+        raise ValueError(f"{out_dir}: refusing to export an empty state dict")
     out = Path(out_dir)
     tmp = out.parent / f"{STAGING}export-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -197,11 +197,15 @@ class Engine:
             client_state = self.load(directory, tag)
         finally:
             config.load_universal_checkpoint = False
-        if self.ds.zero_optimization_partition_weights() and len(decay) == len(groups):
-            # ZeRO-3's universal load copies the first group's hyperparameters to every group, which
-            # would put weight decay on the no-decay group; each group's own decay is restored here.
+        if self.ds.zero_optimization_partition_weights():
+            # ZeRO-3's universal load copies the first group's hyperparameters to every group (which
+            # would put weight decay on the no-decay group) and gives every group one shared step
+            # tensor (which torch's Adam then advances once per group per step). Both are undone here.
             for group, value in zip(groups, decay, strict=True):
                 group["weight_decay"] = value
+            for state in self.ds.optimizer.optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
         return client_state
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
