@@ -118,10 +118,12 @@ def compare_runs(out: Path, scenario: str, config, dataset, runs: dict[str, dict
     result = {}
     for name, overrides in runs.items():
         trainer = train(out / scenario, name, config, dataset, **overrides)
+        pipe = trainer.engine.ds.module if trainer.args.pipeline_parallel_size > 1 else None
         result[name] = {
             "loss": losses(trainer),
             "grad_norm": grad_norms(trainer),
             "ds_config": trainer.ds_config,
+            "parts": None if pipe is None else [int(p) for p in pipe.parts],
         }
         save_weights(trainer, out / scenario / f"{name}.pt")
     return result
@@ -134,19 +136,14 @@ def scenario_llama(out: Path) -> dict:
         "base": {},
         "pipe": pp,
         "pipe_ckpt": {**pp, "gradient_checkpointing": True},
-        "pipe_zero1": {**pp, "zero_stage": 1},
-        "pipe_uniform": {**pp, "deepspeed": {"pipeline": {"partition": "uniform"}}},
+        "pipe_zero1_uniform": {**pp, "zero_stage": 1, "deepspeed": {"pipeline": {"partition": "uniform"}}},
     }
     return compare_runs(out, "llama", llama_config(tied=False), padded_dataset(36), runs)
 
 
 def scenario_gpt2(out: Path) -> dict:
     """Tied GPT-2 on packed rows (fixed shapes, position_ids restarting inside rows)."""
-    runs = {
-        "base": {},
-        "pipe": dict(pipeline_parallel_size=2),
-        "pipe_ckpt": dict(pipeline_parallel_size=2, gradient_checkpointing=True),
-    }
+    runs = {"base": {}, "pipe_ckpt": dict(pipeline_parallel_size=2, gradient_checkpointing=True)}
     return compare_runs(out, "gpt2", gpt2_config(), packed_dataset(32), runs)
 
 

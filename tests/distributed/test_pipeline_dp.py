@@ -1,0 +1,33 @@
+"""2 pipeline stages × 2-way data parallelism on 4 CPU ranks, against 4-way data parallelism."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import launch
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline_dp")
+    launch(["tests/distributed/pipeline_driver.py", str(out), "dp"], nproc=4)
+    return out, json.loads((out / "results.json").read_text())["dp"]
+
+
+@pytest.mark.parametrize("run", ["pipe", "pipe_zero1"])
+def test_pipeline_with_data_parallelism_matches(results, run):
+    out, res = results
+    base = res["base"]["loss"]
+    assert len(base) == 10
+    assert max(abs(x - y) / y for x, y in zip(res[run]["loss"], base, strict=True)) <= 1e-4
+    assert res[run]["ds_config"]["gradient_accumulation_steps"] == 4
+    assert res[run]["ds_config"]["train_batch_size"] == res["base"]["ds_config"]["train_batch_size"] == 16
+    ref = torch.load(out / "dp" / "base.pt", weights_only=True)
+    got = torch.load(out / "dp" / f"{run}.pt", weights_only=True)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-5, msg=name)
