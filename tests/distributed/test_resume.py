@@ -1,0 +1,205 @@
+"""Checkpoints through the real launcher: exact resume (ZeRO 0-3), corrupt checkpoints, a world-size
+change (2 ranks -> 1, and -> 3 when slow tests run), HF export. One 2-rank launch and one 1-rank
+launch serve every default test; ``resume_driver.py`` does the runs, these tests only compare."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from tests.conftest import launch
+
+pytestmark = pytest.mark.distributed
+
+DRIVER = "tests/distributed/resume_driver.py"
+SAVE_AT = 5
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume")
+    proc = launch([DRIVER, str(out), "exact", "optimizers", "corrupt", "world_src"])
+    return out, json.loads((out / "results-2.json").read_text()), proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def one_rank(two_ranks):
+    out, source, _ = two_ranks
+    proc = launch([DRIVER, str(out), "world_dst"], nproc=1)
+    return out, source, json.loads((out / "results-1.json").read_text())["world_dst"], proc.stdout
+
+
+def steps(rows: list[list[float]]) -> dict[int, float]:
+    return {int(step): loss for step, loss in rows}
+
+
+def assert_same_weights(a_path, b_path) -> None:
+    a, b = torch.load(a_path, weights_only=True), torch.load(b_path, weights_only=True)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def max_rel_diff(got: dict[int, float], want: dict[int, float]) -> float:
+    return max(abs(got[s] - want[s]) / abs(want[s]) for s in got)
+
+
+# ---- exact resume --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(two_ranks, stage):
+    """Saved at step 5, resumed by a fresh Trainer (resume auto): losses 6-10 and final weights are
+    identical. Accumulation 2 and an epoch boundary at step 6 make the data position matter."""
+    out, res, _ = two_ranks
+    run = res["exact"][f"zero{stage}"]
+    reference, resumed = steps(run["reference"]), steps(run["resumed"])
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
+    assert resumed == {s: reference[s] for s in resumed}  # exact float equality
+    assert run["position"] == run["reference_position"] == [1, 16]
+    assert_same_weights(
+        out / "exact" / f"zero{stage}" / "reference.pt", out / "exact" / f"zero{stage}" / "resumed.pt"
+    )
+
+
+@pytest.mark.parametrize("name", ["fused_zero2", "offload_zero2"])
+def test_deepspeed_cpu_adam_kernels_resume_bit_for_bit(two_ranks, name):
+    """FusedAdam (optim adamw_fused) and the offload CPUAdam keep beta powers in C++ state that a
+    checkpoint does not hold; the engine rebuilds it on load (without that: ~1e-7 drift)."""
+    out, res, _ = two_ranks
+    run = res["optimizers"][name]
+    reference, resumed = steps(run["reference"]), steps(run["resumed"])
+    assert resumed == {s: reference[s] for s in resumed}
+    assert_same_weights(out / "optimizers" / name / "reference.pt", out / "optimizers" / name / "resumed.pt")
+
+
+@pytest.mark.slow
+def test_fused_adam_without_zero_resumes_bit_for_bit(tmp_path):
+    launch([DRIVER, str(tmp_path), "optimizers_slow"])
+    run = json.loads((tmp_path / "results-2.json").read_text())["optimizers_slow"]["fused_zero0"]
+    reference, resumed = steps(run["reference"]), steps(run["resumed"])
+    assert resumed == {s: reference[s] for s in resumed}
+    assert_same_weights(
+        tmp_path / "optimizers" / "fused_zero0" / "reference.pt",
+        tmp_path / "optimizers" / "fused_zero0" / "resumed.pt",
+    )
+
+
+# ---- corrupt checkpoints -------------------------------------------------------------------------
+
+
+def test_explicit_corrupt_checkpoint_is_one_error_naming_the_file(two_ranks):
+    out, res, _ = two_ranks
+    bad = out / "corrupt" / "flipped" / "checkpoint-10" / "ds" / "mp_rank_00_model_states.pt"
+    expected = f"resume_from_checkpoint: {bad}: checksum does not match the manifest"
+    assert res["corrupt"]["explicit_errors"] == [expected, expected]  # the same on both ranks
+
+
+@pytest.mark.parametrize(
+    ("case", "problem"),
+    [
+        ("flipped", "ds/mp_rank_00_model_states.pt: checksum does not match the manifest"),
+        ("truncated", r"ds/zero_pp_rank_1_mp_rank_00_optim_states.pt: size \d+ bytes, the manifest says \d+"),
+    ],
+)
+def test_auto_resume_falls_back_past_a_corrupt_checkpoint_with_a_warning_on_every_rank(
+    two_ranks, case, problem
+):
+    out, res, log = two_ranks
+    where = out / "corrupt" / case
+    for rank in (0, 1):
+        assert re.search(rf"\[rank {rank}\] warning: {re.escape(str(where))}/checkpoint-10/{problem}", log), (
+            rank
+        )
+        fallback = f"[rank {rank}] warning: {where}/checkpoint-10: failed verification; falling back to {where}/checkpoint-5"
+        assert fallback in log
+    assert f"Resumed from {where}/checkpoint-5 at step 5." in log
+    # The fallback run continues exactly like the uninterrupted one.
+    reference = steps(res["exact"]["zero2"]["reference"])
+    assert steps(res["corrupt"][case]) == {s: reference[s] for s in range(6, 11)}
+
+
+def test_unmarked_and_staging_directories_are_never_loaded(two_ranks):
+    """Next to the truncated checkpoint-10 lay a newer checkpoint-12 without COMPLETE and a staging
+    dir: resume went to checkpoint-5, and the next save cleared the stale staging dir."""
+    out, res, log = two_ranks
+    where = out / "corrupt" / "truncated"
+    assert f"{where}/checkpoint-12" not in log  # not even looked at
+    assert res["corrupt"]["truncated_listing"] == [
+        "checkpoint-10",
+        "checkpoint-12",
+        "checkpoint-5",
+        "ds_config.json",
+        "metrics.jsonl",
+    ]
+    assert not (where / "checkpoint-12" / "COMPLETE").exists()
+    # checkpoint-10 was re-saved by the resumed run and is sound again.
+    manifest = json.loads((where / "checkpoint-10" / "manifest.json").read_text())
+    assert manifest["step"] == 10 and (where / "checkpoint-10" / "COMPLETE").is_file()
+
+
+# ---- world-size change ---------------------------------------------------------------------------
+
+
+def check_world_change(out, source, dst, world: int, stage: int, gas: int) -> float:
+    run = dst[f"zero{stage}"]
+    assert run["gradient_accumulation_steps"] == run["engine_gas"] == gas
+    assert run["ds_config_batch"] == [6, gas]  # the global batch is the checkpoint's
+    assert run["universal_complete"]
+    assert run["moments"]["max_abs_diff"] == {"fp32": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
+    assert [g["weight_decay"] for g in run["moments"]["groups"]] == [0.1, 0.0]
+    assert run["new_manifest_world"] == world
+    got, want = steps(run["losses"]), steps(source["world_src"][f"zero{stage}"])
+    assert sorted(got) == [6, 7, 8, 9, 10]
+    rel = max_rel_diff(got, want)
+    assert rel <= 1e-5, rel
+    a = torch.load(out / "world" / f"zero{stage}" / "source.pt", weights_only=True)
+    b = torch.load(out / "world" / f"zero{stage}" / f"on{world}.pt", weights_only=True)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+    return rel
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_rank_checkpoint_continues_on_one_rank(one_rank, stage):
+    """2 ranks × micro 1 × accumulation 3 resumed on 1 rank: accumulation 6, universal conversion,
+    moments kept, and the loss trajectory of the run that stayed on 2 ranks (measured: ≤ 1.1e-7)."""
+    out, source, dst, log = one_rank
+    check_world_change(out, source, dst, 1, stage, gas=6)
+    assert "checkpoint-5: gradient_accumulation_steps 3 -> 6" in log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_rank_checkpoint_continues_on_three_ranks(two_ranks, stage):
+    out, source, _ = two_ranks
+    if not (out / "results-3.json").exists():
+        launch([DRIVER, str(out), "world_dst"], nproc=3)
+    dst = json.loads((out / "results-3.json").read_text())["world_dst"]
+    check_world_change(out, source, dst, 3, stage, gas=2)
+
+
+# ---- HF export -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_hf_export_equals_the_gathered_weights_and_logits(two_ranks, stage):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out, _, _ = two_ranks
+    where = out / "exact" / f"zero{stage}"
+    engine = torch.load(where / "engine.pt", weights_only=True)
+    exported = load_file(where / "hf" / "model.safetensors")
+    assert exported.keys() == engine["gathered"].keys()
+    for name, tensor in engine["gathered"].items():
+        assert tensor.numel() > 0 and exported[name].shape == tensor.shape, name
+        assert torch.equal(exported[name], tensor), name
+    model = AutoModelForCausalLM.from_pretrained(where / "hf", torch_dtype=torch.float32).eval()
+    batch = engine["batch"]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(logits, engine["logits"], rtol=0, atol=1e-5)
