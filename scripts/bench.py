@@ -1,0 +1,292 @@
+"""Benchmark: one training job through our Trainer, a raw DeepSpeed loop, HF Trainer and HF Accelerate.
+
+    python scripts/bench.py --device cpu  [--json FILE]      # 2 ranks, fp32, a small Llama
+    python scripts/bench.py --device cuda [--json FILE]      # bf16, a 1.1B Llama, MFU
+        [--zero_stage 3] [--gradient_checkpointing] [--profile DIR]
+
+The job (model, data, batch sizes, DeepSpeed config, steps, seed) is the same for every system.
+Each system runs under its own ``deepspeed`` launcher with the same number of ranks; all are started
+together and take turns, ``--chunk`` steps at a time (A B C D A B C D ...), so only one computes at
+any moment. The first ``--warmup`` steps of each are left out; the report gives the median step
+time, tokens/s, peak memory per rank, final loss (and on GPUs the MFU), each also as a ratio to
+ours. ``--json FILE`` writes one object keyed by system (ours, deepspeed, hf_trainer, accelerate).
+docs/benchmarks.md explains the method and records the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_systems.gate import Coordinator, Group, WorkerFailed  # noqa: E402
+from bench_systems.job import MODELS, SYSTEMS, Job, prepare_data  # noqa: E402
+from bench_systems.report import summarise, table, verdicts  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DEFAULTS = {
+    "cpu": dict(
+        model="small", seq_len=128, micro_batch=4, grad_accum=1, precision="fp32", data="stdlib",
+        vocab_size=4096, learning_rate=1e-3, steps=30, warmup=5, chunk=1,
+    ),
+    "cuda": dict(
+        model="1b", seq_len=2048, micro_batch=4, grad_accum=2, precision="bf16", data="random",
+        vocab_size=32000, learning_rate=3e-4, steps=20, warmup=5, chunk=5,
+    ),
+}  # fmt: skip
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS)
+    )
+    p.add_argument("--model", choices=sorted(MODELS), help="Llama shape (cpu: small, cuda: 1b)")
+    p.add_argument("--seq_len", type=_positive)
+    p.add_argument("--micro_batch", type=_positive, help="per rank")
+    p.add_argument("--grad_accum", type=_positive)
+    p.add_argument("--steps", type=_positive, help="optimizer steps per system")
+    p.add_argument("--warmup", type=_non_negative, help="first steps of each system left out of the medians")
+    p.add_argument("--chunk", type=_positive, help="steps per turn")
+    p.add_argument("--zero_stage", type=int, choices=(0, 1, 2, 3), default=2)
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--precision", choices=("fp32", "bf16"))
+    p.add_argument("--data", choices=("stdlib", "random"), help="token source (cpu: stdlib, cuda: random)")
+    p.add_argument("--vocab_size", type=_positive)
+    p.add_argument("--learning_rate", type=float)
+    p.add_argument("--nproc", type=_positive, help="ranks per system (cpu: 2, cuda: the GPUs present)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument(
+        "--out", help="work directory: job, data, logs, each system's output (default output/bench-...)"
+    )
+    p.add_argument("--json", help="write the results here, one object keyed by system")
+    p.add_argument(
+        "--profile", help="profile 3 of ours' steps after the warm-up (left out of the medians) into DIR"
+    )
+    p.add_argument("--start_timeout", type=float, default=900.0, help="seconds for all ranks to start")
+    p.add_argument("--step_timeout", type=float, default=600.0, help="seconds one turn may take")
+    args = p.parse_args(argv)
+    for key, value in DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.nproc is None:
+        args.nproc = 2 if args.device == "cpu" else _gpu_count()
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if unknown or not args.systems:
+        p.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.steps <= args.warmup:
+        p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    return args
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _gpu_count() -> int:
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise SystemExit("bench: --device cuda but no CUDA device is visible")
+    return count
+
+
+def make_job(args: argparse.Namespace, out: Path) -> Job:
+    return Job(
+        device=args.device,
+        model=args.model,
+        vocab_size=args.vocab_size,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        grad_accum=args.grad_accum,
+        steps=args.steps,
+        warmup=args.warmup,
+        chunk=args.chunk,
+        zero_stage=args.zero_stage,
+        precision=args.precision,
+        gradient_checkpointing=args.gradient_checkpointing,
+        seed=args.seed,
+        learning_rate=args.learning_rate,
+        lr_warmup_steps=min(3, args.steps - 1),
+        data_path=str(out / "data.pt"),
+        world_size=args.nproc,
+        out_dir=str(out),
+        profile_dir=str(Path(args.profile).resolve()) if args.profile else None,
+        release_cache=args.device == "cuda",
+    )
+
+
+# ---------------------------------------------------------------- running the systems
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(job: Job, token: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["BENCH_TOKEN"] = token
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    if job.device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+        # The ranks of one system share the cores; the other systems wait for their turn.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.world_size)))
+    else:
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    return env
+
+
+def start_group(coord: Coordinator, system: str, job: Job, out: Path, env: dict[str, str]) -> None:
+    log = out / "logs" / f"{system}.log"
+    cmd = [
+        sys.executable, "-m", "deepspeed.launcher.runner",
+        "--num_gpus", str(job.world_size), "--master_port", str(_free_port()),
+        str(Path(__file__).resolve()),
+        "--worker", system, "--job", str(out / "job.json"), "--gate", coord.address,
+    ]  # fmt: skip
+    with log.open("w") as handle:
+        # A session of its own, so a failure can stop the launcher and every rank it started.
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    coord.groups[system] = Group(system, proc, log)
+
+
+def run_systems(job: Job, systems: list[str], out: Path, start_timeout: float, step_timeout: float) -> dict:
+    """Start every system, hand the turn round until all finish; returns each rank's result."""
+    coord = Coordinator(secrets.token_hex(16))
+    env = worker_env(job, coord.token)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {}
+    try:
+        for system in systems:
+            start_group(coord, system, job, out, env)
+        t0 = time.monotonic()
+        coord.accept_all(job.world_size, start_timeout)
+        _say(f"{len(systems)} systems started ({time.monotonic() - t0:.0f}s); {job.chunk} step(s) a turn")
+        live, rounds = list(systems), 0
+        while live:
+            rounds += 1
+            if rounds in (2, 1 + -(-job.steps // job.chunk) // 2):
+                _say(f"round {rounds} of {-(-job.steps // job.chunk)} ({time.monotonic() - t0:.0f}s)")
+            for system in list(live):
+                messages = coord.turn(system, step_timeout)
+                if all("result" in m for m in messages):
+                    results[system] = [m["result"] for m in messages]
+                    live.remove(system)
+                elif any("result" in m for m in messages):
+                    raise WorkerFailed(f"{system}: its ranks disagree on when training ended")
+        for group in coord.groups.values():
+            if group.proc.wait(timeout=300) != 0:
+                raise WorkerFailed(
+                    f"{group.system}: the launcher exited with {group.proc.returncode}; see {group.log}"
+                )
+        return results
+    except (WorkerFailed, TimeoutError, subprocess.TimeoutExpired, ConnectionError, KeyboardInterrupt) as err:
+        _stop(coord)
+        for group in coord.groups.values():
+            _say(f"--- {group.system}: last lines of {group.log}\n" + _tail(group.log))
+        raise SystemExit(f"bench: {err}") from None
+    finally:
+        coord.close()
+
+
+def _stop(coord: Coordinator) -> None:
+    """Stop every launcher this run started, with all its ranks (each launcher leads its own session)."""
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        for group in coord.groups.values():
+            if group.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group.proc.pid, sig)
+        for group in coord.groups.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                group.proc.wait(timeout=wait_s)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _say(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- main
+
+
+def describe(job: Job, summary: dict, results: dict) -> str:
+    first = next(iter(results.values()))[0]
+    gc = "on" if job.gradient_checkpointing else "off"
+    return (
+        f"job: Llama '{job.model}' {first['n_params'] / 1e6:.1f}M params, {job.precision}, ZeRO-{job.zero_stage}, "
+        f"activation checkpointing {gc}, {job.world_size} rank(s) ({first['device_name']}), seq {job.seq_len}, "
+        f"micro-batch {job.micro_batch} x accumulation {job.grad_accum} = {job.tokens_per_step} tokens/step, "
+        f"{job.steps} steps per system ({job.warmup} warm-up), {job.chunk} steps a turn, seed {job.seed}"
+    )
+
+
+def main(argv: list[str]) -> int:
+    if "--worker" in argv:
+        from bench_systems.worker import main as worker_main
+
+        return worker_main(argv)
+    args = parse_args(argv)
+    gc = "-ckpt" if args.gradient_checkpointing else ""
+    out = Path(args.out or ROOT / "output" / f"bench-{args.device}-z{args.zero_stage}{gc}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    job = make_job(args, out)
+    _say(f"preparing {job.num_samples} blocks of {job.seq_len} tokens ({args.data})")
+    job.vocab_size = prepare_data(
+        args.data, args.vocab_size, job.seq_len, job.num_samples, job.seed, out / "data.pt"
+    )
+    job.save(out / "job.json")
+    results = run_systems(job, args.systems, out, args.start_timeout, args.step_timeout)
+    summary = summarise(job, results)
+    print(describe(job, summary, results))
+    print(table(job, summary))
+    for line in verdicts(summary):
+        print(line)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    ds_config = next(r for r in results.values())[0]["ds_config"]
+    (out / "ds_config.json").write_text(json.dumps(ds_config, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
