@@ -232,10 +232,12 @@ def _replay_cpu_adam_bias_state(ds: Any) -> None:
 
     opt = getattr(ds, "basic_optimizer", None)
     if isinstance(opt, FusedAdam) and ds.device.type == "cpu":
+
         def call(k: int, group: dict[str, Any], t: list[torch.Tensor]) -> None:
             opt.multi_tensor_adam(2048 * 32, opt._dummy_overflow_buf, [[x] for x in t], 0.0, *group["betas"],
                                   group["eps"], k, opt.adam_w_mode, int(group["bias_correction"]), 0.0)  # fmt: skip
     elif isinstance(opt, DeepSpeedCPUAdam):
+
         def call(k: int, group: dict[str, Any], t: list[torch.Tensor]) -> None:
             opt.ds_opt_adam.adam_update(opt.opt_id, k, 0.0, *group["betas"], group["eps"], 0.0,
                                         group["bias_correction"], t[1], t[0], t[2], t[3])  # fmt: skip

@@ -496,13 +496,17 @@ class Trainer:
         if gas is not None and gas != args.gradient_accumulation_steps:
             # Another number of ranks: the global batch (and so the run's trajectory) stays the
             # checkpoint's; the accumulation steps absorb the change.
-            print_main(f"{path.name}: gradient_accumulation_steps {args.gradient_accumulation_steps} -> {gas}")
+            print_main(
+                f"{path.name}: gradient_accumulation_steps {args.gradient_accumulation_steps} -> {gas}"
+            )
             args.gradient_accumulation_steps = gas
             total = gas * args.per_device_train_batch_size * self.engine.world_size
             self.ds_config.update(gradient_accumulation_steps=gas, train_batch_size=total)
             self.engine.ds.set_train_batch_size(total)
             if self.dist.is_main:
-                (Path(args.output_dir) / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2, sort_keys=True))
+                (Path(args.output_dir) / "ds_config.json").write_text(
+                    json.dumps(self.ds_config, indent=2, sort_keys=True)
+                )
             self._prepare_training()  # re-plans steps per epoch; the engine is kept as it is
         self._load_checkpoint(path)
         print_main(f"Resumed from {path} at step {self.state.global_step}.")
