@@ -507,7 +507,14 @@ class Trainer:
                 (Path(args.output_dir) / "ds_config.json").write_text(
                     json.dumps(self.ds_config, indent=2, sort_keys=True)
                 )
+            planned = self.state.max_steps
             self._prepare_training()  # re-plans steps per epoch; the engine is kept as it is
+            if self.state.max_steps != planned:
+                # An epoch-based run: its LR schedule was sized for the steps planned before this.
+                warn(
+                    f"the LR schedule was sized for {planned} steps, the run now has {self.state.max_steps}; "
+                    f"set max_steps, or pass --gradient_accumulation_steps {gas} on this world size"
+                )
         self._load_checkpoint(path)
         print_main(f"Resumed from {path} at step {self.state.global_step}.")
 
