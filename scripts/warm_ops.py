@@ -1,7 +1,7 @@
 """Compile DeepSpeed's JIT ops once at install time, so runs and tests do not pay for it.
 
-On CPU that is the shared-memory collective op (built at every init otherwise) and the CPU Adam used
-by optimizer offload. The builds go to TORCH_EXTENSIONS_DIR (the Makefile pins it to a stable path).
+On CPU that is the shared-memory collective op (built at every init otherwise), the CPU Adam used
+by optimizer offload and the CPU FusedAdam. The builds go to TORCH_EXTENSIONS_DIR (the Makefile pins it to a stable path).
 On a GPU box nothing is forced: ops build on first use there.
 """
 
@@ -25,9 +25,9 @@ def main() -> int:
     if os.environ.get("DS_ACCELERATOR") != "cpu":
         print("warm_ops: not a CPU run; DeepSpeed ops build on first use")
         return 0
-    # Two independent builds: one per core.
+    # Independent builds, two at a time (one per core). FusedAdam backs optim=adamw_fused.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        for line in pool.map(build, ["ShareMemCommBuilder", "CPUAdamBuilder"]):
+        for line in pool.map(build, ["ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder"]):
             print("warm_ops:", line, flush=True)
     return 0
 

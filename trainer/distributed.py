@@ -45,11 +45,11 @@ def _env_int(*names: str, default: int) -> int:
 
 
 def dist_info() -> DistInfo:
-    """Rank facts from the launcher's environment (torchrun/deepspeed first, then SLURM)."""
+    """Rank facts from the launcher's environment: torchrun/deepspeed, then OpenMPI, then SLURM."""
     return DistInfo(
-        rank=_env_int("RANK", "SLURM_PROCID", default=0),
-        local_rank=_env_int("LOCAL_RANK", "SLURM_LOCALID", default=0),
-        world_size=_env_int("WORLD_SIZE", "SLURM_NTASKS", default=1),
+        rank=_env_int("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", default=0),
+        local_rank=_env_int("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", default=0),
+        world_size=_env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", default=1),
     )
 
 
@@ -73,6 +73,8 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
         os.environ.setdefault("RANK", str(info.rank))
         os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
         os.environ.setdefault("WORLD_SIZE", str(info.world_size))
+        if hardware.device == "cpu":
+            _remove_stale_shm_buffer(info.rank)
         import deepspeed
 
         deepspeed.init_distributed(
@@ -81,6 +83,15 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
             verbose=False,
         )
     return info
+
+
+def _remove_stale_shm_buffer(rank: int) -> None:
+    """DeepSpeed's CPU all-reduce maps /dev/shm buffers named by master address, port and rank,
+    and reuses one a killed process left behind; ranks then wait forever on its stale flags (seen
+    after an elastic restart). Each rank removes its own before the rendezvous, so after it none
+    is stale and peers wait for the fresh one."""
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_{rank}"
+    Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 def device_for(hardware: Hardware, info: DistInfo) -> torch.device:
