@@ -151,7 +151,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_env(job: Job, token: str) -> dict[str, str]:
+def worker_env(job: Job, token: str, n_systems: int) -> dict[str, str]:
     env = dict(os.environ)
     env["BENCH_TOKEN"] = token
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
@@ -163,6 +163,8 @@ def worker_env(job: Job, token: str) -> dict[str, str]:
         # The ranks of one system share the cores; the other systems wait for their turn.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.world_size)))
     else:
+        # Host threads matter only while the systems build their models, all at once.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (job.world_size * n_systems))))
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     return env
 
@@ -186,7 +188,7 @@ def start_group(coord: Coordinator, system: str, job: Job, out: Path, env: dict[
 def run_systems(job: Job, systems: list[str], out: Path, start_timeout: float, step_timeout: float) -> dict:
     """Start every system, hand the turn round until all finish; returns each rank's result."""
     coord = Coordinator(secrets.token_hex(16))
-    env = worker_env(job, coord.token)
+    env = worker_env(job, coord.token, len(systems))
     (out / "logs").mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
     try:
@@ -224,7 +226,7 @@ def run_systems(job: Job, systems: list[str], out: Path, start_timeout: float, s
 
 def _stop(coord: Coordinator) -> None:
     """Stop every launcher this run started, with all its ranks (each launcher leads its own session)."""
-    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
         for group in coord.groups.values():
             if group.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -248,6 +250,10 @@ def _say(message: str) -> None:
 # ---------------------------------------------------------------- main
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+
 def describe(job: Job, summary: dict, results: dict) -> str:
     first = next(iter(results.values()))[0]
     gc = "on" if job.gradient_checkpointing else "off"
@@ -265,6 +271,8 @@ def main(argv: list[str]) -> int:
 
         return worker_main(argv)
     args = parse_args(argv)
+    # A timeout's SIGTERM must still stop the launchers: they run in sessions of their own.
+    signal.signal(signal.SIGTERM, _terminated)
     gc = "-ckpt" if args.gradient_checkpointing else ""
     out = Path(args.out or ROOT / "output" / f"bench-{args.device}-z{args.zero_stage}{gc}").resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -276,13 +284,18 @@ def main(argv: list[str]) -> int:
     job.save(out / "job.json")
     results = run_systems(job, args.systems, out, args.start_timeout, args.step_timeout)
     summary = summarise(job, results)
-    print(describe(job, summary, results))
-    print(table(job, summary))
-    for line in verdicts(summary):
-        print(line)
+    report = "\n".join([describe(job, summary, results), table(job, summary), *verdicts(summary)])
+    print(report)
+    (out / "report.txt").write_text(report + "\n")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    # Every rank's step times, for a closer look than medians give.
+    steps = {
+        system: [{k: r[k] for k in ("times", "cpu_times", "profiled")} for r in ranks]
+        for system, ranks in results.items()
+    }
+    (out / "steps.json").write_text(json.dumps(steps) + "\n")
     ds_config = next(r for r in results.values())[0]["ds_config"]
     (out / "ds_config.json").write_text(json.dumps(ds_config, indent=1, sort_keys=True) + "\n")
     return 0

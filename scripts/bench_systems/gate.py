@@ -149,9 +149,9 @@ class StepClock:
     does around them. On a GPU the hook first waits for the queued work (``sync``), as all systems
     do in bench mode only. The time spent waiting for the turn is not counted.
 
-    Beside the wall time it records the process's CPU time over the same interval (all its threads):
-    on a CPU machine shared with other work it counts what this rank computed, not the time other
-    processes held the cores, so it is the steadier measure of a loop's own overhead there.
+    Beside the wall time it records the process's CPU time over the same interval (all its threads).
+    On a CPU machine shared with other work it leaves out the time other processes held the cores,
+    but it includes the CPU gloo spends polling while a rank waits for the other.
 
     ``profile``: a callable returning a started profiler context, run over ``profile_steps`` steps
     after the warm-up; those steps are recorded in ``profiled`` and left out of the medians.

@@ -168,4 +168,4 @@ def _write_profile(prof: Any, wall_s: float, directory: Path, system: str, cuda:
     }
     (directory / f"{system}_profile_summary.json").write_text(json.dumps(summary, indent=1))
     (directory / f"{system}_profile.txt").write_text(events.table(sort_by=sort, row_limit=30))
-    prof.export_chrome_trace(str(directory / f"{system}_trace.json"))
+    prof.export_chrome_trace(str(directory / f"{system}_trace.json.gz"))
