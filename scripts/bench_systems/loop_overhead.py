@@ -33,7 +33,6 @@ def main() -> None:
 
     import deepspeed
     import torch
-    import torch.distributed as dist
     from torch.utils.data import DataLoader
 
     import trainer.engine as engine_module
@@ -75,20 +74,19 @@ def main() -> None:
     )
     trainer.train()
     report(info.rank, "our Trainer loop", clock.wall, clock.cpu, steps)
-
     sampler = ResumableDistributedSampler(len(dataset), info.world_size, info.rank, seed=42)
     loader = DataLoader(dataset, batch_size=micro, sampler=sampler, collate_fn=collate)
-    dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for batch in loader:
-        count_only(trainer.engine, [batch])
-    report(info.rank, "bare loop", time.perf_counter() - t0, time.process_time() - c0, steps)
+    timed(info.rank, "bare loop", steps, lambda: [count_only(trainer.engine, [batch]) for batch in loader])
+    timed(info.rank, "one host all-reduce", steps, lambda: [host_all_reduce([0.0]) for _ in range(steps)])
+
+
+def timed(rank: int, what: str, steps: int, body) -> None:
+    import torch.distributed as dist
 
     dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        host_all_reduce([0.0])
-    report(info.rank, "one host all-reduce", time.perf_counter() - t0, time.process_time() - c0, steps)
+    body()
+    report(rank, what, time.perf_counter() - t0, time.process_time() - c0, steps)
 
 
 def report(rank: int, what: str, wall: float, cpu: float, steps: int) -> None:

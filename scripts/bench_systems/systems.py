@@ -2,9 +2,9 @@
 
 - ``ours``: ``trainer.Trainer``, as a user runs it.
 - ``deepspeed``: ``deepspeed.initialize`` and a hand-written loop, the floor for overhead. It
-  normalises the loss as our engine does (summed token losses over the window's target tokens on
-  all ranks), in a few lines of its own, and reads the same blocks in the same order, so its final
-  loss must equal ours.
+  normalises the loss as our engine does (summed token losses, from the engine's loss function,
+  over the window's target tokens on all ranks) and reads the same blocks in the same order, so its
+  final loss must equal ours.
 - ``hf_trainer``: ``transformers.Trainer`` with the same DeepSpeed config.
 - ``accelerate``: ``Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=...))`` and the loop from
   accelerate's DeepSpeed examples (``accumulate``, ``backward``, DummyOptim/DummyScheduler, as the
@@ -118,7 +118,10 @@ def run_deepspeed(job: Job, ds_config: dict[str, Any], dataset: Any, clock: Step
     import deepspeed
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
+
+    # The engine's loss is a pure function of (logits, labels): summed next-token cross-entropy.
+    # Sharing it keeps the two bit-equal if its formula changes; the loop is what is measured.
+    from trainer.engine import causal_lm_loss_sum
 
     _seed_all(job.seed)
     model = job.build_model(ds_config)
@@ -142,10 +145,7 @@ def run_deepspeed(job: Job, ds_config: dict[str, Any], dataset: Any, clock: Step
         for batch in window:
             input_ids = batch["input_ids"].to(engine.device, non_blocking=True)
             labels = batch["labels"].to(engine.device, non_blocking=True)
-            logits = engine(input_ids=input_ids).logits[:, :-1].float()
-            loss = F.cross_entropy(
-                logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), reduction="sum"
-            )
+            loss = causal_lm_loss_sum(engine(input_ids=input_ids).logits, labels)
             engine.backward(loss * (world / tokens), scale_wrt_gas=False)
             engine.step()  # DeepSpeed steps the optimizer only at the window's last micro-batch
             loss_sum += loss.detach()
