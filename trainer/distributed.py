@@ -77,11 +77,24 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
             _remove_stale_shm_buffer(info.rank)
         import deepspeed
 
-        deepspeed.init_distributed(
-            dist_backend="nccl" if hardware.device == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
-            verbose=False,
-        )
+        backend = "nccl" if hardware.device == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restart != "0":
+            # After an elastic restart the agent's store still holds the previous attempt's
+            # rendezvous keys, and gloo dials the dead ranks' ports (seen with torch 2.13). A
+            # per-attempt key prefix gives the new group a clean namespace.
+            agent_store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size, False, timeout
+            )
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(f"trainer/attempt_{restart}", agent_store),
+                rank=info.rank,
+                world_size=info.world_size,
+                timeout=timeout,
+            )
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
     return info
 
 
