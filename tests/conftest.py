@@ -19,13 +19,21 @@ def run_env(**extra: str) -> dict[str, str]:
     env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env.update(
+        OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"
+    )
     env.update(extra)
     return env
 
 
-def launch(args: list[str], nproc: int = 2, launcher: str = "deepspeed", timeout: int = 900, check: bool = True,
-           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def launch(
+    args: list[str],
+    nproc: int = 2,
+    launcher: str = "deepspeed",
+    timeout: int = 900,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     """Run a script under a real launcher; on failure the output is part of the assertion message."""
     if launcher == "deepspeed":
         cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_free_port()), *args]
@@ -33,9 +41,13 @@ def launch(args: list[str], nproc: int = 2, launcher: str = "deepspeed", timeout
         cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", f"--master_port={_free_port()}", *args]
     else:
         cmd = [sys.executable, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env or run_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env or run_env(), capture_output=True, text=True, timeout=timeout
+    )
     if check:
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+        assert proc.returncode == 0, (
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 

@@ -41,11 +41,16 @@ def count_targets(batch: dict[str, torch.Tensor]) -> int:
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropy over non-ignored targets, in fp32."""
-    logits = logits[:, :-1].float()
-    targets = labels[:, 1:]
+    """Sum (not mean) of next-token cross-entropy over non-ignored targets, in fp32.
+
+    The labels are shifted (and padded with -100) rather than the logits sliced: slicing would
+    copy the largest activation in forward and write a full-size zero gradient in backward."""
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.float().reshape(-1, logits.size(-1)),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
     )
 
 

@@ -54,7 +54,7 @@ def model_config(model_args: ModelArguments, tokenizer: Any, block_size: int) ->
 
 
 def hidden_size_of(config: PretrainedConfig) -> int:
-    return int(getattr(config, "hidden_size", None) or getattr(config, "n_embd"))
+    return int(getattr(config, "hidden_size", None) or config.n_embd)
 
 
 def build_model(

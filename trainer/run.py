@@ -70,9 +70,9 @@ def run(run_config: RunConfig) -> int:
 
 def _check_paths(run_config: RunConfig) -> None:
     model_path = run_config.model.model_name_or_path
-    if model_path and (model_path.startswith((".", "/")) or Path(model_path).exists()):
-        if not (Path(model_path) / "config.json").is_file():
-            raise ConfigError([("model_name_or_path", f"{model_path}: no config.json there")])
+    is_local = model_path and (model_path.startswith((".", "/")) or Path(model_path).exists())
+    if is_local and not (Path(model_path) / "config.json").is_file():
+        raise ConfigError([("model_name_or_path", f"{model_path}: no config.json there")])
     dataset = run_config.data.dataset
     if (
         dataset != "stdlib"
@@ -90,14 +90,20 @@ def _plot(output_dir: str) -> None:
     plot_runs([output_dir])
 
 
-def _sample(model_dir: Path, device, prompt: str = "def fibonacci(n):\n") -> str:
+def _sample(model_dir: Path, device, prompt: str = "class Parser:\n    def __init__(self") -> str:
     """A short greedy completion from the exported model: proof that the export loads and works."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(device)
-    out = model.generate(**inputs, max_new_tokens=48, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(
+        **inputs,
+        max_new_tokens=48,
+        do_sample=False,
+        repetition_penalty=1.3,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return "Sample completion:\n" + tokenizer.decode(out[0], skip_special_tokens=True)
 
 

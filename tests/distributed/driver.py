@@ -25,11 +25,15 @@ from trainer.modeling import build_model, init_weights
 from trainer.trainer import set_seed
 
 VOCAB = 256
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+TINY = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4
+)
 
 
 def tiny_config() -> LlamaConfig:
-    return LlamaConfig(vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False, **TINY)
+    return LlamaConfig(
+        vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False, **TINY
+    )
 
 
 def token_dataset(n: int, seed: int = 0, min_len: int = 8, max_len: int = 32) -> datasets.Dataset:
@@ -44,7 +48,9 @@ def token_dataset(n: int, seed: int = 0, min_len: int = 8, max_len: int = 32) ->
 
 def learnable_dataset(n: int) -> datasets.Dataset:
     """Repeating patterns: a tiny model's loss falls fast on these."""
-    return datasets.Dataset.from_dict({"input_ids": [[(i + k) % 16 + 1 for k in range(24)] for i in range(n)]})
+    return datasets.Dataset.from_dict(
+        {"input_ids": [[(i + k) % 16 + 1 for k in range(24)] for i in range(n)]}
+    )
 
 
 def make_model(ds_config: dict) -> torch.nn.Module:
@@ -66,8 +72,12 @@ def run_trainer(out: Path, name: str, train_ds, **overrides) -> tuple[Trainer, l
         seed=0,
     )
     args = TrainingArguments(**{**fields, **overrides})
-    ds_config = resolve(args, dist_info().world_size, detect_hardware(), hidden_size=TINY["hidden_size"], total_steps=1)
-    trainer = Trainer(model=make_model(ds_config), args=args, train_dataset=train_ds, data_collator=CausalLMCollator(0))
+    ds_config = resolve(
+        args, dist_info().world_size, detect_hardware(), hidden_size=TINY["hidden_size"], total_steps=1
+    )
+    trainer = Trainer(
+        model=make_model(ds_config), args=args, train_dataset=train_ds, data_collator=CausalLMCollator(0)
+    )
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     return trainer, losses
@@ -100,8 +110,14 @@ def grad_accum(out: Path) -> dict:
     for stage in (2, 3):
         steps = 3
         trainer, losses = run_trainer(
-            out, f"accum{stage}", data, zero_stage=stage, max_steps=steps, gradient_accumulation_steps=4,
-            weight_decay=0.1, max_grad_norm=1.0,
+            out,
+            f"accum{stage}",
+            data,
+            zero_stage=stage,
+            max_steps=steps,
+            gradient_accumulation_steps=4,
+            weight_decay=0.1,
+            max_grad_norm=1.0,
         )
         save_weights(trainer, out / "grad_accum" / f"zero{stage}.pt")
         result[f"zero{stage}"] = losses
@@ -154,8 +170,14 @@ def activation_checkpointing(out: Path) -> dict:
     plain, ckpt = hf_grads(False), hf_grads(True)
     hf_diff = max((plain[n] - ckpt[n]).abs().max().item() for n in plain)
     custom = {mode: custom_model_grads(mode) for mode in ("off", "on")}
-    custom_diff = max((custom["off"][n] - custom["on"][n]).abs().max().item() for n in custom["off"] if n != "_used")
-    return {"hf_max_abs_diff": hf_diff, "custom_max_abs_diff": custom_diff, "custom_used_checkpoint": custom["on"]["_used"].item()}
+    custom_diff = max(
+        (custom["off"][n] - custom["on"][n]).abs().max().item() for n in custom["off"] if n != "_used"
+    )
+    return {
+        "hf_max_abs_diff": hf_diff,
+        "custom_max_abs_diff": custom_diff,
+        "custom_used_checkpoint": custom["on"]["_used"].item(),
+    }
 
 
 class CheckpointedMLP(torch.nn.Module):
@@ -163,7 +185,10 @@ class CheckpointedMLP(torch.nn.Module):
 
     def __init__(self, use_checkpointing: bool):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)) for _ in range(3))
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+            for _ in range(3)
+        )
         self.use_checkpointing = use_checkpointing
         self.calls = 0
 
@@ -205,9 +230,15 @@ def bf16(out: Path) -> dict:
     data = learnable_dataset(64)
     result = {}
     for stage in (2, 3):
-        trainer, losses = run_trainer(out, f"bf16_z{stage}", data, zero_stage=stage, bf16=True, max_steps=10, learning_rate=3e-3)
+        trainer, losses = run_trainer(
+            out, f"bf16_z{stage}", data, zero_stage=stage, bf16=True, max_steps=10, learning_rate=3e-3
+        )
         trainer.save_model(str(out / f"bf16_z{stage}" / "final"))
-        result[f"zero{stage}"] = {"losses": losses, "export": str(out / f"bf16_z{stage}" / "final"), "precision": trainer.ds_config.get("bf16", {})}
+        result[f"zero{stage}"] = {
+            "losses": losses,
+            "export": str(out / f"bf16_z{stage}" / "final"),
+            "precision": trainer.ds_config.get("bf16", {}),
+        }
     return result
 
 
@@ -215,19 +246,37 @@ def offload(out: Path) -> dict:
     data = learnable_dataset(64)
     result = {}
     for stage in (2, 3):
-        trainer, losses = run_trainer(out, f"offload_z{stage}", data, zero_stage=stage, offload_optimizer="cpu", max_steps=10, learning_rate=3e-3)
+        trainer, losses = run_trainer(
+            out,
+            f"offload_z{stage}",
+            data,
+            zero_stage=stage,
+            offload_optimizer="cpu",
+            max_steps=10,
+            learning_rate=3e-3,
+        )
         opt_name = type(trainer.engine.ds.optimizer).__name__
         inner = getattr(trainer.engine.ds.optimizer, "optimizer", None)
-        result[f"zero{stage}"] = {"losses": losses, "optimizer": opt_name, "inner": type(inner).__name__ if inner is not None else None}
+        result[f"zero{stage}"] = {
+            "losses": losses,
+            "optimizer": opt_name,
+            "inner": type(inner).__name__ if inner is not None else None,
+        }
     return result
 
 
 def evaluate_zero3(out: Path) -> dict:
     """evaluate() under ZeRO-3 with 13 samples on 2 ranks (one padded row) against plain torch."""
     data = token_dataset(13, seed=4)
-    args = TrainingArguments(output_dir=str(out / "eval_z3"), zero_stage=3, per_device_eval_batch_size=4, disable_tqdm=True)
-    ds_config = resolve(args, dist_info().world_size, detect_hardware(), hidden_size=TINY["hidden_size"], total_steps=1)
-    trainer = Trainer(model=make_model(ds_config), args=args, eval_dataset=data, data_collator=CausalLMCollator(0))
+    args = TrainingArguments(
+        output_dir=str(out / "eval_z3"), zero_stage=3, per_device_eval_batch_size=4, disable_tqdm=True
+    )
+    ds_config = resolve(
+        args, dist_info().world_size, detect_hardware(), hidden_size=TINY["hidden_size"], total_steps=1
+    )
+    trainer = Trainer(
+        model=make_model(ds_config), args=args, eval_dataset=data, data_collator=CausalLMCollator(0)
+    )
     metrics = trainer.evaluate()
     from trainer.distributed import all_gather_object
 
@@ -256,16 +305,28 @@ def nonfinite(out: Path) -> dict:
         os.environ["TRAINER_FAULT"] = "nan:step=6"
         try:
             trainer, losses = run_trainer(
-                out, f"nan_{policy}", data, zero_stage=2, max_steps=10, save_steps=4, logging_steps=2,
-                save_strategy="steps", learning_rate=3e-3, nonfinite_policy=policy,
+                out,
+                f"nan_{policy}",
+                data,
+                zero_stage=2,
+                max_steps=10,
+                save_steps=4,
+                logging_steps=2,
+                save_strategy="steps",
+                learning_rate=3e-3,
+                nonfinite_policy=policy,
             )
             state = trainer.state
             weights = trainer.engine.full_state_dict()
             finite = None if weights is None else all(bool(torch.isfinite(v).all()) for v in weights.values())
             rows = state.log_history
             result[policy] = {
-                "exit": 0, "steps": state.global_step, "rollbacks": state.rollbacks, "lr_scale": state.lr_scale,
-                "nonfinite_windows": state.nonfinite_windows, "weights_finite": finite,
+                "exit": 0,
+                "steps": state.global_step,
+                "rollbacks": state.rollbacks,
+                "lr_scale": state.lr_scale,
+                "nonfinite_windows": state.nonfinite_windows,
+                "weights_finite": finite,
                 "lrs": [r["learning_rate"] for r in rows if "learning_rate" in r],
                 "losses": [None if not math.isfinite(x) else x for x in losses],
             }

@@ -41,7 +41,9 @@ def test_zero_stages_share_final_weights(results):
         other = torch.load(out / "zero_stages" / f"zero{stage}.pt", weights_only=True)
         assert other.keys() == base.keys()
         for name in base:
-            torch.testing.assert_close(other[name], base[name], rtol=1e-4, atol=1e-5, msg=f"zero{stage} {name}")
+            torch.testing.assert_close(
+                other[name], base[name], rtol=1e-4, atol=1e-5, msg=f"zero{stage} {name}"
+            )
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -3,28 +3,54 @@
 import json
 import sys
 import tempfile
+from pathlib import Path
 
 import datasets
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import DataCollatorForLanguageModeling, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers import Trainer, TrainingArguments
+from transformers import (
+    DataCollatorForLanguageModeling,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
-output_dir = [a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]  # the launcher adds --local_rank
-lines = [line for line in open(datasets.__file__.replace("__init__.py", "arrow_dataset.py")).read().splitlines() if line.strip()][:600]
+# isort: off
+from transformers import Trainer, TrainingArguments  # the test swaps this line for ours
+# isort: on
+
+output_dir = [a for a in sys.argv[1:] if not a.startswith("--local_rank")][
+    0
+]  # the launcher adds --local_rank
+source = Path(datasets.__file__).with_name("arrow_dataset.py").read_text()
+lines = [line for line in source.splitlines() if line.strip()][:600]
 
 bpe = Tokenizer(models.BPE(unk_token="<unk>"))
 bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
 bpe.decoder = decoders.ByteLevel()
-bpe.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<pad>", "<eos>"]))
-tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+bpe.train_from_iterator(
+    lines, trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<pad>", "<eos>"])
+)
+tokenizer = PreTrainedTokenizerFast(
+    tokenizer_object=bpe, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
+)
 
 raw = datasets.Dataset.from_dict({"text": lines}).train_test_split(test_size=0.1, seed=0)
-tokenized = raw.map(lambda b: tokenizer(b["text"], truncation=True, max_length=32), batched=True, remove_columns=["text"])
+tokenized = raw.map(
+    lambda b: tokenizer(b["text"], truncation=True, max_length=32), batched=True, remove_columns=["text"]
+)
 
-model = LlamaForCausalLM(LlamaConfig(
-    vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
-))
+model = LlamaForCausalLM(
+    LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+)
 ds_config = {
     "train_batch_size": "auto",
     "train_micro_batch_size_per_gpu": "auto",
@@ -32,9 +58,19 @@ ds_config = {
     "gradient_clipping": "auto",
     "bf16": {"enabled": "auto"},
     "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                       "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    },
 }
 args = TrainingArguments(
     output_dir=output_dir,

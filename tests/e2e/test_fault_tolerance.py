@@ -24,13 +24,35 @@ from tests.conftest import BIN, ROOT, _free_port, launch, run_env
 pytestmark = pytest.mark.distributed
 
 # Small and quick: checkpoints every 4 steps, a metrics row every step.
-RUN = ["--max_steps", "16", "--save_steps", "4", "--logging_steps", "1", "--eval_strategy", "no",
-       "--max_train_samples", "256", "--max_eval_samples", "8", "--block_size", "32"]
+RUN = [
+    "--max_steps",
+    "16",
+    "--save_steps",
+    "4",
+    "--logging_steps",
+    "1",
+    "--eval_strategy",
+    "no",
+    "--max_train_samples",
+    "256",
+    "--max_eval_samples",
+    "8",
+    "--block_size",
+    "32",
+]
 
 
 def torchrun_cmd(out: Path, max_restarts: int = 0) -> list[str]:
-    return [str(BIN / "torchrun"), "--nproc_per_node=2", f"--max-restarts={max_restarts}",
-            f"--master_port={_free_port()}", "scripts/train.py", "--output_dir", str(out), *RUN]
+    return [
+        str(BIN / "torchrun"),
+        "--nproc_per_node=2",
+        f"--max-restarts={max_restarts}",
+        f"--master_port={_free_port()}",
+        "scripts/train.py",
+        "--output_dir",
+        str(out),
+        *RUN,
+    ]
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -73,13 +95,21 @@ def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float =
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("reference") / "run"
-    subprocess.run(torchrun_cmd(out), cwd=ROOT, env=run_env(), check=True, capture_output=True, text=True, timeout=900)
+    subprocess.run(
+        torchrun_cmd(out), cwd=ROOT, env=run_env(), check=True, capture_output=True, text=True, timeout=900
+    )
     return final_weights(out)
 
 
 def kill_rank_and_recover(out: Path, kill_after: int) -> subprocess.CompletedProcess:
-    agent = subprocess.Popen(torchrun_cmd(out, max_restarts=2), cwd=ROOT, env=run_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    agent = subprocess.Popen(
+        torchrun_cmd(out, max_restarts=2),
+        cwd=ROOT,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wait_for_step(out, kill_after, agent)
     victim = worker(agent, rank=1)
     assert victim is not None
@@ -106,8 +136,14 @@ def test_sigkill_at_many_points(tmp_path, reference, kill_after):
 
 def test_sigterm_saves_within_grace_and_resumes_exactly(tmp_path, reference):
     out = tmp_path / "run"
-    agent = subprocess.Popen([*torchrun_cmd(out), "--preemption_grace_s", "30"], cwd=ROOT, env=run_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    agent = subprocess.Popen(
+        [*torchrun_cmd(out), "--preemption_grace_s", "30"],
+        cwd=ROOT,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wait_for_step(out, 6, agent)
     # As SLURM does: every task gets the signal.
     workers = [worker(agent, r) for r in (0, 1)]
@@ -120,7 +156,9 @@ def test_sigterm_saves_within_grace_and_resumes_exactly(tmp_path, reference):
     saved = int(output.split("Preempted: saved checkpoint-")[1].split(";")[0])
     assert (out / f"checkpoint-{saved}" / "COMPLETE").is_file()
     assert elapsed < 30
-    resumed = subprocess.run(torchrun_cmd(out), cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=900)
+    resumed = subprocess.run(
+        torchrun_cmd(out), cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=900
+    )
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
     assert f"Resumed from {out / f'checkpoint-{saved}'}" in resumed.stdout
     assert_same_weights(final_weights(out), reference)
@@ -128,8 +166,11 @@ def test_sigterm_saves_within_grace_and_resumes_exactly(tmp_path, reference):
 
 def test_hang_in_save_dumps_every_rank_and_exits(tmp_path):
     out = tmp_path / "run"
-    proc = launch(["scripts/train.py", "--output_dir", str(out), *RUN, "--hang_timeout_s", "20"],
-                  check=False, env=run_env(TRAINER_FAULT="hang:rank=1:phase=save"))
+    proc = launch(
+        ["scripts/train.py", "--output_dir", str(out), *RUN, "--hang_timeout_s", "20"],
+        check=False,
+        env=run_env(TRAINER_FAULT="hang:rank=1:phase=save"),
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "hang: phase 'save' did not finish within 20s" in text and "never reached it: [1]" in text

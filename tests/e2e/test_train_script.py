@@ -14,8 +14,22 @@ from tests.conftest import ROOT, launch
 pytestmark = pytest.mark.distributed
 
 # A short version of the embedded default: same recipe, fewer steps.
-SHORT = ["--max_steps", "24", "--logging_steps", "4", "--save_steps", "12", "--eval_steps", "12",
-         "--max_train_samples", "400", "--max_eval_samples", "32", "--block_size", "64"]
+SHORT = [
+    "--max_steps",
+    "24",
+    "--logging_steps",
+    "4",
+    "--save_steps",
+    "12",
+    "--eval_steps",
+    "12",
+    "--max_train_samples",
+    "400",
+    "--max_eval_samples",
+    "32",
+    "--block_size",
+    "64",
+]
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +106,15 @@ def test_unknown_recipe_field_is_one_clear_error(tmp_path):
 
 def test_impossible_batch_for_world_size_fails_before_model_build(tmp_path):
     proc = launch(
-        ["scripts/train.py", "--output_dir", str(tmp_path / "o"), "--deepspeed",
-         json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2})],
-        nproc=3, check=False,
+        [
+            "scripts/train.py",
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--deepspeed",
+            json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}),
+        ],
+        nproc=3,
+        check=False,
     )
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0

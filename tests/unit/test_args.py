@@ -9,7 +9,17 @@ from trainer.config.errors import ConfigError
 
 
 def test_cli_forms_and_launcher_flag():
-    flat = parse_cli(["--max_steps", "50", "--learning_rate=3e-4", "--bf16", "--local_rank=1", "--report_to", "[tensorboard]"])
+    flat = parse_cli(
+        [
+            "--max_steps",
+            "50",
+            "--learning_rate=3e-4",
+            "--bf16",
+            "--local_rank=1",
+            "--report_to",
+            "[tensorboard]",
+        ]
+    )
     assert flat == {"max_steps": 50, "learning_rate": 3e-4, "bf16": True, "report_to": ["tensorboard"]}
     assert parse_cli(["--local_rank", "0", "--seed", "7"]) == {"seed": 7}
 

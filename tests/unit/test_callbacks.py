@@ -14,7 +14,12 @@ def _flow(args: TrainingArguments, step: int, max_steps: int = 100) -> TrainerCo
 def test_flow_follows_step_strategies():
     args = TrainingArguments(logging_steps=10, eval_strategy="steps", eval_steps=25, save_steps=50)
     c = _flow(args, 50)
-    assert (c.should_log, c.should_evaluate, c.should_save, c.should_training_stop) == (True, True, True, False)
+    assert (c.should_log, c.should_evaluate, c.should_save, c.should_training_stop) == (
+        True,
+        True,
+        True,
+        False,
+    )
     c = _flow(args, 25)
     assert (c.should_log, c.should_evaluate, c.should_save) == (False, True, False)
     c = _flow(args, 100)
@@ -46,6 +51,8 @@ def test_early_stopping_respects_greater_is_better():
 
 
 def test_state_round_trips_through_json(tmp_path):
-    state = TrainerState(global_step=7, epoch_index=1, samples_into_epoch=12, log_history=[{"step": 7, "loss": 1.5}])
+    state = TrainerState(
+        global_step=7, epoch_index=1, samples_into_epoch=12, log_history=[{"step": 7, "loss": 1.5}]
+    )
     state.save_to_json(tmp_path / "s.json")
     assert TrainerState.load_from_json(tmp_path / "s.json") == state
