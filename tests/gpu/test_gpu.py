@@ -1,0 +1,61 @@
+"""GPU-only paths (``pytest -m gpu``; scripts/gpu_check.sh runs them): one process, one GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def train(tmp_path, name: str, **overrides):
+    from tests.distributed.driver import learnable_dataset, run_trainer
+
+    return run_trainer(tmp_path, name, learnable_dataset(64), max_steps=12, learning_rate=3e-3, **overrides)
+
+
+def test_fp16_with_dynamic_loss_scaling(tmp_path):
+    trainer, losses = train(tmp_path, "fp16", fp16=True, zero_stage=2)
+    assert trainer.ds_config["fp16"]["enabled"] is True
+    assert trainer.engine.loss_scale() is not None
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert all("loss_scale" in r and "skipped_steps" in r for r in rows)
+    assert losses[-1] < 0.8 * losses[0]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16(tmp_path, stage):
+    trainer, losses = train(tmp_path, f"bf16_{stage}", bf16=True, zero_stage=stage)
+    assert next(trainer.engine.module.parameters()).dtype == torch.bfloat16
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_zero3_with_cpu_offload_of_optimizer_and_params(tmp_path):
+    trainer, losses = train(
+        tmp_path, "z3_offload", bf16=True, zero_stage=3, offload_optimizer="cpu", offload_param="cpu"
+    )
+    assert type(trainer.engine.ds.optimizer.optimizer).__name__ == "DeepSpeedCPUAdam"
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_nvme_offload_where_libaio_exists(tmp_path):
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        pytest.skip("libaio is not installed")
+    trainer, losses = train(
+        tmp_path,
+        "nvme",
+        bf16=True,
+        zero_stage=3,
+        offload_optimizer="nvme",
+        offload_param="nvme",
+        nvme_path=str(tmp_path / "nvme"),
+    )
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_fused_adam(tmp_path):
+    trainer, losses = train(tmp_path, "fused", bf16=True, zero_stage=2, optim="adamw_fused")
+    assert "torch_adam" not in trainer.ds_config["optimizer"]["params"]
+    assert losses[-1] < 0.8 * losses[0]
