@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.conftest import ROOT, launch
@@ -79,6 +80,28 @@ def test_final_export_loads_with_auto_classes(default_run):
     ids = tokenizer("import os\n", return_tensors="pt").input_ids
     assert model(ids).logits.shape[-1] == len(tokenizer)
     assert "Sample completion:" in proc.stdout
+
+
+def test_trainer_export_of_a_checkpoint_matches_the_final_export(default_run, tmp_path):
+    """`trainer export` rebuilds the model from checkpoint-24 alone: same logits as final/ (step 24)."""
+    from transformers import AutoModelForCausalLM
+
+    out, _ = default_run
+    proc = launch(
+        ["-m", "trainer.cli.main", "export", str(out / "checkpoint-24"), str(tmp_path / "hf")],
+        launcher="python",
+    )
+    assert "Exported" in proc.stdout
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    ids = torch.arange(1, 33)[None]
+    torch.testing.assert_close(exported(ids).logits, final(ids).logits, rtol=0, atol=1e-5)
+    bad = launch(
+        ["-m", "trainer.cli.main", "export", str(out / "nope"), str(tmp_path / "x")],
+        launcher="python",
+        check=False,
+    )
+    assert bad.returncode == 2 and "not a complete checkpoint" in bad.stderr
 
 
 def test_rerun_resumes_from_newest_complete_checkpoint(default_run):

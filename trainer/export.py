@@ -1,0 +1,71 @@
+"""Offline export of a checkpoint directory to an HF model directory, in one process.
+
+The checkpoint carries its run config, so the model config and tokenizer are rebuilt from it; the
+weights come from DeepSpeed's shards (consolidated to fp32 by DeepSpeed's own ``zero_to_fp32`` for
+ZeRO 1-3, read from the model-states file for ZeRO-0). Files are checked against the manifest first:
+DeepSpeed's shards are pickles, and only verified files are unpickled.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+
+from trainer import checkpoint as ckpt
+from trainer.args import RunConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export_checkpoint(
+    checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", max_shard_size: str = "5GB"
+) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from trainer.data import get_tokenizer
+    from trainer.modeling import model_config
+
+    path = Path(checkpoint)
+    if not ckpt.is_complete(path):
+        raise ckpt.CheckpointError(f"{path}: not a complete checkpoint (no {ckpt.MARKER} marker or manifest)")
+    problems = ckpt.verify(path)
+    if problems:
+        raise ckpt.CheckpointError("; ".join(problems))
+    run = RunConfig.from_flat(yaml.safe_load((path / "run_config.yaml").read_text()))
+    tokenizer = get_tokenizer(run.model, run.data)
+    config = model_config(run.model, tokenizer, run.data.block_size)
+    state = _consolidated_state(path, ckpt.read_manifest(path).get("zero_stage", 0))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # Tied weights are stored once; anything else missing means the checkpoint does not fit the model.
+    missing = [k for k in missing if k not in _tied_keys(model)]
+    if missing or unexpected:
+        raise ckpt.CheckpointError(
+            f"{path}: weights do not match the model (missing {missing}, unexpected {unexpected})"
+        )
+    model = model.to(DTYPES[dtype])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _consolidated_state(path: Path, zero_stage: int) -> dict[str, torch.Tensor]:
+    if zero_stage == 0:
+        saved = torch.load(
+            path / ckpt.DS_TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
+        )
+        return {k: v.float() for k, v in saved["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(path), tag=ckpt.DS_TAG)
+
+
+def _tied_keys(model: torch.nn.Module) -> set[str]:
+    names = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {n for group in names.values() if len(group) > 1 for n in group[1:]}
