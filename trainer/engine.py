@@ -110,11 +110,12 @@ class Engine:
         self._apply_lr_scale()
 
     def train_window(
-        self, window: list[dict[str, torch.Tensor]], poison: bool = False
+        self, window: list[dict[str, torch.Tensor]], poison: bool = False, window_tokens: float | None = None
     ) -> tuple[torch.Tensor, float]:
         """Forward/backward every micro-batch of one accumulation window, then one optimizer step.
-        Returns (this rank's summed loss on device, target tokens of the window on all ranks)."""
-        tokens = self.window_targets(window)
+        Returns (this rank's summed loss on device, target tokens of the window on all ranks).
+        ``window_tokens``: that global count when the caller already summed it over ranks."""
+        tokens = self.window_targets(window) if window_tokens is None else window_tokens
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(window):
             loss_sum += self.forward_backward(batch, tokens, i == len(window) - 1, poison=poison)

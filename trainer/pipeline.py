@@ -339,12 +339,14 @@ class PipelineAdapter:
     # ---- one accumulation window ---------------------------------------------------------------
 
     def train_window(
-        self, window: list[dict[str, torch.Tensor]], poison: bool = False
+        self, window: list[dict[str, torch.Tensor]], poison: bool = False, window_tokens: float | None = None
     ) -> tuple[torch.Tensor, float]:
         """One optimizer step over this rank's window (pooled with the other stages' windows).
         Returns (the summed loss this rank computed: the last stage's, zero on the others; the
         window's target tokens on all ranks), like ``Engine.train_window``."""
-        tokens = max(host_all_reduce([float(sum(count_targets(b) for b in window))])[0], 1.0)
+        if window_tokens is None:
+            window_tokens = max(host_all_reduce([float(sum(count_targets(b) for b in window))])[0], 1.0)
+        tokens = window_tokens
         pooled = self._pool(window)
         self.loss.start(self.world_size * self.ds.gradient_accumulation_steps() / tokens, poison)
         self._fit_shapes(pooled)

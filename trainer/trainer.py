@@ -48,7 +48,7 @@ from trainer.distributed import (
     print_main,
     warn,
 )
-from trainer.engine import IGNORE_INDEX, Engine
+from trainer.engine import IGNORE_INDEX, Engine, count_targets
 from trainer.monitor import (
     StepTimer,
     flops_per_token_for_model,
@@ -164,13 +164,19 @@ class Trainer:
         """Optimizer steps until the epoch ends (True) or the run stops or rolls back (False)."""
         args, faults = self.args, self.faults
         for window in self._windows(sampler):
-            if self._preemption_requested():
+            # One host-only vote per step carries both the window's target tokens and the
+            # preemption flag, so every rank stops after the same step.
+            local = [float(sum(count_targets(b) for b in window)), 1.0 if self.preemption.received else 0.0]
+            window_tokens, preempted = host_all_reduce(local)
+            if preempted:
                 self._save_and_exit_on_preemption()
             self.control = self.callback_handler.fire("on_step_begin", args, self.state, self.control)
             poison = faults.get("kind") == "nan" and self.state.global_step + 1 == faults.get("step")
             if poison:
                 faults.pop("kind")  # once per process, or a rollback would replay it forever
-            window_loss, window_tokens = self.engine.train_window(window, poison=poison)
+            window_loss, window_tokens = self.engine.train_window(
+                window, poison=poison, window_tokens=max(window_tokens, 1.0)
+            )
             self._loss_sum += window_loss
             self._token_sum += window_tokens
             self._nonfinite |= ~torch.isfinite(window_loss)  # on device: read only at log/save time
@@ -208,10 +214,6 @@ class Trainer:
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.engine.device)
 
     # ---- preemption and the non-finite guard ---------------------------------------------------
-
-    def _preemption_requested(self) -> bool:
-        """A host-only vote each step, so every rank stops after the same step."""
-        return host_all_reduce([1.0 if self.preemption.received else 0.0])[0] > 0
 
     def _save_and_exit_on_preemption(self) -> None:
         if self._guard_finite(allow_rollback=False):
