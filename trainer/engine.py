@@ -54,7 +54,65 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     )
 
 
-class Engine:
+class DeepSpeedDriver:
+    """What the Engine and the pipeline adapter share: inputs, reporting, saving, the LR scale.
+    Subclasses set ``ds`` (the DeepSpeed engine), ``device`` and ``lr_scale``."""
+
+    ds: Any
+    device: torch.device
+    lr_scale: float
+
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(labels, model inputs) on the device. Packed rows carry position_ids that restart at each
+        document: then the attention mask is left out, so HF models build a block-diagonal mask from
+        the positions and documents do not attend to each other. Right padding needs no mask in a
+        causal model (no real token looks right), and padded labels are ignored anyway."""
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        if "position_ids" in batch:
+            batch.pop("attention_mask", None)
+            batch["use_cache"] = False
+        return labels, batch
+
+    def train(self, mode: bool = True) -> None:
+        self.ds.train(mode)
+
+    # ---- what a logging step reports -----------------------------------------------------------
+
+    @property
+    def global_steps(self) -> int:
+        return self.ds.global_steps
+
+    def learning_rate(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+    def grad_norm(self) -> float | None:
+        norm = self.ds.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def loss_scale(self) -> float | None:
+        """Current fp16 loss scale; None outside fp16."""
+        return float(self.ds.loss_scale()) if self.ds.fp16_enabled() else None
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.ds.skipped_steps)
+
+    # ---- DeepSpeed state on disk ---------------------------------------------------------------
+
+    def save(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
+        # universal_checkpoint_info lets ds_to_universal convert this save for another world size.
+        state = {"universal_checkpoint_info": {}, **client_state}
+        self.ds.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
+
+    def _apply_lr_scale(self) -> None:
+        """A rollback's learning-rate cut: the scheduler sets each step's rate, then we scale it."""
+        if self.lr_scale != 1.0:
+            for group in self.ds.optimizer.param_groups:
+                group["lr"] *= self.lr_scale
+
+
+class Engine(DeepSpeedDriver):
     """Drives one DeepSpeed engine. ``module`` is the wrapped model; ``ds`` the DeepSpeed engine."""
 
     def __init__(
@@ -122,61 +180,12 @@ class Engine:
         self.step()
         return loss_sum, tokens
 
-    def _apply_lr_scale(self) -> None:
-        """A rollback's learning-rate cut: the scheduler sets each step's rate, then we scale it."""
-        if self.lr_scale != 1.0:
-            for group in self.ds.optimizer.param_groups:
-                group["lr"] *= self.lr_scale
-
     @torch.no_grad()
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, target count) of one batch, both on device."""
         labels, inputs = self.model_inputs(batch)
         count = (labels[:, 1:] != IGNORE_INDEX).sum().float()
         return causal_lm_loss_sum(self.ds(**inputs).logits, labels), count
-
-    def model_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(labels, model inputs) on the device. Packed rows carry position_ids that restart at each
-        document: then the attention mask is left out, so HF models build a block-diagonal mask from
-        the positions and documents do not attend to each other. Right padding needs no mask in a
-        causal model (no real token looks right), and padded labels are ignored anyway."""
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        labels = batch.pop("labels")
-        if "position_ids" in batch:
-            batch.pop("attention_mask", None)
-            batch["use_cache"] = False
-        return labels, batch
-
-    def train(self, mode: bool = True) -> None:
-        self.ds.train(mode)
-
-    # ---- what a logging step reports -----------------------------------------------------------
-
-    @property
-    def global_steps(self) -> int:
-        return self.ds.global_steps
-
-    def learning_rate(self) -> float:
-        return float(self.ds.get_lr()[0])
-
-    def grad_norm(self) -> float | None:
-        norm = self.ds.get_global_grad_norm()
-        return None if norm is None else float(norm)
-
-    def loss_scale(self) -> float | None:
-        """Current fp16 loss scale; None outside fp16."""
-        return float(self.ds.loss_scale()) if self.ds.fp16_enabled() else None
-
-    @property
-    def skipped_steps(self) -> int:
-        return int(self.ds.skipped_steps)
-
-    # ---- DeepSpeed state on disk ---------------------------------------------------------------
-
-    def save(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
-        # universal_checkpoint_info lets ds_to_universal convert this save for another world size.
-        state = {"universal_checkpoint_info": {}, **client_state}
-        self.ds.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
 
     def load(self, directory: str, tag: str, load_optimizer_states: bool = True) -> dict[str, Any]:
         path, client_state = self.ds.load_checkpoint(

@@ -38,7 +38,13 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 
 from trainer.distributed import host_all_reduce
-from trainer.engine import IGNORE_INDEX, causal_lm_loss_sum, count_targets, weight_decay_groups
+from trainer.engine import (
+    IGNORE_INDEX,
+    DeepSpeedDriver,
+    causal_lm_loss_sum,
+    count_targets,
+    weight_decay_groups,
+)
 
 SUPPORTED = ("llama", "gpt2")
 # Only decoder blocks are checkpointed: DeepSpeed's (reentrant) checkpoint needs an input that
@@ -282,7 +288,7 @@ def _positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.arange(length).expand(rows, length).contiguous()
 
 
-class PipelineAdapter:
+class PipelineAdapter(DeepSpeedDriver):
     """``Engine``'s interface over DeepSpeed's ``PipelineEngine`` (``ds``). ``module`` is the HF model
     (the shell the export is written from); ``world_size`` is the data-parallel size."""
 
@@ -394,51 +400,6 @@ class PipelineAdapter:
         self.ds.reset_activation_shape()
         self._shape = next(iter(shapes)) if len(shapes) == 1 else None
         self.ds.dynamic_shape = self._shape is None
-
-    def _apply_lr_scale(self) -> None:
-        """A rollback's learning-rate cut, as in the Engine: applied after the scheduler's step."""
-        if self.lr_scale != 1.0:
-            for group in self.ds.optimizer.param_groups:
-                group["lr"] *= self.lr_scale
-
-    def model_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(labels, model inputs) on the device, as the Engine gives them."""
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        labels = batch.pop("labels")
-        if "position_ids" in batch:
-            batch.pop("attention_mask", None)
-            batch["use_cache"] = False
-        return labels, batch
-
-    def train(self, mode: bool = True) -> None:
-        self.ds.train(mode)
-
-    # ---- what a logging step reports -----------------------------------------------------------
-
-    @property
-    def global_steps(self) -> int:
-        return self.ds.global_steps
-
-    def learning_rate(self) -> float:
-        return float(self.ds.get_lr()[0])
-
-    def grad_norm(self) -> float | None:
-        norm = self.ds.get_global_grad_norm()
-        return None if norm is None else float(norm)
-
-    def loss_scale(self) -> float | None:
-        return float(self.ds.loss_scale()) if self.ds.fp16_enabled() else None
-
-    @property
-    def skipped_steps(self) -> int:
-        return int(self.ds.skipped_steps)
-
-    # ---- DeepSpeed state on disk ---------------------------------------------------------------
-
-    def save(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
-        """Every stage writes its layers (``layer_NN-model_states.pt``) and optimizer shards."""
-        state = {"universal_checkpoint_info": {}, **client_state}
-        self.ds.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
 
     def load(self, directory: str, tag: str, load_optimizer_states: bool = True) -> dict[str, Any]:
         path, client_state = self.ds.load_checkpoint(
