@@ -8,7 +8,6 @@ these arguments into a DeepSpeed dict.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -332,7 +331,3 @@ def parse_run_config(argv: list[str]) -> RunConfig:
 
 def dump_run_config(run: RunConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(run.to_flat(), sort_keys=False))
-
-
-def to_json(run: RunConfig) -> str:
-    return json.dumps(run.to_flat(), sort_keys=True)

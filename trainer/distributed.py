@@ -107,10 +107,6 @@ def _remove_stale_shm_buffer(rank: int) -> None:
     Path("/dev/shm", name).unlink(missing_ok=True)
 
 
-def device_for(hardware: Hardware, info: DistInfo) -> torch.device:
-    return torch.device("cuda", info.local_rank) if hardware.device == "cuda" else torch.device("cpu")
-
-
 def barrier(label: str) -> None:
     """A barrier with a name, so logs and hang reports say which phase stalled."""
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -135,14 +131,6 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def all_agree(flag: bool) -> bool:

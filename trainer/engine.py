@@ -79,10 +79,6 @@ class DeepSpeedDriver:
 
     # ---- what a logging step reports -----------------------------------------------------------
 
-    @property
-    def global_steps(self) -> int:
-        return self.ds.global_steps
-
     def learning_rate(self) -> float:
         return float(self.ds.get_lr()[0])
 
