@@ -33,6 +33,8 @@ from bench_systems.gate import Coordinator, Group, WorkerFailed  # noqa: E402
 from bench_systems.job import MODELS, SYSTEMS, Job, prepare_data  # noqa: E402
 from bench_systems.report import summarise, table, verdicts  # noqa: E402
 
+from trainer.distributed import sweep_orphan_shm_buffers  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULTS = {
@@ -283,6 +285,8 @@ def main(argv: list[str]) -> int:
     )
     job.save(out / "job.json")
     results = run_systems(job, args.systems, out, args.start_timeout, args.step_timeout)
+    # The baselines' plain DeepSpeed init leaves its all-reduce buffers in /dev/shm (RAM).
+    sweep_orphan_shm_buffers()
     summary = summarise(job, results)
     report = "\n".join([describe(job, summary, results), table(job, summary), *verdicts(summary)])
     print(report)

@@ -25,7 +25,10 @@ def main() -> int:
     if os.environ.get("DS_ACCELERATOR") != "cpu":
         print("warm_ops: not a CPU run; DeepSpeed ops build on first use")
         return 0
-    # Independent builds, two at a time (one per core). FusedAdam backs optim=adamw_fused.
+    # Independent builds, two at a time with one compiler each: one per core, and each compiler
+    # can take gigabytes, which ninja's default of cores + 2 jobs per build multiplies.
+    os.environ.setdefault("MAX_JOBS", "1")
+    # FusedAdam backs optim=adamw_fused.
     with ThreadPoolExecutor(max_workers=2) as pool:
         for line in pool.map(build, ["ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder"]):
             print("warm_ops:", line, flush=True)

@@ -51,6 +51,13 @@ def launch(
     return proc
 
 
+def shm_buffers() -> set[str]:
+    """This user's DeepSpeed CPU all-reduce buffers now in /dev/shm."""
+    from trainer.distributed import SHM_BUFFER_PREFIX
+
+    return {p.name for p in Path("/dev/shm").glob(f"{SHM_BUFFER_PREFIX}{os.getuid()}_*")}
+
+
 def _free_port() -> int:
     import socket
 
@@ -66,3 +73,11 @@ def session_tmp(tmp_path_factory) -> Path:
 
 def have_launcher() -> bool:
     return shutil.which("deepspeed", path=str(BIN)) is not None
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Runs of plain DeepSpeed (the benchmark baselines) leave their all-reduce buffers in RAM-backed
+    /dev/shm; a long suite would otherwise leak gigabytes."""
+    from trainer.distributed import sweep_orphan_shm_buffers
+
+    sweep_orphan_shm_buffers()

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import launch
+from tests.conftest import launch, shm_buffers
 
 pytestmark = pytest.mark.distributed
 
@@ -17,8 +17,16 @@ SCENARIOS = ["zero_stages", "grad_accum", "activation_checkpointing", "bf16", "o
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine")
+    before = shm_buffers()
     launch(["tests/distributed/driver.py", str(out), *SCENARIOS])
+    (out / "shm_left.json").write_text(json.dumps(sorted(shm_buffers() - before)))
     return out, json.loads((out / "results.json").read_text())
+
+
+def test_no_shared_memory_buffer_outlives_the_run(results):
+    # DeepSpeed's CPU all-reduce buffers are 66 MiB each in RAM-backed /dev/shm.
+    out, _ = results
+    assert json.loads((out / "shm_left.json").read_text()) == []
 
 
 def max_rel_diff(a: list[float], b: list[float]) -> float:
