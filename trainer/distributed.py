@@ -140,7 +140,11 @@ def sweep_orphan_shm_buffers() -> list[str]:
     mapped: set[str] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
-            mapped.update(line.rsplit(" ", 1)[-1].strip() for line in maps.read_text().splitlines() if "/dev/shm/" in line)
+            mapped.update(
+                line.rsplit(" ", 1)[-1].strip()
+                for line in maps.read_text().splitlines()
+                if "/dev/shm/" in line
+            )
         except OSError:  # the process exited or is not ours to read
             continue
     removed = []
