@@ -81,6 +81,13 @@ class TrainingArguments(_Args):
     save_total_limit: int | None = Field(
         None, ge=1, description="Keep at most N checkpoints; never deletes the newest or the best."
     )
+    async_save: bool = Field(
+        False,
+        description=(
+            "Checkpoint in the background: the loop waits only for a copy of the state in host "
+            "memory (needs that much free RAM); the checkpoint is committed once every rank has written it."
+        ),
+    )
     report_to: list[str] = Field(
         default_factory=list, description="Extra metric sinks: tensorboard ('none' or 'all' as in HF)."
     )

@@ -37,8 +37,11 @@ class TrainerState:
     is_world_process_zero: bool = True
     world_size: int = 1
 
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
     def save_to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True))
+        Path(path).write_text(self.to_json())
 
     @classmethod
     def load_from_json(cls, path: str | Path) -> TrainerState:

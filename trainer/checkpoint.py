@@ -30,6 +30,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,9 @@ import torch
 
 from trainer.args import RunConfig, TrainingArguments, dump_run_config
 from trainer.callbacks import TrainerState
+from trainer.checkpoint_writer import FileWriter, file_entry
 from trainer.config.errors import ConfigError
-from trainer.distributed import DistInfo, all_agree, all_gather_object, barrier, warn
+from trainer.distributed import DistInfo, all_gather_object, barrier, warn
 
 PREFIX = "checkpoint-"
 MARKER = "COMPLETE"
@@ -106,14 +108,17 @@ def _payload_files(root: Path) -> list[Path]:
     )
 
 
-def write_manifest(root: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    files = _payload_files(root)
+def write_manifest(
+    root: Path, meta: dict[str, Any], known: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Size and sha256 of every payload file. ``known`` holds the records the writing ranks took
+    (their files are already fsynced); any other file is checksummed and fsynced here."""
+    known = known or {}
+    files = {str(p.relative_to(root)): p for p in _payload_files(root)}
+    rest = [name for name in files if name not in known or known[name]["size"] != files[name].stat().st_size]
     with ThreadPoolExecutor(max_workers=4) as pool:
-        digests = list(pool.map(_sha256, files))
-    entries = {
-        str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": d}
-        for p, d in zip(files, digests, strict=True)
-    }
+        computed = dict(zip(rest, pool.map(lambda name: file_entry(files[name]), rest), strict=True))
+    entries = {name: computed.get(name) or known[name] for name in sorted(files)}
     manifest = {**meta, "files": entries}
     _write_durable(root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
@@ -183,9 +188,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def commit(staging: Path, final: Path, meta: dict[str, Any]) -> None:
+def commit(
+    staging: Path, final: Path, meta: dict[str, Any], known: dict[str, dict[str, Any]] | None = None
+) -> None:
     """Manifest, rename, marker: after this returns the checkpoint is complete and durable."""
-    write_manifest(staging, meta)
+    write_manifest(staging, meta, known)
     if final.exists():
         # An uncommitted leftover, or this step saved by an earlier run that resumed from an older
         # checkpoint (maybe because this one failed verification): replaced. The marker goes first,
@@ -264,53 +271,112 @@ def load_rng(directory: Path, rank: int) -> None:
 # ---- save (collective: every rank calls it) ------------------------------------------------------
 
 
-def save(
-    engine: Any,
-    state: TrainerState,
-    args: TrainingArguments,
-    dist: DistInfo,
-    ds_config: dict[str, Any],
-    run_config: RunConfig | None,
-) -> Path:
-    """Write ``checkpoint-<step>`` through a staging directory and commit it once all ranks agree."""
-    staging, final = (
-        staging_dir(args.output_dir, state.global_step),
-        final_dir(args.output_dir, state.global_step),
-    )
-    if dist.is_main:
-        remove_stale_staging(args.output_dir)
-        staging.mkdir(parents=True)
-    barrier("save:prepare")
-    ok = True
-    try:
-        engine.save(str(staging), DS_TAG, client_state={"global_step": state.global_step})
-        save_rng(staging, dist.rank)
+class Saver:
+    """Writes ``checkpoint-<step>`` directories for one run. Every call is collective.
+
+    A save goes into a staging directory; once every rank's files are on disk, each rank's file
+    records are gathered (that is the vote) and rank 0 writes the manifest, renames the directory
+    and writes the marker. Synchronous saves commit before ``save`` returns. Asynchronous ones
+    (``async_save``) return once the state is in host memory; the commit happens in the first
+    ``commit_if_written`` after every rank's writer is done, or in ``finish``. One save is in flight
+    at a time: a new save finishes the previous one first.
+    """
+
+    def __init__(
+        self,
+        args: TrainingArguments,
+        dist: DistInfo,
+        ds_config: dict[str, Any],
+        run_config: RunConfig | None,
+        model_files: Callable[[Path], None] | None = None,
+    ):
+        self.args, self.dist, self.ds_config, self.run_config = args, dist, ds_config, run_config
+        self.model_files = model_files  # rank 0 writes the model's config/tokenizer with each save
+        self._pending: tuple[FileWriter, Path, Path, dict[str, Any], set[Path]] | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def written(self) -> bool:
+        """This rank's part of the pending save is on disk (or failed); local, no communication."""
+        return self._pending is None or self._pending[0].done()
+
+    def save(
+        self, engine: Any, state: TrainerState, on_written: Callable[[], None] | None = None
+    ) -> Path | None:
+        """Start ``checkpoint-<step>``; returns it once committed (synchronous saves), else None.
+        ``on_written`` runs on each rank once its files are handed to the writer (fault injection)."""
+        self.finish()
+        args, dist = self.args, self.dist
+        staging, final = (
+            staging_dir(args.output_dir, state.global_step),
+            final_dir(args.output_dir, state.global_step),
+        )
         if dist.is_main:
-            state.save_to_json(staging / "trainer_state.json")
-            (staging / "ds_config.json").write_text(json.dumps(ds_config, indent=2, sort_keys=True))
-            if run_config is not None:
-                dump_run_config(run_config, staging / "run_config.yaml")
-    except OSError as err:
-        warn(f"{staging}: could not write checkpoint ({err})")
-        ok = False
-    # Every rank votes that its files are on disk before rank 0 commits.
-    if not all_agree(ok):
-        raise CheckpointWriteError(f"{staging}: a rank failed to write its part; not committed")
-    if dist.is_main:
+            remove_stale_staging(args.output_dir)
+            staging.mkdir(parents=True)
+        barrier("save:prepare")
+        writer = FileWriter(staging, asynchronous=args.async_save)
+        try:
+            engine.save(str(staging), DS_TAG, client_state={"global_step": state.global_step}, writer=writer)
+            writer.save(rng_state(), staging / f"rng_state_{dist.rank}.pt")
+            if dist.is_main:
+                writer.write_text(staging / "trainer_state.json", state.to_json())
+                writer.write_text(
+                    staging / "ds_config.json", json.dumps(self.ds_config, indent=2, sort_keys=True)
+                )
+                if self.run_config is not None:
+                    dump_run_config(self.run_config, staging / "run_config.yaml")
+                if self.model_files is not None:
+                    self.model_files(staging)
+        except (OSError, RuntimeError) as err:  # torch.save reports a missing directory as RuntimeError
+            warn(f"{staging}: could not write checkpoint ({err})")
+            writer.failed = err
+        if on_written is not None:
+            on_written()
         meta = {
             "step": state.global_step,
             "world_size": dist.world_size,
             "data_parallel_size": getattr(engine, "world_size", dist.world_size),
-            "zero_stage": ds_config.get("zero_optimization", {}).get("stage", 0),
-            "train_batch_size": ds_config.get("train_batch_size"),
-            "micro_batch_size": ds_config.get("train_micro_batch_size_per_gpu"),
-            "gradient_accumulation_steps": ds_config.get("gradient_accumulation_steps"),
+            "zero_stage": self.ds_config.get("zero_optimization", {}).get("stage", 0),
+            "train_batch_size": self.ds_config.get("train_batch_size"),
+            "micro_batch_size": self.ds_config.get("train_micro_batch_size_per_gpu"),
+            "gradient_accumulation_steps": self.ds_config.get("gradient_accumulation_steps"),
         }
-        commit(staging, final, meta)
-        keep = {Path(state.best_model_checkpoint)} if state.best_model_checkpoint else set()
-        rotate(args.output_dir, args.save_total_limit, keep=keep)
-    barrier("save:commit")
-    return final
+        best = {Path(state.best_model_checkpoint)} if state.best_model_checkpoint else set()
+        self._pending = (writer, staging, final, meta, best)
+        return None if args.async_save else self.finish()
+
+    def commit_if_written(self, ranks_written: float) -> Path | None:
+        """Commit the pending save if every rank has voted its part written (a sum over ranks)."""
+        if self._pending is not None and ranks_written >= self.dist.world_size:
+            return self.finish()
+        return None
+
+    def finish(self) -> Path | None:
+        """Wait for this rank's pending writes, gather every rank's records, commit on rank 0.
+        Returns the committed checkpoint, or None if nothing was pending."""
+        if self._pending is None:
+            return None
+        writer, staging, final, meta, best = self._pending
+        self._pending = None
+        try:
+            entries = writer.wait()
+            entries = entries if writer.failed is None else None
+        except Exception as err:  # any failure is a "no" vote; raising here would hang the others
+            warn(f"{staging}: could not write checkpoint ({err})")
+            entries = None
+        gathered = all_gather_object(entries)
+        # Every rank votes with its file records: one missing vote and nothing is committed.
+        if any(part is None for part in gathered):
+            raise CheckpointWriteError(f"{staging}: a rank failed to write its part; not committed")
+        if self.dist.is_main:
+            known = {name: entry for part in gathered for name, entry in part.items()}
+            commit(staging, final, meta, known)
+            rotate(self.args.output_dir, self.args.save_total_limit, keep=best)
+        barrier("save:commit")
+        return final
 
 
 # ---- resume (collective) -------------------------------------------------------------------------

@@ -17,7 +17,9 @@ from typing import Any
 import deepspeed
 import torch
 import torch.nn.functional as F
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
+from trainer.checkpoint_writer import FileWriter
 from trainer.distributed import host_all_reduce
 
 IGNORE_INDEX = -100
@@ -52,6 +54,30 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+
+
+class _ThroughWriter(CheckpointEngine):
+    """DeepSpeed's checkpoint-engine interface over our FileWriter, used for the length of a save."""
+
+    def __init__(self, writer: FileWriter, zipfile: bool):
+        super().__init__()
+        self.writer, self.zipfile = writer, zipfile
+
+    def create(self, info: Any) -> None:
+        pass
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.writer.save(state_dict, path, zipfile=self.zipfile)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info: Any) -> bool:
+        return True  # ours is the checkpoint-level commit, after every rank's writer is done
+
+    def preserves_storage_sharing(self) -> bool:
+        # An asynchronous writer copies tensor by tensor anyway, so DeepSpeed need not clone first.
+        return not self.writer.asynchronous
 
 
 class DeepSpeedDriver:
@@ -96,10 +122,17 @@ class DeepSpeedDriver:
 
     # ---- DeepSpeed state on disk ---------------------------------------------------------------
 
-    def save(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
+    def save(self, directory: str, tag: str, client_state: dict[str, Any], writer: FileWriter) -> None:
+        """DeepSpeed's shards of this rank, every file through ``writer`` (which may copy to host
+        memory and write in the background)."""
         # universal_checkpoint_info lets ds_to_universal convert this save for another world size.
         state = {"universal_checkpoint_info": {}, **client_state}
-        self.ds.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
+        own = self.ds.checkpoint_engine
+        self.ds.checkpoint_engine = _ThroughWriter(writer, getattr(own, "zipfile_serialization", False))
+        try:
+            self.ds.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
+        finally:
+            self.ds.checkpoint_engine = own
 
     def _apply_lr_scale(self) -> None:
         """A rollback's learning-rate cut: the scheduler sets each step's rate, then we scale it."""

@@ -1,7 +1,7 @@
 """Offline export of a checkpoint directory to an HF model directory, in one process.
 
-The checkpoint carries its run config, so the model config and tokenizer are rebuilt from it; the
-weights come from DeepSpeed's shards (consolidated to fp32 by DeepSpeed's own ``zero_to_fp32`` for
+The checkpoint carries the model's HF config and the tokenizer (or, if written without them, a run
+config they are rebuilt from), so nothing but the checkpoint is needed. The weights come from DeepSpeed's shards (consolidated to fp32 by DeepSpeed's own ``zero_to_fp32`` for
 ZeRO 1-3, read from the model-states file for ZeRO-0). Files are checked against the manifest first:
 DeepSpeed's shards are pickles, and only verified files are unpickled.
 """
@@ -9,6 +9,7 @@ DeepSpeed's shards are pickles, and only verified files are unpickled.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -24,18 +25,13 @@ def export_checkpoint(
 ) -> Path:
     from transformers import AutoModelForCausalLM
 
-    from trainer.data import get_tokenizer
-    from trainer.modeling import model_config
-
     path = Path(checkpoint)
     if not ckpt.is_complete(path):
         raise ckpt.CheckpointError(f"{path}: not a complete checkpoint (no {ckpt.MARKER} marker or manifest)")
     problems = ckpt.verify(path)
     if problems:
         raise ckpt.CheckpointError("; ".join(problems))
-    run = RunConfig.from_flat(yaml.safe_load((path / "run_config.yaml").read_text()))
-    tokenizer = get_tokenizer(run.model, run.data)
-    config = model_config(run.model, tokenizer, run.data.block_size)
+    config, tokenizer = _model_and_tokenizer(path)
     state = _consolidated_state(path, ckpt.read_manifest(path).get("zero_stage", 0))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -49,8 +45,30 @@ def export_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
-    tokenizer.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
     return out
+
+
+def _model_and_tokenizer(path: Path) -> tuple[Any, Any]:
+    """The model config and tokenizer the checkpoint carries (every save writes them for an HF
+    model); checkpoints without them are rebuilt from their run config."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from trainer.data import get_tokenizer
+    from trainer.modeling import model_config
+
+    if (path / "config.json").is_file():
+        config = AutoConfig.from_pretrained(path)
+        has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+        return config, AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+    if not (path / "run_config.yaml").is_file():
+        raise ckpt.CheckpointError(
+            f"{path}: neither a model config.json nor a run_config.yaml to rebuild the model from"
+        )
+    run = RunConfig.from_flat(yaml.safe_load((path / "run_config.yaml").read_text()))
+    tokenizer = get_tokenizer(run.model, run.data)
+    return model_config(run.model, tokenizer, run.data.block_size), tokenizer
 
 
 def _consolidated_state(path: Path, zero_stage: int) -> dict[str, torch.Tensor]:

@@ -115,6 +115,7 @@ class Trainer:
         self.callback_handler = CallbackHandler(default + list(callbacks or []))
         self.engine: Engine | None = None
         self.ds_config: dict[str, Any] | None = None
+        self.saver: ckpt.Saver | None = None
         self.faults = fault_plan()
         self.watchdog = Watchdog(self.args.output_dir, self.args.hang_timeout_s, self.faults)
         self.preemption = PreemptionFlag()
@@ -154,6 +155,7 @@ class Trainer:
                 self.state.epoch = float(self.state.epoch_index)
                 self.control = self.callback_handler.fire("on_epoch_end", args, self.state, self.control)
                 self._maybe_evaluate_and_save()
+        self._finish_save()
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             self._load_checkpoint(Path(self.state.best_model_checkpoint), weights_only=True)
         self.control = self.callback_handler.fire("on_train_end", args, self.state, self.control)
@@ -166,8 +168,13 @@ class Trainer:
         for window in self._windows(sampler):
             # One host-only vote per step carries both the window's target tokens and the
             # preemption flag, so every rank stops after the same step.
+            # An asynchronous save in flight adds this rank's "my files are written" to the vote.
             local = [float(sum(count_targets(b) for b in window)), 1.0 if self.preemption.received else 0.0]
-            window_tokens, preempted = host_all_reduce(local)
+            if self.saver is not None and self.saver.pending:
+                local.append(float(self.saver.written()))
+            window_tokens, preempted, *written = host_all_reduce(local)
+            if written:
+                self._committed(self.saver.commit_if_written(written[0]))
             if preempted:
                 self._save_and_exit_on_preemption()
             self.control = self.callback_handler.fire("on_step_begin", args, self.state, self.control)
@@ -183,6 +190,7 @@ class Trainer:
             self._advance(window)
             if (
                 faults.get("kind") == "crash"
+                and "phase" not in faults
                 and faults.get("rank") == self.dist.rank
                 and faults.get("step") == self.state.global_step
             ):
@@ -219,6 +227,7 @@ class Trainer:
         if self._guard_finite(allow_rollback=False):
             with self.watchdog.phase("save", self.args.preemption_grace_s):
                 self._save_checkpoint()
+                self._committed(self.saver.finish())
             print_main(
                 f"Preempted: saved checkpoint-{self.state.global_step}; exiting with {EXIT_PREEMPTED}."
             )
@@ -238,6 +247,7 @@ class Trainer:
         if args.nonfinite_policy == "skip":
             warn(f"step {state.global_step}: non-finite loss or grad norm; the optimizer skipped the update")
             return True
+        self._finish_save()  # a save in flight holds a finite state: the rollback may want it
         last = ckpt.complete_checkpoints(args.output_dir)
         if (
             args.nonfinite_policy == "rollback"
@@ -468,15 +478,48 @@ class Trainer:
             torch.cuda.synchronize()
 
     def _save_checkpoint(self) -> None:
+        """Start a checkpoint of this step. on_save fires when it is committed: at once for a
+        synchronous save, at a later step's vote (or the end of training) for an async one."""
         final = ckpt.final_dir(self.args.output_dir, self.state.global_step)
         if getattr(self, "_saved_step", None) == self.state.global_step:
             return  # saved already in this run (an epoch-end save on a save_steps multiple)
         self._update_best(final)
-        ckpt.save(self.engine, self.state, self.args, self.dist, self.ds_config, self.run_config)
-        self._saved_step = self.state.global_step
-        self.control = self.callback_handler.fire(
-            "on_save", self.args, self.state, self.control, checkpoint=str(final)
+        if self.saver is None:
+            self.saver = ckpt.Saver(
+                self.args, self.dist, self.ds_config, self.run_config, self._write_model_files
+            )
+        faults = self.faults
+        crash_midway = faults.get("kind") == "crash" and faults.get("phase") == "save"
+        crash_midway = (
+            crash_midway
+            and faults.get("rank") == self.dist.rank
+            and faults.get("step") == self.state.global_step
         )
+        self._saved_step = self.state.global_step
+        self._committed(
+            self.saver.save(self.engine, self.state, on_written=crash_now if crash_midway else None)
+        )
+
+    def _finish_save(self) -> None:
+        """Commit a pending asynchronous save (collective); a no-op when none is pending."""
+        if self.saver is not None and self.saver.pending:
+            with self.watchdog.phase("save"):
+                self._committed(self.saver.finish())
+
+    def _committed(self, checkpoint: Path | None) -> None:
+        if checkpoint is not None:
+            self.control = self.callback_handler.fire(
+                "on_save", self.args, self.state, self.control, checkpoint=str(checkpoint)
+            )
+
+    def _write_model_files(self, directory: Path) -> None:
+        """The model's HF config and the tokenizer go into every checkpoint, as HF's Trainer does,
+        so `trainer export` can rebuild the model from the checkpoint alone."""
+        config = getattr(self.model, "config", None)
+        if hasattr(config, "save_pretrained"):
+            config.save_pretrained(directory)
+        if hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(directory)
 
     def _update_best(self, final: Path) -> None:
         key = metric_key(self.args)

@@ -54,6 +54,27 @@ def test_zero_stages_share_final_weights(results):
             )
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_trainer_export_of_each_zero_stage_gives_the_engines_logits(results, stage, tmp_path):
+    # checkpoint-20 of ZeRO 1 and 3 was saved asynchronously; 0 and 2 synchronously.
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed.driver import tiny_config
+    from trainer.export import export_checkpoint
+
+    out, _ = results
+    hf = export_checkpoint(out / f"zero{stage}" / "checkpoint-20", tmp_path / "hf", max_shard_size="100KB")
+    assert len(list(hf.glob("model-*.safetensors"))) > 1  # sharded above the size asked for
+    exported = AutoModelForCausalLM.from_pretrained(hf).eval()
+    engine = AutoModelForCausalLM.from_config(tiny_config()).eval()
+    engine.load_state_dict(
+        torch.load(out / "zero_stages" / f"zero{stage}.pt", weights_only=True), strict=False
+    )
+    ids = torch.randint(0, tiny_config().vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, engine(ids).logits, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_grad_accum_equals_one_big_batch(results, stage):
     """micro 2 x accum 4 x 2 ranks == one 16-sample batch, with variable padding."""

@@ -1,0 +1,78 @@
+"""The per-rank checkpoint writer: host copies, background writes, file records."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, defaultdict, namedtuple
+
+import torch
+
+from trainer.checkpoint_writer import FileWriter, file_entry, host_copy
+
+
+def test_host_copy_is_unaffected_by_later_updates_and_keeps_sharing():
+    weight = torch.ones(4)
+    state = OrderedDict(
+        w=weight, again=weight, groups=[{"lr": 0.1, "params": [0, 1]}], step=(3, torch.tensor(2))
+    )
+    snap = host_copy(state)
+    weight.add_(1)
+    state["groups"][0]["lr"] = 9.0
+    assert torch.equal(snap["w"], torch.ones(4)) and snap["groups"][0]["lr"] == 0.1
+    assert snap["w"] is snap["again"]  # one tensor met twice stays one tensor
+    assert type(snap) is OrderedDict and list(snap) == list(state)
+    assert int(snap["step"][1]) == 2
+
+
+def test_host_copy_rebuilds_defaultdicts_and_namedtuples():
+    Pair = namedtuple("Pair", "a b")
+    counts = defaultdict(list, {"x": [torch.zeros(1)]})
+    snap = host_copy({"pair": Pair(torch.ones(1), 2), "counts": counts})
+    assert isinstance(snap["pair"], Pair) and snap["pair"].b == 2
+    assert isinstance(snap["counts"], defaultdict) and snap["counts"]["missing"] == []
+
+
+def test_async_writes_the_bytes_a_sync_write_would(tmp_path):
+    state = {"w": torch.arange(1000.0), "meta": {"step": 7}}
+    for mode in (False, True):
+        root = tmp_path / str(mode)
+        root.mkdir()
+        writer = FileWriter(root, asynchronous=mode)
+        writer.save(state, root / "model.pt")
+        state["w"].add_(0)  # the loop carries on (a no-op here keeps the expected bytes equal)
+        writer.write_text(root / "state.json", '{"step": 7}')
+        entries = writer.wait()
+        assert writer.done()
+        assert set(entries) == {"model.pt", "state.json"}
+        data = (root / "model.pt").read_bytes()
+        assert entries["model.pt"] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert (tmp_path / "False" / "model.pt").read_bytes() == (tmp_path / "True" / "model.pt").read_bytes()
+    assert torch.equal(
+        torch.load(tmp_path / "True" / "model.pt", weights_only=True)["w"], torch.arange(1000.0)
+    )
+
+
+def test_async_write_snapshots_before_returning(tmp_path):
+    w = torch.zeros(8)
+    writer = FileWriter(tmp_path, asynchronous=True)
+    writer.save({"w": w}, tmp_path / "a.pt")
+    w.fill_(5)  # an optimizer step right after the save call
+    writer.wait()
+    assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=True)["w"], torch.zeros(8))
+
+
+def test_a_failed_background_write_is_raised_by_wait(tmp_path):
+    writer = FileWriter(tmp_path, asynchronous=True)
+    writer.save({"w": torch.ones(1)}, tmp_path / "missing-dir" / "a.pt")
+    try:
+        writer.wait()
+    except (OSError, RuntimeError) as err:
+        assert "missing-dir" in str(err)
+    else:
+        raise AssertionError("the failed write was not reported")
+
+
+def test_file_entry_matches_hashlib(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 10_000)
+    assert file_entry(path) == {"size": 10_000, "sha256": hashlib.sha256(b"x" * 10_000).hexdigest()}

@@ -1,0 +1,107 @@
+"""One rank's checkpoint files: written now, or copied to host memory and written by a thread.
+
+Every file a rank writes for a checkpoint goes through a ``FileWriter``. After writing, it reads the
+file back to record its size and sha256 and fsyncs it, so the manifest that rank 0 commits is built
+from every rank's own records (checksummed in parallel, by the rank that wrote the bytes) and no
+marker is ever written ahead of durable data.
+
+Asynchronous mode (``async_save``): ``save`` takes a host copy of the state before it returns: the
+training loop is blocked only for that copy. A single background thread then serialises the copies
+in order. Nothing is committed until every rank's thread has finished; the commit itself is the
+same as for a synchronous save.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """Size and sha256 of a file, which is fsynced on the way (a read-only descriptor is enough)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+        os.fsync(f.fileno())
+    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def host_copy(obj: Any, memo: dict[int, Any] | None = None) -> Any:
+    """A copy of a state dict that later training cannot change: tensors are cloned into host
+    memory (a tensor met twice is copied once, so shared entries stay shared), containers are
+    rebuilt, and anything else is deep-copied."""
+    memo = {} if memo is None else memo
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, torch.Tensor):
+        out = obj.detach().to("cpu", copy=True)
+    elif isinstance(obj, dict):
+        out = copy.copy(obj)  # keeps OrderedDict/defaultdict types
+        for key, value in obj.items():
+            out[key] = host_copy(value, memo)
+    elif isinstance(obj, list):
+        out = [host_copy(v, memo) for v in obj]
+    elif isinstance(obj, tuple):
+        items = [host_copy(v, memo) for v in obj]
+        out = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    else:
+        out = copy.deepcopy(obj)
+    memo[id(obj)] = out
+    return out
+
+
+class FileWriter:
+    """The files one rank writes for one checkpoint, and their manifest entries."""
+
+    def __init__(self, root: Path, asynchronous: bool = False):
+        self.root = root
+        self.asynchronous = asynchronous
+        self.entries: dict[str, dict[str, Any]] = {}
+        self._pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer") if asynchronous else None
+        )
+        self._jobs: list[Future] = []
+        self.failed: OSError | None = None  # set by the caller when a synchronous part failed
+
+    def save(self, obj: Any, path: str | Path, zipfile: bool = True) -> None:
+        """``torch.save`` of ``obj``; when asynchronous, of a host copy taken now."""
+        path = Path(path)
+        if self._pool is None:
+            self._write(obj, path, zipfile)
+        else:
+            snapshot = host_copy(obj)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # device-to-host copies may still be in flight
+            self._jobs.append(self._pool.submit(self._write, snapshot, path, zipfile))
+
+    def write_text(self, path: Path, text: str) -> None:
+        """Small files (configs, trainer state) are written at once in both modes."""
+        path.write_text(text)
+        self._record(path)
+
+    def done(self) -> bool:
+        return all(job.done() for job in self._jobs)
+
+    def wait(self) -> dict[str, dict[str, Any]]:
+        """Block until every file is written; re-raises the first error. Returns the entries."""
+        try:
+            for job in self._jobs:
+                job.result()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+        return self.entries
+
+    def _write(self, obj: Any, path: Path, zipfile: bool) -> None:
+        torch.save(obj, path, _use_new_zipfile_serialization=zipfile)
+        self._record(path)
+
+    def _record(self, path: Path) -> None:
+        self.entries[str(path.relative_to(self.root))] = file_entry(path)
