@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import BIN, ROOT, _free_port, launch, run_env
+from trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.distributed
 
@@ -161,6 +162,28 @@ def test_sigterm_saves_within_grace_and_resumes_exactly(tmp_path, reference):
     )
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
     assert f"Resumed from {out / f'checkpoint-{saved}'}" in resumed.stdout
+    assert_same_weights(final_weights(out), reference)
+
+
+def test_sigkill_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path, reference):
+    """Rank 1 is SIGKILLed inside the save of step 8 (asynchronous saves: its background writer is
+    busy), before the ranks' vote. checkpoint-4 stays complete and verified, the partial save of
+    step 8 is never taken for a checkpoint, and a new job resumes from 4 to the reference weights."""
+    out = tmp_path / "run"
+    cmd = [*torchrun_cmd(out), "--async_save", "true"]
+    killed = subprocess.run(
+        cmd, cwd=ROOT, env=run_env(TRAINER_FAULT="crash:rank=1:step=8:phase=save"),
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert killed.returncode != 0
+    assert (out / ".staging-checkpoint-8" / "ds").is_dir()  # the partial save is there...
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-4"]  # ...and ignored
+    assert ckpt.verify(out / "checkpoint-4") == []
+    resumed = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
+    assert f"Resumed from {out / 'checkpoint-4'}" in resumed.stdout
+    assert not (out / ".staging-checkpoint-8").exists()
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-12", "checkpoint-16"]  # limit 2
     assert_same_weights(final_weights(out), reference)
 
 
