@@ -1,0 +1,44 @@
+"""scripts/bench_checkpoint.py on 2 ranks (ZeRO-2, a tiny Llama): the report's contract and that the
+checkpoints it timed are real, complete ones. Timings are never asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import launch
+from trainer import checkpoint as ckpt
+
+pytestmark = pytest.mark.distributed
+
+
+def test_reports_save_and_raw_speeds_and_blocked_times(tmp_path):
+    out, report_file = tmp_path / "bench", tmp_path / "report.json"
+    args = ["--hidden_size", "64", "--layers", "2", "--vocab_size", "512", "--zero_stage", "2"]
+    proc = launch(
+        [
+            "scripts/bench_checkpoint.py",
+            *args,
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+            "--json",
+            str(report_file),
+        ]
+    )
+    report = json.loads(report_file.read_text())
+    assert report["world_size"] == 2 and report["zero_stage"] == 2 and report["repeats"] == 2
+    for key in ("raw_write_gbps", "sync_save_gbps", "async_save_gbps"):
+        assert report[key] > 0, key
+    for mode in ("sync", "async"):
+        assert 0 < report[mode]["blocked_s"] <= report[mode]["total_s"], mode
+    assert report["save_vs_raw"] == pytest.approx(report["sync_save_gbps"] / report["raw_write_gbps"])
+    # Four saves were timed; the old ones were removed outside the timing, the last is complete.
+    (last,) = ckpt.complete_checkpoints(out)
+    assert last.name == "checkpoint-4" and ckpt.verify(last) == []
+    manifest = ckpt.read_manifest(last)
+    assert report["checkpoint_bytes"] == sum(e["size"] for e in manifest["files"].values())
+    assert any(name.endswith("optim_states.pt") for name in manifest["files"])  # one shard per rank
+    assert "async save: loop blocked" in proc.stdout
