@@ -76,10 +76,7 @@ class FileWriter:
         if self._pool is None:
             self._write(obj, path, zipfile)
         else:
-            snapshot = host_copy(obj)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # device-to-host copies may still be in flight
-            self._jobs.append(self._pool.submit(self._write, snapshot, path, zipfile))
+            self._jobs.append(self._pool.submit(self._write, host_copy(obj), path, zipfile))
 
     def write_text(self, path: Path, text: str) -> None:
         """Small files (configs, trainer state) are written at once in both modes."""
