@@ -316,6 +316,17 @@ def fault_plan() -> dict[str, Any]:
     return plan
 
 
+def fault_due(plan: dict[str, Any], kind: str, rank: int, step: int, phase: str | None = None) -> bool:
+    """Whether a planned fault of this kind fires on this rank at this step (and in this phase:
+    a plan without one fires after the step)."""
+    return (plan.get("kind"), plan.get("rank"), plan.get("step"), plan.get("phase")) == (
+        kind,
+        rank,
+        step,
+        phase,
+    )
+
+
 def crash_now() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 

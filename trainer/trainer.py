@@ -42,6 +42,7 @@ from trainer.distributed import (
     barrier,
     crash_now,
     detect_hardware,
+    fault_due,
     fault_plan,
     host_all_reduce,
     init_distributed,
@@ -188,12 +189,7 @@ class Trainer:
             self._token_sum += window_tokens
             self._nonfinite |= ~torch.isfinite(window_loss)  # on device: read only at log/save time
             self._advance(window)
-            if (
-                faults.get("kind") == "crash"
-                and "phase" not in faults
-                and faults.get("rank") == self.dist.rank
-                and faults.get("step") == self.state.global_step
-            ):
+            if fault_due(faults, "crash", self.dist.rank, self.state.global_step):
                 crash_now()
             self.control = self.callback_handler.fire("on_step_end", args, self.state, self.control)
             if (self.control.should_log or self.control.should_save) and not self._guard_finite():
@@ -488,17 +484,9 @@ class Trainer:
             self.saver = ckpt.Saver(
                 self.args, self.dist, self.ds_config, self.run_config, self._write_model_files
             )
-        faults = self.faults
-        crash_midway = faults.get("kind") == "crash" and faults.get("phase") == "save"
-        crash_midway = (
-            crash_midway
-            and faults.get("rank") == self.dist.rank
-            and faults.get("step") == self.state.global_step
-        )
+        midway = fault_due(self.faults, "crash", self.dist.rank, self.state.global_step, phase="save")
         self._saved_step = self.state.global_step
-        self._committed(
-            self.saver.save(self.engine, self.state, on_written=crash_now if crash_midway else None)
-        )
+        self._committed(self.saver.save(self.engine, self.state, on_written=crash_now if midway else None))
 
     def _finish_save(self) -> None:
         """Commit a pending asynchronous save (collective); a no-op when none is pending."""

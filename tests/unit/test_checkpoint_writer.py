@@ -76,3 +76,18 @@ def test_file_entry_matches_hashlib(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(b"x" * 10_000)
     assert file_entry(path) == {"size": 10_000, "sha256": hashlib.sha256(b"x" * 10_000).hexdigest()}
+
+
+def test_fault_plans_fire_only_where_planned(monkeypatch):
+    from trainer.distributed import fault_due, fault_plan
+
+    monkeypatch.setenv("TRAINER_FAULT", "crash:rank=1:step=8:phase=save")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    plan = fault_plan()
+    assert fault_due(plan, "crash", 1, 8, phase="save")
+    assert not fault_due(plan, "crash", 1, 8)  # not after the step: inside the save
+    assert not fault_due(plan, "crash", 0, 8, phase="save") and not fault_due(
+        plan, "crash", 1, 4, phase="save"
+    )
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert fault_plan() == {}  # a restarted job gets past its crash
