@@ -1,9 +1,9 @@
 """One rank's checkpoint files: written now, or copied to host memory and written by a thread.
 
-Every file a rank writes for a checkpoint goes through a ``FileWriter``. After writing, it reads the
-file back to record its size and sha256 and fsyncs it, so the manifest that rank 0 commits is built
-from every rank's own records (checksummed in parallel, by the rank that wrote the bytes) and no
-marker is ever written ahead of durable data.
+Every file a rank writes for a checkpoint goes through a ``FileWriter``. It takes each file's sha256
+while serialising (on a helper thread, chunk by chunk, so hashing overlaps writing) and fsyncs it,
+so the manifest that rank 0 commits is built from every rank's own records (checksummed in
+parallel, by the rank that wrote the bytes) and no marker is ever written ahead of durable data.
 
 Asynchronous mode (``async_save``): ``save`` takes a host copy of the state before it returns: the
 training loop is blocked only for that copy. A single background thread then serialises the copies
@@ -57,6 +57,34 @@ def host_copy(obj: Any, memo: dict[int, Any] | None = None) -> Any:
     return out
 
 
+class _HashingFile:
+    """A binary file that takes the sha256 of what goes through it. A large chunk is hashed on a
+    helper thread while this one writes it (both release the GIL), and both finish before
+    ``write`` returns, so the caller's buffer is never read after that."""
+
+    PARALLEL_BYTES = 1 << 20
+
+    def __init__(self, file: Any, helper: ThreadPoolExecutor):
+        self.file, self.helper = file, helper
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        if n >= self.PARALLEL_BYTES:
+            hashed = self.helper.submit(self.sha256.update, data)
+            self.file.write(data)
+            hashed.result()
+        else:
+            self.sha256.update(data)
+            self.file.write(data)
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 class FileWriter:
     """The files one rank writes for one checkpoint, and their manifest entries."""
 
@@ -67,6 +95,7 @@ class FileWriter:
         self._pool = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer") if asynchronous else None
         )
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
         self._jobs: list[Future] = []
         self.failed: OSError | None = None  # set by the caller when a synchronous part failed
 
@@ -94,11 +123,17 @@ class FileWriter:
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
+            self._hasher.shutdown(wait=True)
         return self.entries
 
     def _write(self, obj: Any, path: Path, zipfile: bool) -> None:
-        torch.save(obj, path, _use_new_zipfile_serialization=zipfile)
-        self._record(path)
+        """Serialise, hashing on the way (no read back), then fsync."""
+        with path.open("wb") as f:
+            out = _HashingFile(f, self._hasher)
+            torch.save(obj, out, _use_new_zipfile_serialization=zipfile)
+            f.flush()
+            os.fsync(f.fileno())
+        self.entries[str(path.relative_to(self.root))] = {"size": out.size, "sha256": out.sha256.hexdigest()}
 
     def _record(self, path: Path) -> None:
         self.entries[str(path.relative_to(self.root))] = file_entry(path)
