@@ -132,7 +132,7 @@ class TrainingArguments(_Args):
     nonfinite_policy: Literal["skip", "rollback", "stop"] = Field(
         "stop",
         description="On a NaN/Inf loss or grad norm: skip (the optimizer's overflow check drops the step; "
-        "ZeRO 1-3 and fp16), rollback (reload the last checkpoint, lower the learning rate) or stop.",
+        "not ZeRO-0 in fp32), rollback (reload the last checkpoint, lower the learning rate) or stop.",
     )
     nonfinite_lr_factor: float = Field(0.5, gt=0, le=1, description="Learning-rate factor on each rollback.")
     nonfinite_max_rollbacks: int = Field(3, ge=0, description="Rollbacks allowed before the run stops.")

@@ -216,6 +216,7 @@ class Trainer:
         self._loss_sum = torch.zeros((), device=self.engine.device)
         self._token_sum = 0.0
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.engine.device)
+        self._skipped_seen = self.engine.skipped_steps  # the guard's baseline (a checkpoint restores it)
 
     # ---- preemption and the non-finite guard ---------------------------------------------------
 
@@ -233,16 +234,28 @@ class Trainer:
         """True if the losses since the last check and the grad norm are finite on every rank.
         Otherwise apply nonfinite_policy; False means the run rolled back and must re-read its state."""
         norm = self.engine.grad_norm()
-        local_bad = bool(self._nonfinite.item()) or (norm is not None and not math.isfinite(norm))
+        # Under fp16 a non-finite grad norm is a loss-scale overflow: DeepSpeed skipped that step and
+        # lowered the scale, as it is meant to. Only a non-finite loss counts there.
+        norm_bad = norm is not None and not math.isfinite(norm) and self.engine.loss_scale() is None
+        local_bad = bool(self._nonfinite.item()) or norm_bad
+        skipped = self.engine.skipped_steps
         if host_all_reduce([float(local_bad)])[0] == 0:
+            self._skipped_seen = skipped
             return True
         args, state = self.args, self.state
         state.nonfinite_windows += 1
         self._nonfinite.zero_()
         self.control.should_save = False  # a non-finite state is never checkpointed
-        if args.nonfinite_policy == "skip":
+        if args.nonfinite_policy == "skip" and skipped > self._skipped_seen:
+            self._skipped_seen = skipped
             warn(f"step {state.global_step}: non-finite loss or grad norm; the optimizer skipped the update")
             return True
+        if args.nonfinite_policy == "skip":  # DeepSpeed applied the step: skipping cannot save the weights
+            print_main(
+                f"error: non-finite loss or grad norm at step {state.global_step}, and the optimizer did not "
+                "skip the update (nonfinite_policy=skip needs one that does; use rollback or stop)"
+            )
+            raise SystemExit(EXIT_NONFINITE)
         self._finish_save()  # a save in flight holds a finite state: the rollback may want it
         last = ckpt.complete_checkpoints(args.output_dir)
         if (

@@ -526,3 +526,20 @@ def test_generate_checks_the_rules():
             "parameter offload needs ZeRO stage 3, got stage 1",
         )
     ]
+
+
+def test_skip_policy_is_refused_where_deepspeed_applies_non_finite_steps():
+    with pytest.raises(ConfigError) as err:
+        resolve(args(nonfinite_policy="skip", zero_stage=0), 2, CPU)
+    assert err.value.problems[0][0] == "nonfinite_policy" and "ZeRO-0 in fp32" in err.value.problems[0][1]
+    config = {"bf16": {"enabled": True, "check_grad_overflow": False}, "zero_optimization": {"stage": 2}}
+    with pytest.raises(ConfigError) as err:
+        resolve(args(nonfinite_policy="skip", deepspeed=config), 2, A100)
+    assert "bf16.check_grad_overflow" in [p[0] for p in err.value.problems]
+    # Where the optimizer drops such steps, and under the other policies, nothing is refused.
+    for ok in (
+        args(nonfinite_policy="skip", zero_stage=2, max_steps=10),
+        args(nonfinite_policy="skip", zero_stage=0, precision="fp16", max_steps=10),
+        args(nonfinite_policy="stop", zero_stage=0, max_steps=10),
+    ):
+        resolve(ok, 2, A100 if ok.precision == "fp16" else CPU)

@@ -247,6 +247,25 @@ class _Resolver:
                 (f"{precision}.enabled", f"{precision} is not supported on {self.hardware.name}; use {other}")
             )
 
+    def nonfinite_skip(self) -> None:
+        """nonfinite_policy=skip trusts DeepSpeed's optimizer to drop a step whose gradients are not
+        finite. Two setups never do: ZeRO-0 in fp32 (nothing wraps the optimizer) and bf16 with
+        check_grad_overflow off. The step would be applied and the weights lost."""
+        if getattr(self.args, "nonfinite_policy", None) != "skip":
+            return
+        stage = _get(self.data, "zero_optimization.stage")
+        fp16, bf16 = (_get(self.data, f"{p}.enabled") is True for p in ("fp16", "bf16"))
+        if stage in (0, _MISSING) and not fp16 and not bf16:
+            self.problems.append(
+                ("nonfinite_policy", "skip needs an optimizer that drops non-finite steps, and ZeRO-0 in fp32 "
+                 "applies them; use rollback or stop, or ZeRO stage 1-3")
+            )  # fmt: skip
+        elif bf16 and _get(self.data, "bf16.check_grad_overflow") is False:
+            self.problems.append(
+                ("bf16.check_grad_overflow", "false makes DeepSpeed apply non-finite steps, which "
+                 "nonfinite_policy=skip relies on it to drop; set it true, or use rollback or stop")
+            )  # fmt: skip
+
     def zero(self) -> None:
         self.settle_arg("zero_optimization.stage", "zero_stage")
         for block in ("offload_optimizer", "offload_param"):
@@ -485,6 +504,7 @@ def _run(
     r.batch()
     r.precision()
     r.zero()
+    r.nonfinite_skip()
     for section, client, step in (
         ("optimizer", client_optimizer, r.optimizer),
         ("scheduler", client_scheduler, r.scheduler),
