@@ -37,7 +37,7 @@ from trainer import checkpoint as ckpt  # noqa: E402
 from trainer.args import TrainingArguments  # noqa: E402
 from trainer.callbacks import TrainerState  # noqa: E402
 from trainer.config import resolve  # noqa: E402
-from trainer.distributed import all_reduce_sum, barrier, detect_hardware, init_distributed  # noqa: E402
+from trainer.distributed import barrier, detect_hardware, host_all_reduce, init_distributed  # noqa: E402
 from trainer.engine import Engine  # noqa: E402
 
 CHUNK = 4 << 20
@@ -72,9 +72,13 @@ def build_engine(args: argparse.Namespace, train_args: TrainingArguments, world:
     torch.manual_seed(0)
     ds_config = resolve(train_args, world, detect_hardware(), hidden_size=args.hidden_size, total_steps=10)
     engine = Engine(LlamaForCausalLM(config), ds_config, weight_decay=0.0)
-    ids = torch.randint(0, args.vocab_size, (1, 32))
-    engine.train_window([{"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}])
+    engine.train_window([one_batch(args.vocab_size)])
     return engine, ds_config
+
+
+def one_batch(vocab_size: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab_size, (1, 32))
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
 
 
 def slowest(seconds: float) -> float:
@@ -124,14 +128,15 @@ def timed_save(engine: Engine, saver: ckpt.Saver, state: TrainerState) -> dict[s
     committed = saver.save(engine, state)
     blocked = time.perf_counter() - start
     steps = 0
-    if committed is None:  # asynchronous: train while the writer works, as the loop would
-        ids = torch.randint(0, engine.ds.module.config.vocab_size, (1, 32))
-        batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
-        while int(all_reduce_sum(torch.tensor([0 if saver.written() else 1])).item()) > 0:
-            engine.train_window([batch])
-            steps += 1
-        before_commit = time.perf_counter()
-        committed = saver.finish()
+    if committed is None:  # asynchronous: train while the writer works, voting as the Trainer's loop does
+        batch = one_batch(engine.ds.module.config.vocab_size)
+        while committed is None:
+            (written,) = host_all_reduce([float(saver.written())])
+            before_commit = time.perf_counter()
+            committed = saver.commit_if_written(written)
+            if committed is None:
+                engine.train_window([batch])
+                steps += 1
         blocked += time.perf_counter() - before_commit
     total = time.perf_counter() - start
     return {"blocked_s": slowest(blocked), "total_s": slowest(total), "steps_meanwhile": steps}
