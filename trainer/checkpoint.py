@@ -288,10 +288,13 @@ class Saver:
         dist: DistInfo,
         ds_config: dict[str, Any],
         run_config: RunConfig | None,
-        model_files: Callable[[Path], None] | None = None,
+        model_config: Any = None,
+        tokenizer: Any = None,
     ):
         self.args, self.dist, self.ds_config, self.run_config = args, dist, ds_config, run_config
-        self.model_files = model_files  # rank 0 writes the model's config/tokenizer with each save
+        # An HF model's config and tokenizer go into every checkpoint, as HF's Trainer does, so
+        # `trainer export` can rebuild the model from the checkpoint alone.
+        self.hf_files = [x for x in (model_config, tokenizer) if hasattr(x, "save_pretrained")]
         self._pending: tuple[FileWriter, Path, Path, dict[str, Any], set[Path]] | None = None
 
     @property
@@ -328,8 +331,8 @@ class Saver:
                 )
                 if self.run_config is not None:
                     dump_run_config(self.run_config, staging / "run_config.yaml")
-                if self.model_files is not None:
-                    self.model_files(staging)
+                for item in self.hf_files:
+                    item.save_pretrained(staging)
         except (OSError, RuntimeError) as err:  # torch.save reports a missing directory as RuntimeError
             warn(f"{staging}: could not write checkpoint ({err})")
             writer.failed = err

@@ -31,7 +31,7 @@ from trainer.callbacks import (
     metric_key,
 )
 from trainer.config import resolve
-from trainer.data import CausalLMCollator, ResumableDistributedSampler
+from trainer.data import MODEL_INPUTS, ResumableDistributedSampler, default_collator, model_columns, pad_stack
 from trainer.distributed import (
     EXIT_NONFINITE,
     EXIT_PREEMPTED,
@@ -57,8 +57,6 @@ from trainer.monitor import (
     non_padding_tokens,
     summary_table,
 )
-
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
 
 
 @dataclass
@@ -103,10 +101,10 @@ class Trainer:
         self.hardware = detect_hardware()
         self.dist = init_distributed(self.hardware)
         self.model = model
-        self.train_dataset = _model_columns(train_dataset)
-        self.eval_dataset = _model_columns(eval_dataset)
+        self.train_dataset = model_columns(train_dataset)
+        self.eval_dataset = model_columns(eval_dataset)
         self.processing_class = processing_class or tokenizer
-        self.data_collator = data_collator or _default_collator(self.processing_class)
+        self.data_collator = data_collator or default_collator(self.processing_class)
         self.compute_metrics = compute_metrics
         self.client_optimizer, self.client_scheduler = optimizers
         self.run_config = run_config
@@ -283,7 +281,7 @@ class Trainer:
     def evaluate(
         self, eval_dataset: Dataset | None = None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
-        dataset = _model_columns(eval_dataset) if eval_dataset is not None else self.eval_dataset
+        dataset = model_columns(eval_dataset) if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer.evaluate: no eval_dataset")
         self._ensure_engine(max(self.state.max_steps, 1))
@@ -314,7 +312,7 @@ class Trainer:
 
     def predict(self, test_dataset: Dataset) -> PredictionOutput:
         """Logits and labels of every sample, in dataset order, on every rank."""
-        dataset = _model_columns(test_dataset)
+        dataset = model_columns(test_dataset)
         self._ensure_engine(max(self.state.max_steps, 1))
         self.engine.train(False)
         rows: list[tuple[int, np.ndarray, np.ndarray]] = []
@@ -327,8 +325,8 @@ class Trainer:
         self.engine.train(True)
         merged = sorted((r for part in all_gather_object(rows) for r in part), key=lambda r: r[0])
         return PredictionOutput(
-            predictions=_stack_padded([r[1] for r in merged], 0.0),
-            label_ids=_stack_padded([r[2] for r in merged], IGNORE_INDEX),
+            predictions=pad_stack([r[1] for r in merged], 0.0),
+            label_ids=pad_stack([r[2] for r in merged], IGNORE_INDEX),
             metrics={},
         )
 
@@ -494,8 +492,9 @@ class Trainer:
             return  # saved already in this run (an epoch-end save on a save_steps multiple)
         self._update_best(final)
         if self.saver is None:
+            config = getattr(self.model, "config", None)
             self.saver = ckpt.Saver(
-                self.args, self.dist, self.ds_config, self.run_config, self._write_model_files
+                self.args, self.dist, self.ds_config, self.run_config, config, self.processing_class
             )
         midway = fault_due(self.faults, "crash", self.dist.rank, self.state.global_step, phase="save")
         self._saved_step = self.state.global_step
@@ -512,15 +511,6 @@ class Trainer:
             self.control = self.callback_handler.fire(
                 "on_save", self.args, self.state, self.control, checkpoint=str(checkpoint)
             )
-
-    def _write_model_files(self, directory: Path) -> None:
-        """The model's HF config and the tokenizer go into every checkpoint, as HF's Trainer does,
-        so `trainer export` can rebuild the model from the checkpoint alone."""
-        config = getattr(self.model, "config", None)
-        if hasattr(config, "save_pretrained"):
-            config.save_pretrained(directory)
-        if hasattr(self.processing_class, "save_pretrained"):
-            self.processing_class.save_pretrained(directory)
 
     def _update_best(self, final: Path) -> None:
         key = metric_key(self.args)
@@ -592,13 +582,7 @@ class Trainer:
 
     def _precision(self) -> str:
         cfg = self.ds_config or {}
-        return (
-            "bf16"
-            if cfg.get("bf16", {}).get("enabled")
-            else "fp16"
-            if cfg.get("fp16", {}).get("enabled")
-            else "fp32"
-        )
+        return next((p for p in ("bf16", "fp16") if cfg.get(p, {}).get("enabled")), "fp32")
 
     def _flops_per_token(self) -> float | None:
         if getattr(self.model, "config", None) is None or self.train_dataset is None:
@@ -609,32 +593,6 @@ class Trainer:
 def _hidden_size(model: torch.nn.Module) -> int | None:
     config = getattr(model, "config", None)
     return getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
-
-
-def _model_columns(dataset: Dataset | None) -> Dataset | None:
-    """Like HF's remove_unused_columns: keep only what the model and collator consume."""
-    names = getattr(dataset, "column_names", None)
-    if names is None:
-        return dataset
-    extra = [c for c in names if c not in MODEL_INPUTS]
-    return dataset.remove_columns(extra) if extra else dataset
-
-
-def _default_collator(tokenizer: Any) -> Callable:
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(tokenizer, "eos_token_id", None) or 0
-    return CausalLMCollator(pad_token_id=pad)
-
-
-def _stack_padded(arrays: list[np.ndarray], fill: float) -> np.ndarray:
-    if not arrays:
-        return np.zeros((0,))
-    length = max(a.shape[0] for a in arrays)
-    out = np.full((len(arrays), length, *arrays[0].shape[1:]), fill, dtype=arrays[0].dtype)
-    for i, a in enumerate(arrays):
-        out[i, : a.shape[0]] = a
-    return out
 
 
 def _safe_exp(x: float) -> float:

@@ -6,7 +6,14 @@ them so a resumed run continues exactly where it stopped. See docs/data.md.
 """
 
 from trainer.data.build import PreparedData, build_datasets, prepare_datasets
-from trainer.data.collator import CausalLMCollator, SFTCollator
+from trainer.data.collator import (
+    MODEL_INPUTS,
+    CausalLMCollator,
+    SFTCollator,
+    default_collator,
+    model_columns,
+    pad_stack,
+)
 from trainer.data.processing import IGNORE_INDEX, render_messages
 from trainer.data.sampler import ResumableDistributedSampler
 from trainer.data.sources import DataError, corpus_files, default_cache_root
@@ -14,6 +21,7 @@ from trainer.data.tokenizer import get_tokenizer, train_bpe_tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
+    "MODEL_INPUTS",
     "CausalLMCollator",
     "DataError",
     "PreparedData",
@@ -22,7 +30,10 @@ __all__ = [
     "build_datasets",
     "corpus_files",
     "default_cache_root",
+    "default_collator",
     "get_tokenizer",
+    "model_columns",
+    "pad_stack",
     "prepare_datasets",
     "render_messages",
     "train_bpe_tokenizer",

@@ -5,9 +5,42 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from trainer.data.processing import IGNORE_INDEX
+
+# What a causal LM batch may carry to the model and the loss; other dataset columns are dropped.
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
+
+
+def model_columns(dataset: Any) -> Any:
+    """Like HF's remove_unused_columns: keep only what the model and collator consume."""
+    names = getattr(dataset, "column_names", None)
+    if names is None:
+        return dataset
+    extra = [c for c in names if c not in MODEL_INPUTS]
+    return dataset.remove_columns(extra) if extra else dataset
+
+
+def pad_stack(arrays: list[np.ndarray], fill: float) -> np.ndarray:
+    """Stack arrays of different first lengths into one, padded with ``fill`` (predictions of
+    batches of different lengths)."""
+    if not arrays:
+        return np.zeros((0,))
+    length = max(a.shape[0] for a in arrays)
+    out = np.full((len(arrays), length, *arrays[0].shape[1:]), fill, dtype=arrays[0].dtype)
+    for i, a in enumerate(arrays):
+        out[i, : a.shape[0]] = a
+    return out
+
+
+def default_collator(tokenizer: Any) -> CausalLMCollator:
+    """The Trainer's collator when none is given: pad with the tokenizer's pad (else EOS, else 0)."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None) or 0
+    return CausalLMCollator(pad_token_id=pad)
 
 
 class CausalLMCollator:
