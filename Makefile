@@ -28,6 +28,9 @@ $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+# The distribution was called `trainer` before (a name PyPI gives to another project, which also
+# installs a `trainer` package): remove that one from an old venv first.
+	$(BIN)/python -m pip uninstall -q -y trainer 2>/dev/null || true
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python scripts/warm_ops.py
 	touch $@

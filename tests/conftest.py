@@ -39,6 +39,10 @@ def launch(
         cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_free_port()), *args]
     elif launcher == "torchrun":
         cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", f"--master_port={_free_port()}", *args]
+    elif launcher == "accelerate":
+        # --multi_gpu: without it accelerate starts one process where it sees no GPUs.
+        cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nproc),
+               "--main_process_port", str(_free_port()), *args]  # fmt: skip
     else:
         cmd = [sys.executable, *args]
     proc = subprocess.run(

@@ -8,6 +8,9 @@ these arguments into a DeepSpeed dict.
 
 from __future__ import annotations
 
+import json
+import logging
+import textwrap
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,9 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from trainer.config.errors import ConfigError, unknown_key_message
 
+logger = logging.getLogger(__name__)
+
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Strategy = Literal["no", "steps", "epoch"]
+# The metric sinks report_to can name. Rows always go to output_dir/metrics.jsonl as well.
+REPORT_TO = ("tensorboard",)
 
 
 class _Args(BaseModel):
@@ -89,7 +96,9 @@ class TrainingArguments(_Args):
         ),
     )
     report_to: list[str] = Field(
-        default_factory=list, description="Extra metric sinks: tensorboard ('none' or 'all' as in HF)."
+        default_factory=list,
+        description="Extra metric sinks besides metrics.jsonl: tensorboard, or none; 'all' means tensorboard. "
+        "Other integrations (wandb, mlflow, ...) are refused.",
     )
     load_best_model_at_end: bool = Field(False, description="Reload the best checkpoint when training ends.")
     metric_for_best_model: str | None = Field(
@@ -137,6 +146,19 @@ class TrainingArguments(_Args):
     nonfinite_lr_factor: float = Field(0.5, gt=0, le=1, description="Learning-rate factor on each rollback.")
     nonfinite_max_rollbacks: int = Field(3, ge=0, description="Rollbacks allowed before the run stops.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_deepspeed_config(cls, data: Any) -> Any:
+        """Fields left unset take the values the DeepSpeed config states, as users of
+        ``--deepspeed my.json`` expect; a field that is set must agree with it (``resolve`` checks)."""
+        if not isinstance(data, dict) or data.get("deepspeed") is None:
+            return data
+        stated = _stated_arguments(data["deepspeed"])
+        if any(k in data for k in ("precision", "bf16", "fp16")):
+            for k in ("precision", "bf16", "fp16"):
+                stated.pop(k, None)
+        return {**stated, **data}
+
     @field_validator("eval_strategy", "save_strategy", mode="before")
     @classmethod
     def _yaml_no(cls, value: Any) -> Any:
@@ -146,11 +168,25 @@ class TrainingArguments(_Args):
     @field_validator("report_to", mode="before")
     @classmethod
     def _report_to_list(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = [value]
-        if value is None or value == ["none"]:
+        # HF's spellings: one name or a list, "none" for no sink, "all" for every sink there is.
+        if value is None:
             return []
-        return ["tensorboard"] if value == ["all"] else value
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, list | tuple):
+            return value  # pydantic reports the wrong type
+        if list(names) == ["none"]:
+            return []
+        if "none" in names:
+            raise ValueError(f"{list(names)}: 'none' cannot be combined with a sink")
+        names = ["tensorboard" if n == "all" else n for n in names]
+        unknown = [repr(n) for n in names if n not in REPORT_TO]
+        if unknown:
+            verb = "is" if len(unknown) == 1 else "are"
+            raise ValueError(
+                f"{', '.join(unknown)} {verb} not supported; supported: {', '.join(REPORT_TO)}, none "
+                "('all' means tensorboard)"
+            )
+        return list(dict.fromkeys(names))
 
     @model_validator(mode="after")
     def _precision_flags(self) -> TrainingArguments:
@@ -187,7 +223,8 @@ class ModelArguments(_Args):
 class DataArguments(_Args):
     dataset: str = Field(
         "stdlib",
-        description="'stdlib' (the Python standard library source), a local file/dir, or a hub name.",
+        description="'stdlib' (the Python standard library source), a local file/dir, a directory written by "
+        "save_to_disk, or a hub name.",
     )
     dataset_config: str | None = Field(None, description="Hub dataset configuration name.")
     text_column: str = Field("text", description="Column holding raw text.")
@@ -287,6 +324,11 @@ def _parse_value(text: str) -> Any:
 
 def parse_cli(argv: list[str]) -> dict[str, Any]:
     """``--config FILE`` plus ``--field value`` / ``--field=value`` / bare ``--flag`` pairs."""
+    recipe, flags = _recipe_and_flags(argv)
+    return {**recipe, **flags}
+
+
+def _recipe_and_flags(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     flat: dict[str, Any] = {}
     config_path = None
     i = 0
@@ -310,8 +352,7 @@ def parse_cli(argv: list[str]) -> dict[str, Any]:
             config_path = value
         else:
             flat[name] = _parse_value(value)
-    base = load_recipe(config_path) if config_path else {}
-    return {**base, **flat}
+    return (load_recipe(config_path) if config_path else {}), flat
 
 
 def load_recipe(path: str | Path) -> dict[str, Any]:
@@ -333,7 +374,62 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
 
 
 def parse_run_config(argv: list[str]) -> RunConfig:
-    return RunConfig.from_flat(parse_cli(argv))
+    """The run from a recipe and flags. Flags win over the recipe, and a DeepSpeed config given as
+    a flag wins over the recipe's values for what it states (``--deepspeed zero3.json`` on a ZeRO-2
+    recipe runs ZeRO-3); a flag that contradicts it is still an error."""
+    recipe, flags = _recipe_and_flags(argv)
+    if flags.get("deepspeed") is not None:
+        stated = _stated_arguments(flags["deepspeed"])
+        for name in [k for k in recipe if k in stated and k not in flags]:
+            if recipe[name] != stated[name]:
+                logger.info(
+                    "%s: %s from the DeepSpeed config replaces the recipe's %s",
+                    name,
+                    stated[name],
+                    recipe[name],
+                )
+            del recipe[name]
+    return RunConfig.from_flat({**recipe, **flags})
+
+
+def _stated_arguments(source: Any) -> dict[str, Any]:
+    """What a DeepSpeed config states of the training arguments; precision also rules the flags."""
+    from trainer.config.resolution import stated_arguments  # late: trainer.config imports this module
+
+    stated = stated_arguments(source) if isinstance(source, str | dict) else {}
+    if "precision" in stated:
+        stated.update(bf16=stated["precision"] == "bf16", fp16=stated["precision"] == "fp16")
+    return stated
+
+
+HELP_FLAGS = ("-h", "--help")
+
+_HELP_INTRO = """\
+Train a model. Every field below is set in a YAML recipe (--config) as `field: value` or on the
+command line as --field value (or --field=value); a bare --flag means true, and a flag wins over
+the recipe. Values are read as YAML: --report_to [tensorboard], --model_config_overrides
+'{num_hidden_layers: 2}'. The defaults shown are the schema's; scripts/train.py without --config
+starts from scripts/recipes/default.yaml."""
+
+
+def _default_text(field: Any) -> str:
+    value = field.default_factory() if field.default_factory is not None else field.default
+    return json.dumps(value)
+
+
+def run_help(prog: str = "scripts/train.py") -> str:
+    """The ``--help`` text: every run field with its type, default and description, from the schema."""
+    from trainer.config.reference import type_name  # late: trainer.config's modules import this one
+
+    lines = [f"usage: {prog} [--config RECIPE.yaml] [--field value ...]", "", _HELP_INTRO]
+    for section, model in SECTIONS.items():
+        lines += ["", f"{section} arguments ({model.__name__}):"]
+        for name, field in model.model_fields.items():
+            lines.append(f"  --{name} {type_name(field.annotation, ' | ')} (default: {_default_text(field)})")
+            lines += textwrap.wrap(
+                field.description or "", width=100, initial_indent=" " * 6, subsequent_indent=" " * 6
+            )
+    return "\n".join(lines)
 
 
 def dump_run_config(run: RunConfig, path: str | Path) -> None:

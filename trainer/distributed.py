@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import importlib
+import logging
 import os
 import signal
 import sys
@@ -58,6 +60,43 @@ def detect_hardware() -> Hardware:
     if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") == "cuda":
         return Hardware.cuda(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
     return Hardware.cpu()
+
+
+LOG_HANDLER = "trainer"  # the name of the handler configure_logging adds to the root logger
+
+
+def configure_logging() -> None:
+    """Rank 0 shows the project's INFO lines (tokenizer, tokenisation, cache hits, skipped rows); other
+    ranks only warnings. One plain stderr handler goes on the root logger, replacing an earlier one of
+    ours, so other libraries' warnings share the format. transformers and datasets keep to their
+    warnings; off rank 0 to errors, with no progress bars. Their verbosity variables, if set, win."""
+    info = dist_info()
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if h.get_name() == LOG_HANDLER]:
+        root.removeHandler(handler)
+    handler = logging.StreamHandler()
+    handler.set_name(LOG_HANDLER)
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s [rank {info.rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    )
+    root.addHandler(handler)
+    logging.getLogger("trainer").setLevel(logging.INFO if info.is_main else logging.WARNING)
+
+    # Each library reads these variables once, when imported; one imported already is told directly.
+    level = logging.WARNING if info.is_main else logging.ERROR
+    for library in ("transformers", "datasets"):
+        variable = f"{library.upper()}_VERBOSITY"
+        if variable not in os.environ:
+            os.environ[variable] = logging.getLevelName(level).lower()
+            if library in sys.modules:
+                importlib.import_module(f"{library}.utils.logging").set_verbosity(level)
+    if not info.is_main:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars follow the hub's
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        if "transformers" in sys.modules:
+            importlib.import_module("transformers.utils.logging").disable_progress_bar()
+        if "datasets" in sys.modules:
+            importlib.import_module("datasets").disable_progress_bars()
 
 
 def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:

@@ -18,6 +18,7 @@ import deepspeed
 import torch
 import torch.nn.functional as F
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+from deepspeed.runtime.utils import clip_grad_norm_
 
 from trainer.checkpoint_writer import FileWriter
 from trainer.distributed import host_all_reduce
@@ -78,6 +79,19 @@ class _ThroughWriter(CheckpointEngine):
     def preserves_storage_sharing(self) -> bool:
         # An asynchronous writer copies tensor by tensor anyway, so DeepSpeed need not clone first.
         return not self.writer.asynchronous
+
+
+def keep_clipped_norm(ds: Any) -> None:
+    """ZeRO-0 without mixed precision clips with ``clip_grad_norm_`` and drops the norm it computed,
+    so ``get_global_grad_norm()`` stays None there. The same call, keeping the norm, makes grad_norm
+    reported on every path (as HF does whenever it clips)."""
+
+    def clip_and_keep() -> None:
+        ds._global_grad_norm = clip_grad_norm_(
+            parameters=ds.module.parameters(), max_norm=ds.gradient_clipping(), mpu=ds.mpu
+        )
+
+    ds.clip_fp32_gradients = clip_and_keep
 
 
 class DeepSpeedDriver:
@@ -163,6 +177,7 @@ class Engine(DeepSpeedDriver):
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
         )
+        keep_clipped_norm(self.ds)
         self.device = self.ds.device
         self.world_size = self.ds.dp_world_size
         self.lr_scale = 1.0

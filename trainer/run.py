@@ -12,7 +12,7 @@ from pathlib import Path
 from trainer.args import RunConfig, parse_run_config
 from trainer.config import resolve
 from trainer.config.errors import ConfigError
-from trainer.distributed import detect_hardware, dist_info, print_main
+from trainer.distributed import detect_hardware, dist_info, init_distributed, print_main
 
 EXIT_BAD_INPUT = 2
 
@@ -33,6 +33,9 @@ def run(run_config: RunConfig) -> int:
     steps = args.max_steps if args.max_steps > 0 else args.warmup_steps + 1
     resolve(args, world_size=world, hardware=hardware, total_steps=steps)
     _check_paths(run_config)
+    # The process group exists before any model is built: zero.Init partitions over it, and a
+    # single process must not fall back to DeepSpeed's MPI discovery.
+    init_distributed(hardware)
 
     tokenizer = get_tokenizer(model_args, data_args)
     train_ds, eval_ds = build_datasets(data_args, tokenizer, seed=args.seed)
@@ -93,7 +96,10 @@ def _plot(output_dir: str) -> None:
 def _sample(model_dir: Path, device, prompt: str = "class Parser:\n    def __init__(self") -> str:
     """A short greedy completion from the exported model: proof that the export loads and works."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+    # Only rank 0 samples: under ZeRO-3 the export must load whole, not inside zero.Init.
+    unset_hf_deepspeed_config()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(device)
@@ -107,8 +113,16 @@ def _sample(model_dir: Path, device, prompt: str = "class Parser:\n    def __ini
     return "Sample completion:\n" + tokenizer.decode(out[0], skip_special_tokens=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "scripts/train.py") -> int:
+    from trainer.args import HELP_FLAGS, run_help
+    from trainer.distributed import configure_logging
+
     argv = sys.argv[1:] if argv is None else argv
+    configure_logging()
+    if any(a in HELP_FLAGS for a in argv):
+        if dist_info().is_main:
+            print(run_help(prog))
+        return 0
     try:
         return run(parse_run_config(argv))
     except ConfigError as err:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
@@ -17,10 +19,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer import Trainer, TrainingArguments
 from trainer.args import ModelArguments
+from trainer.callbacks import TrainerCallback
+from trainer.checkpoint_writer import FileWriter
 from trainer.config import resolve
 from trainer.data import CausalLMCollator, ResumableDistributedSampler
 from trainer.distributed import barrier, detect_hardware, dist_info, init_distributed
-from trainer.engine import Engine, causal_lm_loss_sum, count_targets, weight_decay_groups
+from trainer.engine import Engine, causal_lm_loss_sum, count_targets
 from trainer.modeling import build_model, init_weights
 from trainer.trainer import set_seed
 
@@ -58,7 +62,15 @@ def make_model(ds_config: dict) -> torch.nn.Module:
     return build_model(ModelArguments(), tiny_config(), ds_config, seed=0)
 
 
-def run_trainer(out: Path, name: str, train_ds, **overrides) -> tuple[Trainer, list[float]]:
+def run_trainer(
+    out: Path,
+    name: str,
+    train_ds,
+    callbacks: list[TrainerCallback] | None = None,
+    prepare: Callable[[torch.nn.Module], None] | None = None,
+    **overrides,
+) -> tuple[Trainer, list[float]]:
+    """Train through the public API; ``prepare`` sees the model before the Trainer does."""
     fields = dict(
         output_dir=str(out / name),
         max_steps=20,
@@ -75,12 +87,100 @@ def run_trainer(out: Path, name: str, train_ds, **overrides) -> tuple[Trainer, l
     ds_config = resolve(
         args, dist_info().world_size, detect_hardware(), hidden_size=TINY["hidden_size"], total_steps=1
     )
+    model = make_model(ds_config)
+    if prepare is not None:
+        prepare(model)
     trainer = Trainer(
-        model=make_model(ds_config), args=args, train_dataset=train_ds, data_collator=CausalLMCollator(0)
+        model=model,
+        args=args,
+        train_dataset=train_ds,
+        data_collator=CausalLMCollator(0),
+        callbacks=callbacks,
     )
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     return trainer, losses
+
+
+def grad_norms(trainer: Trainer) -> list[float | None]:
+    return [row.get("grad_norm") for row in trainer.state.log_history if "loss" in row]
+
+
+def engine_kind(trainer: Trainer) -> dict:
+    """What DeepSpeed actually built: the ZeRO stage it runs, its optimizer wrapper, the base optimizer."""
+    ds = trainer.engine.ds
+    return {
+        "zero_stage": ds.zero_optimization_stage(),
+        "wrapper": type(ds.optimizer).__name__,
+        "optimizer": f"{type(ds.basic_optimizer).__module__}.{type(ds.basic_optimizer).__name__}",
+    }
+
+
+class StepsRun(TrainerCallback):
+    """What this process trained: the step it began at (after any resume) and each step it finished.
+    A run that silently restarted from scratch begins at 0 and re-runs steps the checkpoint holds."""
+
+    def __init__(self) -> None:
+        self.began_at: int | None = None
+        self.steps: list[int] = []
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.began_at = state.global_step
+
+    def on_step_end(self, args, state, control, **kw):
+        self.steps.append(state.global_step)
+
+    def report(self) -> dict:
+        return {"began_at": self.began_at, "steps_run": self.steps}
+
+
+class AsyncSaveProbe(TrainerCallback):
+    """Holds the background writes of ``checkpoint-<save_step>`` until the loop has finished a later
+    step, and records when that checkpoint was committed (on_save fires at the commit).
+
+    A save that really runs in the background lets the loop step on, which opens the gate at once.
+    A save that writes on the loop's thread waits out the timeout: the gate stays shut, and the
+    commit happens at the save's own step."""
+
+    def __init__(self, save_step: int, timeout: float = 30.0):
+        self.save_step = save_step
+        self.timeout = timeout
+        self.stepped = threading.Event()
+        self.writes: list[dict] = []
+        self.steps_while_held: list[int] = []
+        self.commits: dict[str, int] = {}
+        self._holding = 0
+
+    def on_step_end(self, args, state, control, **kw):
+        if self._holding:
+            self.steps_while_held.append(state.global_step)
+        if state.global_step > self.save_step:
+            self.stepped.set()
+
+    def on_save(self, args, state, control, checkpoint=None, **kw):
+        self.commits[Path(checkpoint).name] = state.global_step
+
+    def install(self) -> Callable[[], None]:
+        """Wrap FileWriter._write (test-side only); returns the undo."""
+        original = FileWriter._write
+        probe = self
+
+        def held(writer, obj, path, zipfile):
+            if writer.root.name.endswith(f"checkpoint-{probe.save_step}"):
+                probe._holding += 1
+                opened = probe.stepped.wait(probe.timeout)
+                probe.stepped.set()  # after one timeout the rest need not wait: the result is known
+                probe._holding -= 1
+                probe.writes.append(
+                    {"file": Path(path).name, "thread": threading.current_thread().name, "opened": opened}
+                )
+            return original(writer, obj, path, zipfile)
+
+        FileWriter._write = held
+        return lambda: setattr(FileWriter, "_write", original)
+
+    def report(self) -> dict:
+        return {"writes": self.writes, "steps_while_held": self.steps_while_held, "commits": self.commits}
 
 
 def save_weights(trainer: Trainer, path: Path) -> None:
@@ -95,20 +195,32 @@ def save_weights(trainer: Trainer, path: Path) -> None:
 
 def zero_stages(out: Path) -> dict:
     data = token_dataset(96)
-    result = {}
+    result = {"engine": {}, "async": {}}
     for stage in (0, 1, 2, 3):
-        # A checkpoint at the last step, for the export round trip: asynchronous on ZeRO 1 and 3.
-        trainer, losses = run_trainer(
-            out,
-            f"zero{stage}",
-            data,
-            zero_stage=stage,
-            save_strategy="steps",
-            save_steps=20,
-            async_save=stage % 2 == 1,
-        )
+        # Checkpoints at steps 10 and 20 (the latter for the export round trip): asynchronous on
+        # ZeRO 1 and 3, where the writes of checkpoint-10 are held until the loop has stepped on.
+        asynchronous = stage % 2 == 1
+        probe = AsyncSaveProbe(save_step=10) if asynchronous else None
+        undo = probe.install() if probe else None
+        try:
+            trainer, losses = run_trainer(
+                out,
+                f"zero{stage}",
+                data,
+                callbacks=[probe] if probe else None,
+                zero_stage=stage,
+                save_strategy="steps",
+                save_steps=10,
+                async_save=asynchronous,
+            )
+        finally:
+            if undo:
+                undo()
         save_weights(trainer, out / "zero_stages" / f"zero{stage}.pt")
         result[f"zero{stage}"] = losses
+        result["engine"][f"zero{stage}"] = engine_kind(trainer)
+        if probe:
+            result["async"][f"zero{stage}"] = probe.report()
     return result
 
 
@@ -126,40 +238,89 @@ def grad_accum(out: Path) -> dict:
             max_steps=steps,
             gradient_accumulation_steps=4,
             weight_decay=0.1,
-            max_grad_norm=1.0,
+            max_grad_norm=0.5,  # below the norms of these steps (~0.8): clipping is at work
         )
         save_weights(trainer, out / "grad_accum" / f"zero{stage}.pt")
         result[f"zero{stage}"] = losses
+        result[f"zero{stage}_grad_norm"] = grad_norms(trainer)
     if dist_info().is_main:
-        ref, ref_losses = reference_big_batch(data, steps=3, micro=2, accum=4, world=2)
+        ref, ref_losses, ref_norms = reference_big_batch(data, steps=3, micro=2, accum=4, world=2, clip=0.5)
         torch.save(ref, out / "grad_accum" / "reference.pt")
         result["reference"] = ref_losses
+        result["reference_grad_norm"] = ref_norms
     return result
 
 
-def reference_big_batch(data, steps: int, micro: int, accum: int, world: int):
-    """What one rank with the whole global batch would compute: sum of token losses / tokens."""
+def reference_big_batch(
+    data, steps: int | None, micro: int, accum: int, world: int, weight_decay: float = 0.1, clip: float = 1.0
+):
+    """What one process with the whole global batch computes in plain torch (no DeepSpeed, none of
+    the trainer's loss code): per optimizer step, the sum of every target token's loss over the
+    window's rows on all ranks, divided by their number; torch AdamW, decay on matrices only.
+    ``steps=None``: one epoch, whose last window holds whatever rows are left.
+    Returns (final weights, loss per step, gradient norm before clipping per step)."""
     model = LlamaForCausalLM(tiny_config())
     init_weights(model, seed=0)
-    groups = weight_decay_groups(model, 0.1)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+    # Which rows each rank reads, in order: the distributed sampler's epoch-0 shards.
     shards = [list(ResumableDistributedSampler(len(data), world, r, seed=0)) for r in range(world)]
     per_step = micro * accum
-    losses = []
+    if steps is None:
+        steps = -(-len(shards[0]) // per_step)
+    losses, norms = [], []
     for step in range(steps):
-        rows = [data[i] for shard in shards for i in shard[step * per_step : (step + 1) * per_step]]
-        batches = [CausalLMCollator(0)([row]) for row in rows]
-        tokens = sum(count_targets(b) for b in batches)
+        rows = [
+            data[i]["input_ids"] for shard in shards for i in shard[step * per_step : (step + 1) * per_step]
+        ]
+        tokens = sum(len(row) - 1 for row in rows)
         opt.zero_grad()
         total = 0.0
-        for b in batches:
-            loss = causal_lm_loss_sum(model(input_ids=b["input_ids"]).logits, b["labels"]) / tokens
+        for row in rows:
+            ids = torch.tensor([row])
+            logits = model(input_ids=ids).logits[0, :-1]
+            loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum") / tokens
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(total)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+        norms.append(norm.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, norms
+
+
+def partial_window(out: Path) -> dict:
+    """One epoch of 20 rows on 2 ranks, micro 2 x accumulation 2: windows of 8, 8 and then 4 rows
+    (one micro-batch per rank) against the plain-torch loop over the same rows. ZeRO-2 (which
+    reports the gradient norm; stage 0 in fp32 does not) and no clipping, so a wrongly scaled short
+    window changes the update as well as the norm."""
+    data = token_dataset(20, seed=6)
+    trainer, losses = run_trainer(
+        out,
+        "partial",
+        data,
+        zero_stage=2,
+        max_steps=-1,
+        num_train_epochs=1,
+        weight_decay=0.1,
+        max_grad_norm=0.0,
+    )
+    save_weights(trainer, out / "partial_window" / "trainer.pt")
+    result = {
+        "losses": losses,
+        "grad_norm": grad_norms(trainer),
+        "steps": trainer.state.global_step,
+        "epoch": trainer.state.epoch,
+    }
+    if dist_info().is_main:
+        ref, ref_losses, ref_norms = reference_big_batch(data, None, micro=2, accum=2, world=2, clip=0.0)
+        torch.save(ref, out / "partial_window" / "reference.pt")
+        result.update(reference=ref_losses, reference_grad_norm=ref_norms)
+    return result
 
 
 def activation_checkpointing(out: Path) -> dict:
@@ -186,6 +347,37 @@ def activation_checkpointing(out: Path) -> dict:
         "hf_max_abs_diff": hf_diff,
         "custom_max_abs_diff": custom_diff,
         "custom_used_checkpoint": custom["on"]["_used"].item(),
+        "trainer": {mode: trainer_checkpointing(out, mode) for mode in (False, True)},
+    }
+
+
+def trainer_checkpointing(out: Path, enabled: bool) -> dict:
+    """TrainingArguments(gradient_checkpointing=...) through the Trainer: 3 steps x 2 micro-batches
+    per rank (ZeRO-2, which reports the gradient norm), counting how often the first decoder
+    layer's MLP starts a forward: once per micro-batch, and again in backward when recomputed.
+
+    A pre-hook on a sub-module, because transformers checkpoints the layer's ``forward`` (hooks on
+    the layer itself stay outside the checkpoint and fire once) and torch's non-reentrant
+    recomputation stops early, inside the last module whose activations it needs (so a post-hook
+    there never fires on the replay)."""
+    calls = [0]
+
+    def count(module, inputs):
+        if module.training and torch.is_grad_enabled():
+            calls[0] += 1
+
+    def prepare(model):
+        model.model.layers[0].mlp.register_forward_pre_hook(count)
+
+    trainer, losses = run_trainer(
+        out, f"ac_{'on' if enabled else 'off'}", token_dataset(32, seed=7), prepare=prepare,
+        zero_stage=2, max_steps=3, gradient_checkpointing=enabled,
+    )  # fmt: skip
+    return {
+        "mlp0_forwards": calls[0],
+        "micro_batches": 3 * 2,
+        "losses": losses,
+        "grad_norm": grad_norms(trainer),
     }
 
 
@@ -270,7 +462,11 @@ def offload(out: Path) -> dict:
             "losses": losses,
             "optimizer": opt_name,
             "inner": type(inner).__name__ if inner is not None else None,
+            "engine": engine_kind(trainer),
         }
+    # optim=adamw_fused (DeepSpeed's FusedAdam) under ZeRO-3: two steps are enough to see the engine.
+    trainer, losses = run_trainer(out, "fused_z3", data, zero_stage=3, optim="adamw_fused", max_steps=2)
+    result["fused_zero3"] = {"losses": losses, "engine": engine_kind(trainer)}
     return result
 
 
@@ -350,7 +546,16 @@ def nonfinite(out: Path) -> dict:
 
 SCENARIOS = {
     f.__name__: f
-    for f in (zero_stages, grad_accum, activation_checkpointing, bf16, offload, evaluate_zero3, nonfinite)
+    for f in (
+        zero_stages,
+        grad_accum,
+        partial_window,
+        activation_checkpointing,
+        bf16,
+        offload,
+        evaluate_zero3,
+        nonfinite,
+    )
 }
 
 

@@ -16,6 +16,7 @@ import deepspeed
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
+from tests.distributed.driver import StepsRun
 from trainer import Trainer, TrainingArguments
 from trainer.args import ModelArguments
 from trainer.config import resolve
@@ -93,9 +94,11 @@ def train(out: Path, name: str, config, train_ds, eval_ds=None, **overrides) -> 
     ds_config = resolve(args, dist_info().world_size, detect_hardware(), hidden_size=64, total_steps=1)
     set_seed(0)
     model = build_model(ModelArguments(), config, ds_config, seed=0)
+    ran = StepsRun()
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                      data_collator=CausalLMCollator(0))  # fmt: skip
+                      data_collator=CausalLMCollator(0), callbacks=[ran])  # fmt: skip
     trainer.train()
+    trainer.ran = ran.report()  # the step this process began at, and the steps it trained
     return trainer
 
 
@@ -177,6 +180,7 @@ def scenario_checkpoint(out: Path) -> dict:
         "full": losses(full),
         "resumed": [row["loss"] for row in resumed.state.log_history if "loss" in row],
         "resumed_steps": [row["step"] for row in resumed.state.log_history if "loss" in row],
+        "resumed_ran": resumed.ran,
         "eval_full": [row["eval_loss"] for row in full.state.log_history if "eval_loss" in row],
         "eval_resumed": [row["eval_loss"] for row in resumed.state.log_history if "eval_loss" in row],
         "eval_base": [row["eval_loss"] for row in base.state.log_history if "eval_loss" in row],

@@ -16,7 +16,7 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from tests.distributed.driver import TINY, make_model, save_weights, token_dataset
+from tests.distributed.driver import TINY, StepsRun, engine_kind, make_model, save_weights, token_dataset
 from trainer import Trainer, TrainingArguments
 from trainer.callbacks import TrainerCallback
 from trainer.checkpoint import CheckpointError
@@ -63,9 +63,18 @@ def losses_of(trainer: Trainer) -> dict[int, float]:
 
 
 def train(out_dir: Path, resume: str | None = None, **overrides) -> tuple[Trainer, dict[int, float]]:
-    trainer = build(out_dir, resume, **overrides)
+    """Train; ``trainer.ran`` reports the step this process began at and the steps it trained."""
+    probe = StepsRun()
+    trainer = build(out_dir, resume, callbacks=[probe], **overrides)
     trainer.train()
+    trainer.ran = probe.report()
     return trainer, losses_of(trainer)
+
+
+def metrics_steps(out_dir: Path) -> list[int]:
+    """Steps of the loss rows this output_dir's metrics.jsonl holds (a resumed run appends)."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["step"] for row in rows if "loss" in row]
 
 
 def copy_checkpoints(src: Path, dst: Path, steps: list[int]) -> None:
@@ -93,6 +102,11 @@ def resume_pair(out: Path, name: str, **overrides) -> dict:
         "resumed": after(res_losses, SAVE_AT),
         "position": [res.state.epoch_index, res.state.samples_into_epoch],
         "reference_position": [ref.state.epoch_index, ref.state.samples_into_epoch],
+        "reference_ran": ref.ran,
+        "resumed_ran": res.ran,
+        # Only checkpoint-5 was copied over: the metrics file is the resumed run's own.
+        "resumed_metrics_steps": metrics_steps(out / name / "resumed") if dist_info().is_main else None,
+        "engine": engine_kind(res),
         "trainer": ref,
     }
 
@@ -168,8 +182,9 @@ def corrupt(out: Path) -> dict:
         message = str(err)
     result["explicit_errors"] = all_gather_object(message)
     # auto: the flipped checkpoint-10 is skipped, checkpoint-5 resumed.
-    _, losses = train(flipped, resume="auto", zero_stage=2)
+    trainer, losses = train(flipped, resume="auto", zero_stage=2)
     result["flipped"] = after(losses, SAVE_AT)
+    result["flipped_ran"] = trainer.ran
     # auto with a truncated shard owned by rank 1, plus an unmarked and a staging directory that
     # look newer but must never be loaded.
     truncated = out / "corrupt" / "truncated"
@@ -183,6 +198,7 @@ def corrupt(out: Path) -> dict:
     barrier("truncate")
     trainer, losses = train(truncated, resume="auto", zero_stage=2)
     result["truncated"] = after(losses, SAVE_AT)
+    result["truncated_ran"] = trainer.ran
     result["truncated_listing"] = sorted(p.name for p in truncated.iterdir())
     return result
 
@@ -250,14 +266,17 @@ def world_dst(out: Path) -> dict:
         run = out / "world" / f"zero{stage}"
         target = run / f"on{world}"
         copy_checkpoints(run / "source", target, [SAVE_AT])
-        probe = MomentProbe()
-        trainer = probe.trainer = build(target, resume="auto", callbacks=[probe], zero_stage=stage, **WORLD)
+        probe, ran = MomentProbe(), StepsRun()
+        trainer = probe.trainer = build(
+            target, resume="auto", callbacks=[probe, ran], zero_stage=stage, **WORLD
+        )
         trainer.train()
         losses = losses_of(trainer)
         save_weights(trainer, run / f"on{world}.pt")
         ds_config = json.loads((target / "ds_config.json").read_text())
         result[f"zero{stage}"] = {
             "losses": after(losses, SAVE_AT),
+            "ran": ran.report(),
             "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
             "engine_gas": trainer.engine.ds.gradient_accumulation_steps(),
             "ds_config_batch": [ds_config["train_batch_size"], ds_config["gradient_accumulation_steps"]],

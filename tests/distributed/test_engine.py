@@ -11,7 +11,15 @@ from tests.conftest import launch, shm_buffers
 
 pytestmark = pytest.mark.distributed
 
-SCENARIOS = ["zero_stages", "grad_accum", "activation_checkpointing", "bf16", "offload", "evaluate_zero3"]
+SCENARIOS = [
+    "zero_stages",
+    "grad_accum",
+    "partial_window",
+    "activation_checkpointing",
+    "bf16",
+    "offload",
+    "evaluate_zero3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +62,53 @@ def test_zero_stages_share_final_weights(results):
             )
 
 
+TORCH_ADAMW = "torch.optim.adamw.AdamW"
+FUSED_ADAM = "deepspeed.ops.adam.fused_adam.FusedAdam"
+CPU_ADAM = "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam"
+ZERO_WRAPPER = {1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
+
+
+@pytest.mark.parametrize(
+    ("run", "stage", "optimizer"),
+    [
+        (("zero_stages", "engine", "zero0"), 0, TORCH_ADAMW),  # optim=adamw_torch (the default)
+        (("zero_stages", "engine", "zero1"), 1, TORCH_ADAMW),
+        (("zero_stages", "engine", "zero2"), 2, TORCH_ADAMW),
+        (("zero_stages", "engine", "zero3"), 3, TORCH_ADAMW),
+        (("offload", "zero2", "engine"), 2, CPU_ADAM),  # offload_optimizer=cpu
+        (("offload", "zero3", "engine"), 3, CPU_ADAM),
+        (("offload", "fused_zero3", "engine"), 3, FUSED_ADAM),  # optim=adamw_fused
+    ],
+)
+def test_engine_runs_the_requested_zero_stage_and_optimizer(results, run, stage, optimizer):
+    """Read back from the DeepSpeed engine each Trainer built, not from the config it was given."""
+    _, res = results
+    kind = res
+    for key in run:
+        kind = kind[key]
+    assert kind["zero_stage"] == stage
+    assert kind["optimizer"] == optimizer
+    # ZeRO 1-3 wrap the optimizer in their partitioning optimizer; stage 0 in fp32 steps it directly.
+    assert kind["wrapper"] == ZERO_WRAPPER.get(stage, optimizer.rsplit(".", 1)[1])
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_async_save_commits_after_the_loop_stepped_on(results, stage):
+    """async_save: checkpoint-10's files are written on the writer thread, which is held until the
+    loop has finished step 11; the commit (on_save) comes later still. A save written on the loop's
+    thread could not let step 11 finish before it returned."""
+    out, res = results
+    probe = res["zero_stages"]["async"][f"zero{stage}"]
+    assert probe["writes"], "no file of checkpoint-10 went through the writer"
+    assert all(w["thread"].startswith("ckpt-writer") for w in probe["writes"]), probe["writes"]
+    assert all(w["opened"] for w in probe["writes"]), probe["writes"]  # step 11 ended mid-write
+    assert 11 in probe["steps_while_held"]
+    committed_at = probe["commits"]["checkpoint-10"]
+    assert committed_at > 10  # steps 11..committed_at finished between the save's start and its commit
+    assert probe["commits"]["checkpoint-20"] == 20  # the last one is committed at the end of training
+    assert (out / f"zero{stage}" / "checkpoint-10" / "COMPLETE").is_file()
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_trainer_export_of_each_zero_stage_gives_the_engines_logits(results, stage, tmp_path):
     # checkpoint-20 of ZeRO 1 and 3 was saved asynchronously; 0 and 2 synchronously.
@@ -84,6 +139,26 @@ def test_grad_accum_equals_one_big_batch(results, stage):
     for name in ref:
         torch.testing.assert_close(got[name], ref[name].float(), rtol=1e-4, atol=2e-6, msg=name)
     assert max_rel_diff(res["grad_accum"][f"zero{stage}"], res["grad_accum"]["reference"]) <= 1e-5
+    # Clipped AdamW hides a constant gradient scale; the norm before clipping does not.
+    norms, ref_norms = res["grad_accum"][f"zero{stage}_grad_norm"], res["grad_accum"]["reference_grad_norm"]
+    assert len(norms) == 3 and min(ref_norms) > 0.5  # above max_grad_norm: clipping was at work
+    assert max_rel_diff(norms, ref_norms) <= 1e-5, (norms, ref_norms)
+
+
+def test_short_last_window_of_an_epoch_matches_a_plain_torch_loop(results):
+    """20 rows, 2 ranks x micro 2 x accumulation 2: steps of 8, 8 and 4 rows. Loss, gradient norm
+    and final weights equal a plain torch loop (token-normalised loss, torch AdamW) over those rows."""
+    out, res = results
+    run = res["partial_window"]
+    assert run["steps"] == 3 and run["epoch"] == 1.0
+    assert len(run["reference"]) == 3
+    assert max_rel_diff(run["losses"], run["reference"]) <= 1e-5
+    assert max_rel_diff(run["grad_norm"], run["reference_grad_norm"]) <= 1e-5
+    ref = torch.load(out / "partial_window" / "reference.pt", weights_only=True)
+    got = torch.load(out / "partial_window" / "trainer.pt", weights_only=True)
+    assert got.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=2e-6, msg=name)
 
 
 def test_activation_checkpointing_keeps_gradients(results):
@@ -92,6 +167,21 @@ def test_activation_checkpointing_keeps_gradients(results):
     assert ac["hf_max_abs_diff"] <= 1e-5
     assert ac["custom_max_abs_diff"] <= 1e-5
     assert ac["custom_used_checkpoint"] == 3  # the DeepSpeed API was really on the path
+
+
+def test_gradient_checkpointing_argument_recomputes_and_keeps_losses(results):
+    """Trainer(model, TrainingArguments(gradient_checkpointing=True)): the first decoder layer's MLP
+    runs twice per micro-batch (forward, then recomputed in backward), once without; same losses."""
+    _, res = results
+    off, on = (
+        res["activation_checkpointing"]["trainer"]["false"],
+        res["activation_checkpointing"]["trainer"]["true"],
+    )
+    assert off["mlp0_forwards"] == off["micro_batches"] == 6
+    assert on["mlp0_forwards"] == 2 * on["micro_batches"] == 12
+    assert len(on["losses"]) == 3
+    assert max_rel_diff(on["losses"], off["losses"]) <= 1e-6
+    assert max_rel_diff(on["grad_norm"], off["grad_norm"]) <= 1e-5
 
 
 @pytest.mark.parametrize("stage", [2, 3])

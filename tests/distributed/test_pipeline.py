@@ -21,7 +21,8 @@ SCENARIOS = ["llama", "gpt2", "checkpoint"]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline")
-    launch(["tests/distributed/pipeline_driver.py", str(out), *SCENARIOS])
+    proc = launch(["tests/distributed/pipeline_driver.py", str(out), *SCENARIOS])
+    (out / "log.txt").write_text(proc.stdout)
     return out, json.loads((out / "results.json").read_text())
 
 
@@ -91,8 +92,15 @@ def test_tied_gpt2_with_checkpointing_matches(results):
 
 
 def test_resume_reproduces_the_uninterrupted_run(results):
-    _, res = results
+    out, res = results
     ckpt = res["checkpoint"]
+    # It resumed from checkpoint-5 and trained only steps 6-10 (steps 1-5 come from the checkpoint's
+    # log history); a restart from scratch would log the same losses.
+    assert (
+        f"Resumed from {out / 'checkpoint' / 'full' / 'checkpoint-5'} at step 5."
+        in (out / "log.txt").read_text()
+    )
+    assert ckpt["resumed_ran"] == {"began_at": 5, "steps_run": [6, 7, 8, 9, 10]}
     assert ckpt["resumed_steps"] == list(range(1, 11))
     assert ckpt["resumed"] == ckpt["full"]
     assert ckpt["eval_resumed"] == ckpt["eval_full"]

@@ -47,6 +47,15 @@ def max_rel_diff(got: dict[int, float], want: dict[int, float]) -> float:
     return max(abs(got[s] - want[s]) / abs(want[s]) for s in got)
 
 
+def assert_resumed(log: str, ran: dict, checkpoint, step: int = SAVE_AT, last: int = 10) -> None:
+    """The run resumed from exactly ``checkpoint`` at ``step``: the Trainer said so, its state
+    began there, and it trained only the steps after it. A silent restart from scratch (which
+    reproduces the same losses on these deterministic runs) begins at 0 and trains every step."""
+    assert f"Resumed from {checkpoint} at step {step}." in log
+    assert ran["began_at"] == step, ran
+    assert ran["steps_run"] == list(range(step + 1, last + 1)), ran
+
+
 # ---- exact resume --------------------------------------------------------------------------------
 
 
@@ -54,8 +63,11 @@ def max_rel_diff(got: dict[int, float], want: dict[int, float]) -> float:
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(two_ranks, stage):
     """Saved at step 5, resumed by a fresh Trainer (resume auto): losses 6-10 and final weights are
     identical. Accumulation 2 and an epoch boundary at step 6 make the data position matter."""
-    out, res, _ = two_ranks
+    out, res, log = two_ranks
     run = res["exact"][f"zero{stage}"]
+    assert_resumed(log, run["resumed_ran"], out / "exact" / f"zero{stage}" / "resumed" / "checkpoint-5")
+    assert run["resumed_metrics_steps"] == [6, 7, 8, 9, 10]
+    assert run["reference_ran"] == {"began_at": 0, "steps_run": list(range(1, 11))}
     reference, resumed = steps(run["reference"]), steps(run["resumed"])
     assert sorted(resumed) == [6, 7, 8, 9, 10]
     assert resumed == {s: reference[s] for s in resumed}  # exact float equality
@@ -69,18 +81,30 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(two_ranks, stage):
 def test_deepspeed_cpu_adam_kernels_resume_bit_for_bit(two_ranks, name):
     """FusedAdam (optim adamw_fused) and the offload CPUAdam keep beta powers in C++ state that a
     checkpoint does not hold; the engine rebuilds it on load (without that: ~1e-7 drift)."""
-    out, res, _ = two_ranks
+    out, res, log = two_ranks
     run = res["optimizers"][name]
+    assert_resumed(log, run["resumed_ran"], out / "optimizers" / name / "resumed" / "checkpoint-5")
+    assert run["resumed_metrics_steps"] == [6, 7, 8, 9, 10]
+    # The kernels named are the ones that ran: FusedAdam, or the CPU Adam of the offload.
+    expected = {"fused_zero2": "fused_adam.FusedAdam", "offload_zero2": "cpu_adam.DeepSpeedCPUAdam"}
+    assert run["engine"]["zero_stage"] == 2
+    assert run["engine"]["optimizer"] == f"deepspeed.ops.adam.{expected[name]}"
     reference, resumed = steps(run["reference"]), steps(run["resumed"])
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
     assert resumed == {s: reference[s] for s in resumed}
     assert_same_weights(out / "optimizers" / name / "reference.pt", out / "optimizers" / name / "resumed.pt")
 
 
 @pytest.mark.slow
 def test_fused_adam_without_zero_resumes_bit_for_bit(tmp_path):
-    launch([DRIVER, str(tmp_path), "optimizers_slow"])
+    proc = launch([DRIVER, str(tmp_path), "optimizers_slow"])
     run = json.loads((tmp_path / "results-2.json").read_text())["optimizers_slow"]["fused_zero0"]
+    checkpoint = tmp_path / "optimizers" / "fused_zero0" / "resumed" / "checkpoint-5"
+    assert_resumed(proc.stdout, run["resumed_ran"], checkpoint)
+    assert run["engine"]["zero_stage"] == 0
+    assert run["engine"]["optimizer"] == "deepspeed.ops.adam.fused_adam.FusedAdam"
     reference, resumed = steps(run["reference"]), steps(run["resumed"])
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
     assert resumed == {s: reference[s] for s in resumed}
     assert_same_weights(
         tmp_path / "optimizers" / "fused_zero0" / "reference.pt",
@@ -116,7 +140,7 @@ def test_auto_resume_falls_back_past_a_corrupt_checkpoint_with_a_warning_on_ever
         )
         fallback = f"[rank {rank}] warning: {where}/checkpoint-10: failed verification; falling back to {where}/checkpoint-5"
         assert fallback in log
-    assert f"Resumed from {where}/checkpoint-5 at step 5." in log
+    assert_resumed(log, res["corrupt"][f"{case}_ran"], where / "checkpoint-5")
     # The fallback run continues exactly like the uninterrupted one.
     reference = steps(res["exact"]["zero2"]["reference"])
     assert steps(res["corrupt"][case]) == {s: reference[s] for s in range(6, 11)}
@@ -144,8 +168,9 @@ def test_unmarked_and_staging_directories_are_never_loaded(two_ranks):
 # ---- world-size change ---------------------------------------------------------------------------
 
 
-def check_world_change(out, source, dst, world: int, stage: int, gas: int) -> float:
+def check_world_change(out, source, dst, world: int, stage: int, gas: int, log: str) -> float:
     run = dst[f"zero{stage}"]
+    assert_resumed(log, run["ran"], out / "world" / f"zero{stage}" / f"on{world}" / "checkpoint-5")
     assert run["gradient_accumulation_steps"] == run["engine_gas"] == gas
     assert run["ds_config_batch"] == [6, gas]  # the global batch is the checkpoint's
     assert run["universal_complete"]
@@ -168,7 +193,7 @@ def test_two_rank_checkpoint_continues_on_one_rank(one_rank, stage):
     """2 ranks × micro 1 × accumulation 3 resumed on 1 rank: accumulation 6, universal conversion,
     moments kept, and the loss trajectory of the run that stayed on 2 ranks (measured: ≤ 1.1e-7)."""
     out, source, dst, log = one_rank
-    check_world_change(out, source, dst, 1, stage, gas=6)
+    check_world_change(out, source, dst, 1, stage, gas=6, log=log)
     assert "checkpoint-5: gradient_accumulation_steps 3 -> 6" in log
 
 
@@ -177,9 +202,10 @@ def test_two_rank_checkpoint_continues_on_one_rank(one_rank, stage):
 def test_two_rank_checkpoint_continues_on_three_ranks(two_ranks, stage):
     out, source, _ = two_ranks
     if not (out / "results-3.json").exists():
-        launch([DRIVER, str(out), "world_dst"], nproc=3)
+        log = launch([DRIVER, str(out), "world_dst"], nproc=3).stdout
+        (out / "log-3.txt").write_text(log)
     dst = json.loads((out / "results-3.json").read_text())["world_dst"]
-    check_world_change(out, source, dst, 3, stage, gas=2)
+    check_world_change(out, source, dst, 3, stage, gas=2, log=(out / "log-3.txt").read_text())
 
 
 # ---- HF export -----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -73,6 +74,24 @@ def logged_steps(out: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"loss"' in line]
 
 
+def resumed_at(output: str, out: Path) -> int:
+    """The step the job resumed at (0: it started from scratch), checked two ways: the Trainer's
+    one "Resumed from <out>/checkpoint-<k> at step <k>." line, and metrics.jsonl, where the
+    interrupted attempt's rows 1..m are followed by rows k+1..16 (a silent restart from scratch
+    would log step 1 again)."""
+    total = int(RUN[RUN.index("--max_steps") + 1])
+    found = re.findall(r"Resumed from (\S+) at step (\d+)\.", output)
+    assert len(found) <= 1, found
+    step = int(found[0][1]) if found else 0
+    if found:
+        assert found[0][0] == str(out / f"checkpoint-{step}"), found
+    logged = logged_steps(out)
+    before = len(logged) - (total - step)  # rows of the interrupted attempt
+    assert before >= step, (step, logged)
+    assert logged == list(range(1, before + 1)) + list(range(step + 1, total + 1)), (step, logged)
+    return step
+
+
 def worker(agent: subprocess.Popen, rank: int) -> psutil.Process | None:
     for child in psutil.Process(agent.pid).children(recursive=True):
         try:
@@ -123,7 +142,9 @@ def test_sigkill_of_a_rank_restarts_and_matches_uninterrupted(tmp_path, referenc
     kill_after = random.Random(os.environ.get("FAULT_SEED")).randint(5, 7)  # between checkpoints 4 and 8
     proc = kill_rank_and_recover(tmp_path / "run", kill_after)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert "Resumed from" in proc.stdout, f"killed after step {kill_after}; no resume seen"
+    step = resumed_at(proc.stdout, tmp_path / "run")
+    # checkpoint-4, or checkpoint-8 if the run got that far before the signal landed.
+    assert step in (4, 8), f"killed after step {kill_after}; resumed at {step}"
     assert_same_weights(final_weights(tmp_path / "run"), reference)
 
 
@@ -132,6 +153,12 @@ def test_sigkill_of_a_rank_restarts_and_matches_uninterrupted(tmp_path, referenc
 def test_sigkill_at_many_points(tmp_path, reference, kill_after):
     proc = kill_rank_and_recover(tmp_path / "run", kill_after)
     assert proc.returncode == 0, proc.stdout[-4000:]
+    step = resumed_at(proc.stdout, tmp_path / "run")
+    # The newest checkpoint (every 4 steps) before the kill, or the one before it if the kill
+    # landed while that one was being saved.
+    assert step % 4 == 0 and kill_after - 4 <= step <= kill_after + 4, (kill_after, step)
+    if kill_after >= 5:
+        assert step > 0, f"killed after step {kill_after}; no resume seen"
     assert_same_weights(final_weights(tmp_path / "run"), reference)
 
 
@@ -161,7 +188,8 @@ def test_sigterm_saves_within_grace_and_resumes_exactly(tmp_path, reference):
         torchrun_cmd(out), cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=900
     )
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
-    assert f"Resumed from {out / f'checkpoint-{saved}'}" in resumed.stdout
+    assert resumed_at(resumed.stdout, out) == saved
+    assert logged_steps(out) == list(range(1, 17))  # steps 1..saved, then saved+1..16
     assert_same_weights(final_weights(out), reference)
 
 
@@ -181,7 +209,7 @@ def test_sigkill_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path,
     assert ckpt.verify(out / "checkpoint-4") == []
     resumed = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
-    assert f"Resumed from {out / 'checkpoint-4'}" in resumed.stdout
+    assert resumed_at(resumed.stdout, out) == 4
     assert not (out / ".staging-checkpoint-8").exists()
     assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-12", "checkpoint-16"]  # limit 2
     assert_same_weights(final_weights(out), reference)

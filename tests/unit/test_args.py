@@ -67,3 +67,30 @@ def test_hf_style_keyword_construction():
 def test_missing_recipe_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"config: recipe file not found: .*nope.yaml"):
         parse_run_config(["--config", str(tmp_path / "nope.yaml")])
+
+
+def test_report_to_refuses_sinks_it_would_ignore():
+    for value, bad in [
+        ("wandb", "'wandb' is"),
+        (["tensorboard", "mlflow", "comet_ml"], "'mlflow', 'comet_ml' are"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            RunConfig.from_flat({"report_to": value})
+        assert (
+            str(err.value)
+            == f"report_to: {bad} not supported; supported: tensorboard, none ('all' means tensorboard)"
+        )
+    with pytest.raises(
+        ConfigError, match=r"^report_to: \['none', 'tensorboard'\]: 'none' cannot be combined"
+    ):
+        RunConfig.from_flat({"report_to": ["none", "tensorboard"]})
+    with pytest.raises(ValueError, match="'trackio' is not supported"):
+        TrainingArguments(report_to="trackio")  # the HF-style door refuses it too
+
+
+def test_report_to_all_and_none_mean_what_is_supported():
+    assert TrainingArguments(report_to="all").report_to == ["tensorboard"]
+    assert TrainingArguments(report_to=["all", "tensorboard"]).report_to == ["tensorboard"]
+    assert TrainingArguments(report_to=["tensorboard"]).report_to == ["tensorboard"]
+    assert TrainingArguments(report_to="none").report_to == TrainingArguments(report_to=None).report_to == []
+    assert parse_run_config(["--report_to", "all"]).training.report_to == ["tensorboard"]

@@ -235,6 +235,38 @@ def test_local_formats_give_the_same_documents(fmt, code_dir, tmp_path, tokenize
     assert train["input_ids"] == [encode_doc(tokenizer, t) for t in texts]
 
 
+def test_dataset_saved_to_disk_loads_its_rows(tmp_path):
+    texts = ["def f():\n    return 1\n", "x = [i for i in range(3)]\n", "class A:\n    pass\n"]
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": texts, "id": [0, 1, 2]}).save_to_disk(str(saved))
+    raw = load_raw(args_for(saved, tmp_path))
+    assert raw.source.kind == "saved" and raw.eval is None
+    assert raw.train["text"] == texts  # not the rows of state.json / dataset_info.json
+
+
+def test_dataset_dict_saved_to_disk_gives_train_and_eval_splits(tmp_path, tokenizer):
+    splits = {"train": ["a = 1\n", "b = 2\n", "c = 3\n"], "validation": ["d = 4\n"]}
+    saved = tmp_path / "saved_dict"
+    datasets.DatasetDict(
+        {name: datasets.Dataset.from_dict({"text": rows}) for name, rows in splits.items()}
+    ).save_to_disk(str(saved))
+    raw = load_raw(args_for(saved, tmp_path))
+    assert raw.train["text"] == splits["train"] and raw.eval["text"] == splits["validation"]
+    data_args = args_for(saved, tmp_path, block_size=10_000, packing=False)
+    train, eval_ds = build_datasets(data_args, tokenizer, seed=0)
+    assert train["input_ids"] == [encode_doc(tokenizer, t) for t in splits["train"]]
+    assert eval_ds["input_ids"] == [encode_doc(tokenizer, t) for t in splits["validation"]]
+
+
+def test_directory_holding_a_saved_dataset_names_it(tmp_path):
+    datasets.Dataset.from_dict({"text": ["a = 1\n"]}).save_to_disk(str(tmp_path / "corpus" / "saved"))
+    with pytest.raises(DataError) as err:
+        load_raw(args_for(tmp_path / "corpus", tmp_path))
+    assert str(err.value) == (
+        f"dataset: {tmp_path / 'corpus' / 'saved'} holds a dataset saved with save_to_disk; pass that directory"
+    )
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 
 

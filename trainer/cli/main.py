@@ -6,7 +6,8 @@ import argparse
 import importlib
 import sys
 
-# name -> (module, one-line help). Each module defines add_arguments(parser) and run(args) -> int.
+# name -> (module, one-line help). Each module defines add_arguments(parser) and run(args) -> int,
+# or sets RAW_ARGV and defines main(argv) -> int to parse its own arguments.
 SUBCOMMANDS = {
     "train": ("trainer.cli.train", "train a model (same flags as scripts/train.py)"),
     "ds-config": ("trainer.cli.ds_config", "generate, validate and write DeepSpeed configs"),
@@ -24,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         # Only import the subcommand that runs: the config tools must not pay for torch.
         name = argv[0]
         module = importlib.import_module(SUBCOMMANDS[name][0])
+        if getattr(module, "RAW_ARGV", False):
+            return int(module.main(argv[1:]) or 0)
         module.add_arguments(sub.add_parser(name, help=SUBCOMMANDS[name][1]))
     else:
         for name, (_, help_text) in SUBCOMMANDS.items():

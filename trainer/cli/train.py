@@ -1,15 +1,15 @@
-"""``trainer train [--config R.yaml] [--field value ...]``: the same as scripts/train.py."""
+"""``trainer train [--config R.yaml] [--field value ...]``: the same as scripts/train.py.
+
+Its flags are the run schema's fields, so its argv goes to ``trainer.run.main`` untouched (which also
+answers ``--help`` from the schema); argparse would stop at the first ``--field`` it does not know.
+"""
 
 from __future__ import annotations
 
-import argparse
+RAW_ARGV = True
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("fields", nargs=argparse.REMAINDER, help="--config FILE and --field value pairs")
+def main(argv: list[str]) -> int:
+    from trainer.run import main as run_main
 
-
-def run(args: argparse.Namespace) -> int:
-    from trainer.run import main
-
-    return main(args.fields)
+    return run_main(argv, prog="trainer train")

@@ -97,18 +97,20 @@ each key a wrong type and a misspelling in turn and reports which ones DeepSpeed
 """
 
 
-def _type_name(annotation: Any) -> str:
+def type_name(annotation: Any, bar: str = " \\| ") -> str:
+    """A field's type in words (``"fp32" | "bf16"``, ``int | null``, ``list of str``); ``bar`` separates
+    alternatives (escaped for a markdown table by default, plain ``" | "`` for CLI help)."""
     origin = get_origin(annotation)
     if origin is Literal:
-        return " \\| ".join(json.dumps(v) for v in get_args(annotation))
+        return bar.join(json.dumps(v) for v in get_args(annotation))
     if origin in (Union, types.UnionType):
         members = [a for a in get_args(annotation) if a is not type(None)]
-        text = " \\| ".join(_type_name(m) for m in members)
-        return f"{text} \\| null" if len(members) < len(get_args(annotation)) else text
+        text = bar.join(type_name(m, bar) for m in members)
+        return f"{text}{bar}null" if len(members) < len(get_args(annotation)) else text
     if origin is list:
-        return f"list of {_type_name(get_args(annotation)[0])}"
+        return f"list of {type_name(get_args(annotation)[0], bar)}"
     if origin is tuple:
-        return "[" + ", ".join(_type_name(a) for a in get_args(annotation)) + "]"
+        return "[" + ", ".join(type_name(a, bar) for a in get_args(annotation)) + "]"
     if origin is dict:
         return "object"
     if isinstance(annotation, type) and issubclass(annotation, ConfigModel):
@@ -131,7 +133,7 @@ def _table(model: type[ConfigModel], prefix: str = "") -> list[str]:
         key = field.alias or name
         also = f" (or `{name}`)" if field.alias and field.alias != name else ""
         rows.append(
-            f"| `{prefix}{key}`{also} | {_type_name(field.annotation)} | {_default(field)} | {field.description} |"
+            f"| `{prefix}{key}`{also} | {type_name(field.annotation)} | {_default(field)} | {field.description} |"
         )
     return rows
 
@@ -159,8 +161,8 @@ def _sections(model: type[ConfigModel], path: str) -> list[str]:
 def _params(title: str, table: dict[str, type[ConfigModel]]) -> list[str]:
     lines = [f"### `{title}.params` by type", ""]
     by_model: dict[type[ConfigModel], list[str]] = {}
-    for type_name, model in table.items():
-        by_model.setdefault(model, []).append(type_name)
+    for kind, model in table.items():
+        by_model.setdefault(model, []).append(kind)
     for model, names in by_model.items():
         lines += [f"#### {', '.join(names)}", "", _doc(model), "", *_table(model), ""]
     return lines

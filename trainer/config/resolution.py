@@ -452,19 +452,53 @@ class _Resolver:
 
 def _base(args: TrainingArguments) -> tuple[dict[str, Any], bool]:
     """The config to start from, and whether its explicit values must agree with the arguments."""
-    source = args.deepspeed
-    if source is None:
+    if args.deepspeed is None:
         data: dict[str, Any] = {
             "zero_optimization": zero_section(
                 args.zero_stage, args.offload_optimizer, args.offload_param, args.nvme_path
             )
         }
         return data, False
+    return _load_source(args.deepspeed, args.nvme_path), True
+
+
+def _load_source(source: str | dict[str, Any], nvme_path: str | None = None) -> dict[str, Any]:
+    """A DeepSpeed config given as a dict, a preset name or a JSON path, as a fresh dict."""
     if isinstance(source, dict):
-        return json.loads(json.dumps(source)), True  # a deep copy: the caller's dict is never changed
+        return json.loads(json.dumps(source))  # a deep copy: the caller's dict is never changed
     if source in PRESETS:
-        return preset_base(source, args.nvme_path), True
-    return load_deepspeed_json(source), True
+        return preset_base(source, nvme_path)
+    return load_deepspeed_json(source)
+
+
+# Training arguments that a DeepSpeed config can state outright, and where it states them.
+STATED_ARGUMENTS = {
+    "per_device_train_batch_size": "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "max_grad_norm": "gradient_clipping",
+    "zero_stage": "zero_optimization.stage",
+    "offload_optimizer": "zero_optimization.offload_optimizer.device",
+    "offload_param": "zero_optimization.offload_param.device",
+    "pipeline_parallel_size": "pipeline.stages",
+    "learning_rate": "optimizer.params.lr",
+    "weight_decay": "optimizer.params.weight_decay",
+}
+
+
+def stated_arguments(source: str | dict[str, Any]) -> dict[str, Any]:
+    """The training arguments a DeepSpeed config states with a concrete value (not ``"auto"``):
+    a run takes them from the config wherever its own arguments leave them unset. Empty when the
+    config cannot be read (``resolve`` reports that, naming the file)."""
+    try:
+        data = _load_source(source)
+    except ConfigError:
+        return {}
+    stated = {arg: _get(data, path) for arg, path in STATED_ARGUMENTS.items()}
+    stated = {arg: value for arg, value in stated.items() if value is not _MISSING and not is_auto(value)}
+    on = [p for p in ("bf16", "fp16") if _get(data, f"{p}.enabled") is True]
+    if len(on) == 1:
+        stated["precision"] = on[0]
+    return stated
 
 
 def resolve(

@@ -72,7 +72,7 @@ def corpus_files(root: str | Path | None = None) -> list[Path]:
 class Source:
     """A resolved data source: what to load and a fingerprint that changes when the data does."""
 
-    kind: str  # "stdlib", "files" or "hub"
+    kind: str  # "stdlib", "files", "saved" (a save_to_disk directory) or "hub"
     name: str
     files: list[Path]
     builder: str | None
@@ -91,11 +91,22 @@ def _looks_local(name: str) -> bool:
     )
 
 
+def is_saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is a directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+    names = (datasets.config.DATASET_STATE_JSON_FILENAME, datasets.config.DATASETDICT_JSON_FILENAME)
+    return path.is_dir() and any((path / n).is_file() for n in names)
+
+
 def _local_files(path: Path) -> tuple[list[Path], str]:
     if path.is_file():
         files = [path]
     else:
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS)
+        saved = next((f.parent for f in files if is_saved_dataset(f.parent)), None)
+        if saved is not None:  # its state.json would be read as data
+            raise DataError(
+                [("dataset", f"{saved} holds a dataset saved with save_to_disk; pass that directory")]
+            )
         if not files:
             kinds = ", ".join(sorted(BUILDERS))
             raise DataError([("dataset", f"no data files ({kinds}) under directory {path}")])
@@ -109,6 +120,12 @@ def _local_files(path: Path) -> tuple[list[Path], str]:
     return files, builders.pop()
 
 
+def _stat_fingerprint(files: list[Path]) -> str:
+    # Local files are fingerprinted by path, size and mtime (like make), not by content, so a
+    # warm cache is found without reading a large corpus again.
+    return stable_hash([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
+
+
 def resolve_source(data_args: DataArguments) -> Source:
     """Decide where the data comes from, without loading it (except its fingerprint inputs)."""
     name = data_args.dataset
@@ -120,12 +137,12 @@ def resolve_source(data_args: DataArguments) -> Source:
             digest.update(f.read_bytes())
         return Source("stdlib", name, files, None, digest.hexdigest())
     path = Path(name).expanduser()
+    if is_saved_dataset(path):
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        return Source("saved", name, files, None, _stat_fingerprint(files))
     if path.exists():
         files, builder = _local_files(path)
-        # Local files are fingerprinted by path, size and mtime (like make), not by content, so a
-        # warm cache is found without reading a large corpus again.
-        stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-        return Source("files", name, files, builder, stable_hash(stats))
+        return Source("files", name, files, builder, _stat_fingerprint(files))
     if _looks_local(name):
         raise DataError([("dataset", f"file not found: {name}")])
     return Source("hub", name, [], None, "")  # fingerprint filled in by load_raw
@@ -145,6 +162,11 @@ def _stdlib_dataset(files: list[Path]) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"text": texts, "path": paths})
 
 
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def load_raw(data_args: DataArguments, source: Source | None = None) -> RawData:
     """Load the raw documents of a source as `datasets` objects."""
     source = source or resolve_source(data_args)
@@ -161,27 +183,39 @@ def load_raw(data_args: DataArguments, source: Source | None = None) -> RawData:
                 **kwargs,
             )
         except Exception as err:  # malformed JSON/parquet: one line naming the file
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise DataError([("dataset", f"could not read {source.name}: {first}")]) from None
+            raise DataError([("dataset", f"could not read {source.name}: {_first_line(err)}")]) from None
         return RawData(loaded["train"], None, source)
+    if source.kind == "saved":
+        try:
+            loaded = datasets.load_from_disk(str(Path(source.name).expanduser()))
+        except Exception as err:
+            raise DataError(
+                [("dataset", f"could not load the saved dataset {source.name}: {_first_line(err)}")]
+            ) from None
+        if isinstance(loaded, datasets.Dataset):
+            return RawData(loaded, None, source)
+        return _splits(loaded, source)
     try:
         loaded = datasets.load_dataset(source.name, data_args.dataset_config, cache_dir=hf_cache)
     except Exception as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DataError(
             [
                 (
                     "dataset",
-                    f"{source.name!r} is not a local path and could not be loaded from the hub: {first}",
+                    f"{source.name!r} is not a local path and could not be loaded from the hub: {_first_line(err)}",
                 )
             ]
         ) from None
+    raw = _splits(loaded, source)
+    source.fingerprint = stable_hash([raw.train._fingerprint, raw.eval._fingerprint if raw.eval else None])
+    return raw
+
+
+def _splits(loaded: datasets.DatasetDict, source: Source) -> RawData:
+    """The train split of a DatasetDict, and its validation (or valid, or test) split as the eval set."""
     if "train" not in loaded:
         raise DataError([("dataset", f"{source.name!r} has no train split (splits: {', '.join(loaded)})")])
     eval_split = next((loaded[s] for s in ("validation", "valid", "test") if s in loaded), None)
-    source.fingerprint = stable_hash(
-        [loaded["train"]._fingerprint, eval_split._fingerprint if eval_split else None]
-    )
     return RawData(loaded["train"], eval_split, source)
 
 
