@@ -19,6 +19,13 @@ endif
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
 LAUNCH := $(BIN)/deepspeed $(if $(NUM_GPUS),--num_gpus $(NUM_GPUS))
+# The demo on a CPU box: one process using every core beats one single-threaded rank per core
+# (no gloo all-reduce, no launcher start-up). A GPU box launches one rank per GPU.
+ifneq ($(HAS_GPU),1)
+DEMO_LAUNCH ?= OMP_NUM_THREADS=$(shell nproc) $(BIN)/python
+else
+DEMO_LAUNCH ?= $(LAUNCH)
+endif
 
 .PHONY: install demo test test-all lint format bench presets clean
 
@@ -36,7 +43,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(LAUNCH) scripts/train.py
+	$(DEMO_LAUNCH) scripts/train.py
 
 test: install
 	$(BIN)/python -m pytest -m "not slow and not gpu" -q

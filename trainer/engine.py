@@ -81,17 +81,22 @@ class _ThroughWriter(CheckpointEngine):
         return not self.writer.asynchronous
 
 
-def keep_clipped_norm(ds: Any) -> None:
-    """ZeRO-0 without mixed precision clips with ``clip_grad_norm_`` and drops the norm it computed,
-    so ``get_global_grad_norm()`` stays None there. The same call, keeping the norm, makes grad_norm
-    reported on every path (as HF does whenever it clips)."""
+def report_grad_norm(ds: Any) -> None:
+    """DeepSpeed's ZeRO and mixed-precision optimizers report the gradient norm; plain ZeRO-0 in
+    fp32 does not (it clips, when asked, and drops the norm), so ``get_global_grad_norm()`` stays
+    None there. This measures it before every optimizer step, with the same all-stage, all-rank
+    reduction DeepSpeed clips with, so grad_norm is reported on every path, clipping or not."""
+    if ds.zero_optimization() or ds.fp16_enabled() or ds.bfloat16_enabled():
+        return
+    take_step = ds._take_model_step
 
-    def clip_and_keep() -> None:
-        ds._global_grad_norm = clip_grad_norm_(
-            parameters=ds.module.parameters(), max_norm=ds.gradient_clipping(), mpu=ds.mpu
-        )
+    def measured_step(*args: Any, **kwargs: Any) -> None:
+        # max_norm=inf measures without clipping; DeepSpeed still clips as configured.
+        norm = clip_grad_norm_(parameters=ds.module.parameters(), max_norm=float("inf"), mpu=ds.mpu)
+        take_step(*args, **kwargs)
+        ds._global_grad_norm = norm
 
-    ds.clip_fp32_gradients = clip_and_keep
+    ds._take_model_step = measured_step
 
 
 class DeepSpeedDriver:
@@ -177,7 +182,7 @@ class Engine(DeepSpeedDriver):
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
         )
-        keep_clipped_norm(self.ds)
+        report_grad_norm(self.ds)
         self.device = self.ds.device
         self.world_size = self.ds.dp_world_size
         self.lr_scale = 1.0

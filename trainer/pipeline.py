@@ -43,7 +43,7 @@ from trainer.engine import (
     DeepSpeedDriver,
     causal_lm_loss_sum,
     count_targets,
-    keep_clipped_norm,
+    report_grad_norm,
     weight_decay_groups,
 )
 
@@ -334,7 +334,7 @@ class PipelineAdapter(DeepSpeedDriver):
             lr_scheduler=lr_scheduler,
         )
         _norm_over_all_stages(self.ds)
-        keep_clipped_norm(self.ds)
+        report_grad_norm(self.ds)
         self.device = self.ds.device
         self.world_size = self.ds.dp_world_size
         self.lr_scale = 1.0

@@ -295,9 +295,9 @@ def reference_big_batch(
 
 def partial_window(out: Path) -> dict:
     """One epoch of 20 rows on 2 ranks, micro 2 x accumulation 2: windows of 8, 8 and then 4 rows
-    (one micro-batch per rank) against the plain-torch loop over the same rows. ZeRO-2 (which
-    reports the gradient norm; stage 0 in fp32 does not) and no clipping, so a wrongly scaled short
-    window changes the update as well as the norm."""
+    (one micro-batch per rank) against the plain-torch loop over the same rows. No clipping, so a
+    wrongly scaled short window changes the update as well as the norm; ZeRO-2, which reports the
+    norm even when it does not clip."""
     data = token_dataset(20, seed=6)
     trainer, losses = run_trainer(
         out,

@@ -152,6 +152,7 @@ def test_unmarked_and_staging_directories_are_never_loaded(two_ranks):
     out, res, log = two_ranks
     where = out / "corrupt" / "truncated"
     assert f"{where}/checkpoint-12" not in log  # not even looked at
+    assert_resumed(log, res["corrupt"]["truncated_ran"], where / "checkpoint-5")
     assert res["corrupt"]["truncated_listing"] == [
         "checkpoint-10",
         "checkpoint-12",

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import launch
+from tests.conftest import ROOT, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -31,22 +32,26 @@ TINY = [
 ]  # fmt: skip
 
 
+RECIPE = yaml.safe_load((ROOT / "scripts" / "recipes" / "default.yaml").read_text())
+
+
 @dataclass(frozen=True)
 class Case:
     launcher: str  # deepspeed, torchrun, accelerate or python
     args: tuple[str, ...]  # what the user adds to scripts/train.py
-    stage: int  # the ZeRO stage ds_config.json must show
+    stage: int = RECIPE["zero_stage"]  # the ZeRO stage ds_config.json must show
     ranks: int = 2
     offload: tuple[str, str] = ("none", "none")  # (optimizer, param) devices in ds_config.json
     precision: str = "fp32"
     model: str = "llama"
-    micro_batch: int = 4  # the recipe's; a DeepSpeed config given with --deepspeed states its own
+    # The recipe's micro-batch, unless the arguments name a recipe or DeepSpeed config stating another.
+    micro_batch: int = RECIPE["per_device_train_batch_size"]
 
 
 # Cases whose arguments are a README/docs line's (tests/e2e/test_doc_commands.py checks that every
 # launch line in the docs is one of these) run exactly those arguments, with TINY appended.
 CASES = {
-    "deepspeed-default": Case("deepspeed", (), 2),
+    "deepspeed-default": Case("deepspeed", ()),
     "deepspeed-zero0": Case("deepspeed", ("--zero_stage", "0"), 0),
     "deepspeed-zero1-bf16": Case("deepspeed", ("--zero_stage", "1", "--bf16"), 1, precision="bf16"),
     "deepspeed-zero2-offload": Case(
@@ -81,7 +86,7 @@ CASES = {
     "torchrun-zero2-checkpointing-gpt2": Case(
         "torchrun", ("--config", "scripts/recipes/gpt2_pretrain.yaml"), 2, model="gpt2", micro_batch=8
     ),
-    "accelerate-zero2": Case("accelerate", ("--max_steps", "50"), 2),
+    "accelerate-zero2": Case("accelerate", ("--zero_stage", "2", "--max_steps", "50"), 2),
     "python-zero0": Case("python", ("--zero_stage", "0"), 0, ranks=1),
     "python-zero3": Case("python", ("--zero_stage", "3"), 3, ranks=1),
 }
@@ -106,7 +111,7 @@ def runs(tmp_path_factory):
         if name not in done:
             case, out = CASES[name], root / name
             proc = launch(
-                ["scripts/train.py", "--output_dir", str(out), *TINY, *case.args],
+                ["scripts/train.py", "--output_dir", str(out), *case.args, *TINY],
                 nproc=case.ranks,
                 launcher=case.launcher,
             )
@@ -130,6 +135,7 @@ def test_command_trains_and_exports_a_loadable_model(runs, name):
     rows = train_rows(run.out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert all(r["grad_norm"] > 0 for r in rows), rows  # reported on every stage, ZeRO-0 included
     ds = json.loads((run.out / "ds_config.json").read_text())
     zero = ds.get("zero_optimization", {})
     assert zero.get("stage", 0) == case.stage
@@ -166,7 +172,9 @@ def assert_same_run(got: Run, ref: Run, rtol: float) -> None:
 FP32_TWO_RANKS = [
     n
     for n, c in CASES.items()
-    if c.ranks == 2 and (c.precision, c.model, c.micro_batch) == ("fp32", "llama", 4) and n != REFERENCE
+    if c.ranks == 2
+    and (c.precision, c.model, c.micro_batch) == ("fp32", "llama", RECIPE["per_device_train_batch_size"])
+    and n != REFERENCE
 ]
 
 

@@ -94,3 +94,39 @@ def test_report_to_all_and_none_mean_what_is_supported():
     assert TrainingArguments(report_to=["tensorboard"]).report_to == ["tensorboard"]
     assert TrainingArguments(report_to="none").report_to == TrainingArguments(report_to=None).report_to == []
     assert parse_run_config(["--report_to", "all"]).training.report_to == ["tensorboard"]
+
+
+def test_a_deepspeed_config_flag_outranks_the_recipe(tmp_path):
+    """`--deepspeed zero3.json` on a ZeRO-2 recipe runs what the file says; flags still win."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("zero_stage: 2\nper_device_train_batch_size: 4\nmax_grad_norm: 0.5\nprecision: auto\n")
+    ds = tmp_path / "ds.json"
+    ds.write_text(
+        '{"train_micro_batch_size_per_gpu": 16, "gradient_clipping": "auto", "bf16": {"enabled": true},'
+        ' "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}'
+    )
+    args = parse_run_config(["--config", str(recipe), "--deepspeed", str(ds)]).training
+    assert (args.zero_stage, args.per_device_train_batch_size, args.offload_param) == (3, 16, "cpu")
+    assert args.bf16 and args.precision == "bf16"
+    assert args.max_grad_norm == 0.5  # "auto" in the file: the recipe's value stands
+    flagged = parse_run_config(
+        ["--config", str(recipe), "--deepspeed", str(ds), "--zero_stage", "1"]
+    ).training
+    assert flagged.zero_stage == 1  # a flag is kept, and resolve reports the contradiction
+
+
+def test_a_deepspeed_config_in_the_recipe_is_checked_against_it(tmp_path):
+    """Both in one recipe: the user wrote both, so a contradiction is an error naming both."""
+    from trainer.config import Hardware, resolve
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("zero_stage: 2\ndeepspeed: zero3\n")
+    args = parse_run_config(["--config", str(recipe)]).training
+    with pytest.raises(ConfigError, match="zero_optimization.stage: 3 contradicts zero_stage=2"):
+        resolve(args, world_size=1, hardware=Hardware.cpu())
+
+
+def test_training_arguments_in_code_take_unset_fields_from_the_deepspeed_config():
+    args = TrainingArguments(deepspeed="zero2_offload", per_device_train_batch_size=2)
+    assert (args.zero_stage, args.offload_optimizer, args.per_device_train_batch_size) == (2, "cpu", 2)
+    assert TrainingArguments(deepspeed={"zero_optimization": {"stage": "auto"}}).zero_stage == 0

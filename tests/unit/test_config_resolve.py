@@ -402,7 +402,11 @@ def test_explicit_values_contradicting_the_arguments_show_both():
         "gradient_clipping": 0.3,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95]}},
     }
-    assert problems(resolve, args(deepspeed=ds_json, max_steps=1), 2, CPU) == [
+    # Arguments set in code (or as flags) are kept and checked; unset ones would take the file's values.
+    given = args(
+        deepspeed=ds_json, max_steps=1, per_device_train_batch_size=8, max_grad_norm=1.0, learning_rate=5e-5
+    )
+    assert problems(resolve, given, 2, CPU) == [
         (
             "train_micro_batch_size_per_gpu",
             '4 contradicts per_device_train_batch_size=8 in the training arguments; remove the key, set it to "auto", or make them equal',
@@ -425,6 +429,14 @@ def test_explicit_values_contradicting_the_arguments_show_both():
             '[0.9, 0.95] contradicts adam_beta1, adam_beta2=[0.9, 0.999] in the training arguments; remove the key, set it to "auto", or make them equal',
         ),
     ]
+
+
+def test_unset_arguments_take_what_the_file_states():
+    ds_json = {"train_micro_batch_size_per_gpu": 4, "train_batch_size": 8, "gradient_clipping": 0.3}
+    ds_json["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
+    config = resolve(args(deepspeed=ds_json, max_steps=1), 2, CPU)
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_clipping"]) == (4, 0.3)
+    assert config["optimizer"]["params"]["lr"] == 1e-4
 
 
 def test_explicit_values_that_agree_are_fine_even_as_strings():

@@ -38,8 +38,15 @@ file as `deepspeed` in a recipe, or `--deepspeed path/to/ds.json` on the command
 - `"auto"` is replaced by the run's value (table below). An `"auto"` the run cannot determine is an
   error naming the key; plain DeepSpeed would silently use its default instead (`stage: "auto"`
   becomes stage 0).
-- An explicit value that contradicts the training arguments is an error showing both values,
-  e.g. `train_micro_batch_size_per_gpu: 4 contradicts per_device_train_batch_size=8 in the training
+- The file outranks defaults and the recipe: a training argument you did not set takes the value
+  the file states (`train_micro_batch_size_per_gpu` → `per_device_train_batch_size`,
+  `gradient_accumulation_steps`, `gradient_clipping` → `max_grad_norm`, the ZeRO stage and offload
+  devices, `pipeline.stages`, `optimizer.params.lr`/`weight_decay`, and `bf16`/`fp16` → precision).
+  So `--deepspeed ds_configs/zero3_fp32.json` on a ZeRO-2 recipe runs ZeRO-3 with the file's batch;
+  only a recipe that names the file itself is held to agree with it.
+- An explicit value that contradicts an argument you set (a flag, a field in code, or a field of
+  the recipe that names the file) is an error showing both values, e.g.
+  `train_micro_batch_size_per_gpu: 4 contradicts per_device_train_batch_size=8 in the training
   arguments`. Remove the key, set it to `"auto"`, or make the two agree.
 - Numbers written as strings (`"5e8"`) are read as numbers; ZeRO-3 knobs may be written with or
   without the `stage3_` prefix, but not both ways at once.
