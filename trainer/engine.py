@@ -122,6 +122,10 @@ class DeepSpeedDriver:
     def train(self, mode: bool = True) -> None:
         self.ds.train(mode)
 
+    def set_train_batch_size(self, total: int) -> None:
+        """A new global batch (another world size on resume): the accumulation steps absorb it."""
+        self.ds.set_train_batch_size(total)
+
     # ---- what a logging step reports -----------------------------------------------------------
 
     def learning_rate(self) -> float:
@@ -228,6 +232,11 @@ class Engine(DeepSpeedDriver):
             loss_sum += self.forward_backward(batch, tokens, i == len(window) - 1, poison=poison)
         self.step()
         return loss_sum, tokens
+
+    @torch.no_grad()
+    def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The logits of this rank's batch (a collective under ZeRO-3, like every forward)."""
+        return self.ds(**self.model_inputs(batch)[1]).logits
 
     @torch.no_grad()
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

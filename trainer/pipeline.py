@@ -382,6 +382,24 @@ class PipelineAdapter(DeepSpeedDriver):
         )
         return self.loss.result(self.device)
 
+    @torch.no_grad()
+    def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The logits of this rank's batch. The stages pool their batches, the last stage computes
+        the logits of all of them, and each stage takes its own back (collective in the pipeline)."""
+        pooled = self._pool([batch])
+        self._fit_shapes(pooled)
+        outputs = self.ds.eval_batch(
+            self._micro_batches(pooled),
+            compute_loss=False,
+            reduce_output=None,
+            bcast_loss=False,
+            num_micro_batches=len(pooled),
+        )
+        last = [o.float().cpu() for o in outputs] if self.ds.is_last_stage() else None
+        gathered: list[Any] = [None] * self.stages
+        dist.all_gather_object(gathered, last, group=self.ds.grid.get_pipe_parallel_group())
+        return gathered[-1][self.ds.stage_id].to(self.device)
+
     def _pool(self, batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """Every stage's micro-batches, in stage order, on every stage of this pipeline."""
         keep = ("input_ids", "position_ids", "labels")

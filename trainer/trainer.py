@@ -318,9 +318,8 @@ class Trainer:
         rows: list[tuple[int, np.ndarray, np.ndarray]] = []
         with torch.no_grad():
             for batch, indices in self._eval_batches(dataset, with_indices=True):
-                labels, inputs = self.engine.model_inputs(batch)
-                logits = self.engine.ds(**inputs).logits.float().cpu().numpy()
-                labels = labels.cpu().numpy()
+                logits = self.engine.logits(batch).float().cpu().numpy()
+                labels = batch["labels"].numpy()
                 rows += [(i, logits[j], labels[j]) for j, i in enumerate(indices) if i >= 0]
         self.engine.train(True)
         merged = sorted((r for part in all_gather_object(rows) for r in part), key=lambda r: r[0])
@@ -538,7 +537,7 @@ class Trainer:
             args.gradient_accumulation_steps = gas
             total = gas * args.per_device_train_batch_size * self.engine.world_size
             self.ds_config.update(gradient_accumulation_steps=gas, train_batch_size=total)
-            self.engine.ds.set_train_batch_size(total)
+            self.engine.set_train_batch_size(total)
             if self.dist.is_main:
                 (Path(args.output_dir) / "ds_config.json").write_text(
                     json.dumps(self.ds_config, indent=2, sort_keys=True)

@@ -129,6 +129,12 @@ def compare_runs(out: Path, scenario: str, config, dataset, runs: dict[str, dict
             "parts": None if pipe is None else [int(p) for p in pipe.parts],
         }
         save_weights(trainer, out / scenario / f"{name}.pt")
+        # predict() on every rank (the pipeline's stages each take their own rows' logits back).
+        pred = trainer.predict(dataset.select(range(6)))
+        torch.save(
+            {"logits": torch.from_numpy(pred.predictions), "labels": torch.from_numpy(pred.label_ids)},
+            out / scenario / f"{name}_pred_rank{dist_info().rank}.pt",
+        )
     return result
 
 

@@ -52,6 +52,19 @@ def test_two_stages_end_with_the_same_weights(results, run):
         torch.testing.assert_close(got[name], base[name], rtol=1e-4, atol=1e-5, msg=f"{run} {name}")
 
 
+@pytest.mark.parametrize("run", ["pipe", "pipe_ckpt", "pipe_zero1_uniform"])
+def test_predict_under_the_pipeline_matches_the_plain_engine(results, run):
+    """Trainer.predict through a 2-stage pipeline: every rank gets the logits and labels of the
+    whole set, in order, equal to the non-pipelined model's (their weights agree to 1e-4)."""
+    out, _ = results
+    base = torch.load(out / "llama" / "base_pred_rank0.pt", weights_only=True)
+    assert base["logits"].shape[0] == 6 and base["logits"].shape[-1] == 256
+    for rank in (0, 1):
+        got = torch.load(out / "llama" / f"{run}_pred_rank{rank}.pt", weights_only=True)
+        torch.testing.assert_close(got["labels"], base["labels"], rtol=0, atol=0)
+        torch.testing.assert_close(got["logits"], base["logits"], rtol=1e-3, atol=1e-3)
+
+
 def test_clipping_sees_the_whole_model(results):
     """ZeRO-1 reports the clipped norm: the same as a non-pipelined ZeRO-1 step would see, and
     above max_grad_norm, so the runs above agree with clipping at work."""
