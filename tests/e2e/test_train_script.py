@@ -59,8 +59,11 @@ def test_metrics_rows_have_the_contract_fields(default_run):
 def test_output_dir_holds_configs_and_checkpoints(default_run):
     out, _ = default_run
     ds = json.loads((out / "ds_config.json").read_text())
-    assert ds["train_micro_batch_size_per_gpu"] == 4
-    assert ds["train_batch_size"] == 8
+    micro = yaml.safe_load((ROOT / "scripts" / "recipes" / "default.yaml").read_text())[
+        "per_device_train_batch_size"
+    ]
+    assert ds["train_micro_batch_size_per_gpu"] == micro
+    assert ds["train_batch_size"] == 2 * micro  # 2 ranks, no accumulation
     assert "auto" not in json.dumps(ds)
     run = yaml.safe_load((out / "run_config.yaml").read_text())
     assert run["max_steps"] == 24 and run["dataset"] == "stdlib"
