@@ -257,12 +257,15 @@ class WindowLoss:
     def __init__(self) -> None:
         self.start(1.0)
 
-    def start(self, scale: float, poison: bool = False) -> None:
-        self.scale, self.poison = scale, poison
+    def start(self, scale: float, poison: bool = False, keep_logits: bool = False) -> None:
+        self.scale, self.poison, self.keep_logits = scale, poison, keep_logits
         self.total: torch.Tensor | None = None
         self.count: torch.Tensor | None = None
+        self.logits: list[torch.Tensor] = []  # each micro-batch's, on the host, when kept (predict)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.keep_logits:
+            self.logits.append(logits.detach().float().cpu())
         loss_sum = causal_lm_loss_sum(logits, labels)
         if self.poison:  # fault injection: a non-finite loss, as a diverging run would produce
             loss_sum = loss_sum * float("nan")
@@ -387,15 +390,16 @@ class PipelineAdapter(DeepSpeedDriver):
         """The logits of this rank's batch. The stages pool their batches, the last stage computes
         the logits of all of them, and each stage takes its own back (collective in the pipeline)."""
         pooled = self._pool([batch])
+        self.loss.start(1.0, keep_logits=True)  # the loss function sees each micro-batch's logits
         self._fit_shapes(pooled)
-        outputs = self.ds.eval_batch(
+        self.ds.eval_batch(
             self._micro_batches(pooled),
-            compute_loss=False,
+            compute_loss=True,
             reduce_output=None,
             bcast_loss=False,
             num_micro_batches=len(pooled),
         )
-        last = [o.float().cpu() for o in outputs] if self.ds.is_last_stage() else None
+        last = self.loss.logits if self.ds.is_last_stage() else None
         gathered: list[Any] = [None] * self.stages
         dist.all_gather_object(gathered, last, group=self.ds.grid.get_pipe_parallel_group())
         return gathered[-1][self.ds.stage_id].to(self.device)

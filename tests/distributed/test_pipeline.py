@@ -55,14 +55,18 @@ def test_two_stages_end_with_the_same_weights(results, run):
 @pytest.mark.parametrize("run", ["pipe", "pipe_ckpt", "pipe_zero1_uniform"])
 def test_predict_under_the_pipeline_matches_the_plain_engine(results, run):
     """Trainer.predict through a 2-stage pipeline: every rank gets the logits and labels of the
-    whole set, in order, equal to the non-pipelined model's (their weights agree to 1e-4)."""
+    whole set, in order, equal to the non-pipelined model's at every real token (their weights
+    agree to 1e-4)."""
     out, _ = results
     base = torch.load(out / "llama" / "base_pred_rank0.pt", weights_only=True)
     assert base["logits"].shape[0] == 6 and base["logits"].shape[-1] == 256
     for rank in (0, 1):
         got = torch.load(out / "llama" / f"{run}_pred_rank{rank}.pt", weights_only=True)
         torch.testing.assert_close(got["labels"], base["labels"], rtol=0, atol=0)
-        torch.testing.assert_close(got["logits"], base["logits"], rtol=1e-3, atol=1e-3)
+        # Padding positions differ (the pipeline sends no attention mask; they are never scored).
+        real = base["labels"] != -100
+        assert real.sum() > 100
+        torch.testing.assert_close(got["logits"][real], base["logits"][real], rtol=1e-3, atol=1e-3)
 
 
 def test_clipping_sees_the_whole_model(results):
@@ -149,3 +153,21 @@ def test_export_is_an_hf_model_with_the_trained_weights(results):
         torch.testing.assert_close(exported[name], value, rtol=0, atol=0, msg=name)
     # The exported model, loaded by transformers, scores the eval set as the pipeline did.
     assert abs(ckpt["export_eval_loss"] - ckpt["eval_full"][-1]) <= 1e-5 * ckpt["eval_full"][-1]
+
+
+def test_predict_returns_the_trained_models_logits_in_dataset_order(results):
+    """The plain engine's predict() against an HF forward of the exported weights, row by row."""
+    from transformers import LlamaForCausalLM
+
+    from tests.distributed.pipeline_driver import llama_config, padded_dataset
+
+    out, _ = results
+    model = LlamaForCausalLM(llama_config(tied=False)).eval()
+    model.load_state_dict(weights(out, "llama", "base"))
+    pred = torch.load(out / "llama" / "base_pred_rank1.pt", weights_only=True)
+    for i, row in enumerate(padded_dataset(36).select(range(6))["input_ids"]):
+        with torch.no_grad():
+            expected = model(torch.tensor([row])).logits[0]
+        torch.testing.assert_close(pred["logits"][i, : len(row)], expected, rtol=1e-4, atol=1e-4)
+        assert pred["labels"][i, : len(row)].tolist() == row
+        assert (pred["labels"][i, len(row) :] == -100).all()
