@@ -373,24 +373,23 @@ class PipelineAdapter(DeepSpeedDriver):
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, target count) of the pipeline's pooled batches on its last stage; zeros on
         the other stages, so a sum over all ranks counts every batch once."""
-        pooled = self._pool([batch])
-        self.loss.start(1.0)
-        self._fit_shapes(pooled)
-        self.ds.eval_batch(
-            self._micro_batches(pooled),
-            compute_loss=True,
-            reduce_output=None,
-            bcast_loss=False,
-            num_micro_batches=len(pooled),
-        )
+        self._forward(batch)
         return self.loss.result(self.device)
 
     @torch.no_grad()
     def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The logits of this rank's batch. The stages pool their batches, the last stage computes
         the logits of all of them, and each stage takes its own back (collective in the pipeline)."""
+        self._forward(batch, keep_logits=True)  # the loss function sees each micro-batch's logits
+        last = self.loss.logits if self.ds.is_last_stage() else None
+        gathered: list[Any] = [None] * self.stages
+        dist.all_gather_object(gathered, last, group=self.ds.grid.get_pipe_parallel_group())
+        return gathered[-1][self.ds.stage_id].to(self.device)
+
+    def _forward(self, batch: dict[str, torch.Tensor], keep_logits: bool = False) -> None:
+        """One evaluation forward of the pipeline's pooled batches; the loss function records them."""
         pooled = self._pool([batch])
-        self.loss.start(1.0, keep_logits=True)  # the loss function sees each micro-batch's logits
+        self.loss.start(1.0, keep_logits=keep_logits)
         self._fit_shapes(pooled)
         self.ds.eval_batch(
             self._micro_batches(pooled),
@@ -399,10 +398,6 @@ class PipelineAdapter(DeepSpeedDriver):
             bcast_loss=False,
             num_micro_batches=len(pooled),
         )
-        last = self.loss.logits if self.ds.is_last_stage() else None
-        gathered: list[Any] = [None] * self.stages
-        dist.all_gather_object(gathered, last, group=self.ds.grid.get_pipe_parallel_group())
-        return gathered[-1][self.ds.stage_id].to(self.device)
 
     def _pool(self, batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """Every stage's micro-batches, in stage order, on every stage of this pipeline."""
