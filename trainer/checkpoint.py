@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -37,8 +38,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
-from trainer.args import RunConfig, TrainingArguments, dump_run_config
+from trainer.args import DataArguments, ModelArguments, RunConfig, TrainingArguments, dump_run_config
 from trainer.callbacks import TrainerState
 from trainer.checkpoint_writer import FileWriter, file_entry
 from trainer.config.errors import ConfigError
@@ -89,6 +91,38 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None and is_complete(p)]
     return sorted(found, key=lambda p: step_of(p) or 0)
+
+
+# ---- what a resume continues -----------------------------------------------------------------
+
+# Data fields that change neither the model nor the training data: evaluation size and caching.
+_SAFE_DATA_FIELDS = {"max_eval_samples", "preprocessing_num_workers", "cache_dir"}
+
+
+def run_config_changes(checkpoint: Path, run: RunConfig) -> tuple[list[str], list[str]]:
+    """How ``run`` differs from the run that wrote ``checkpoint``: (fields of the model, tokenizer
+    or training data, which a resume must refuse; other fields, which it may take on).
+    Nothing is compared when the checkpoint holds no run config (written through the Trainer API)."""
+    saved_file = checkpoint / "run_config.yaml"
+    if not saved_file.is_file():
+        return [], []
+    saved, current = yaml.safe_load(saved_file.read_text()) or {}, run.to_flat()
+    changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+    guarded = (set(ModelArguments.model_fields) | set(DataArguments.model_fields)) - _SAFE_DATA_FIELDS
+    return [k for k in changed if k in guarded], [k for k in changed if k not in guarded]
+
+
+def steps_left(checkpoint: Path, args: TrainingArguments) -> int | None:
+    """Optimizer steps a resume from ``checkpoint`` would still train; None when only the data can
+    tell (an epoch-based run whose epoch count changed)."""
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    if args.max_steps > 0:
+        target = args.max_steps
+    elif state["num_train_epochs"] == math.ceil(args.num_train_epochs):
+        target = state["max_steps"]
+    else:
+        return None
+    return max(target - state["global_step"], 0)
 
 
 # ---- manifest ------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from trainer import checkpoint as ckpt
 from trainer.args import RunConfig, parse_run_config
 from trainer.config import resolve
 from trainer.config.errors import ConfigError
@@ -36,6 +37,8 @@ def run(run_config: RunConfig) -> int:
     # The process group exists before any model is built: zero.Init partitions over it, and a
     # single process must not fall back to DeepSpeed's MPI discovery.
     init_distributed(hardware)
+    if _nothing_to_resume(run_config):
+        return 0
 
     tokenizer = get_tokenizer(model_args, data_args)
     train_ds, eval_ds = build_datasets(data_args, tokenizer, seed=args.seed)
@@ -83,6 +86,45 @@ def _check_paths(run_config: RunConfig) -> None:
         and not Path(dataset).expanduser().exists()
     ):
         raise ConfigError([("dataset", f"{dataset}: no such file or directory")])
+
+
+def _nothing_to_resume(run_config: RunConfig) -> bool:
+    """Before anything loads: refuse to resume into another model or other data, and say so when
+    the checkpoint to resume already reached the end of the run (True: nothing to train; final/ is
+    left as it is). Checksums are verified here only for a checkpoint that would end the run;
+    otherwise the Trainer's resume verifies it, once."""
+    args = run_config.training
+    spec = args.resume_from_checkpoint
+    if spec in (None, False, ""):
+        return False
+    newest = (ckpt.complete_checkpoints(args.output_dir) or [None])[-1]
+    path = newest if spec in (True, "auto") else Path(spec)
+    if path is None or not ckpt.is_complete(path):
+        return False
+    refused, changed = ckpt.run_config_changes(path, run_config)
+    if refused:
+        raise ConfigError(
+            [
+                (
+                    ", ".join(refused),
+                    f"differ from the run that wrote {path}, so its weights and data position do not "
+                    "apply; use a new --output_dir, or --resume_from_checkpoint false to start over",
+                )
+            ]
+        )
+    if changed:
+        print_main(f"Resuming {path} with changed settings: {', '.join(changed)}")
+    if ckpt.steps_left(path, args) != 0:
+        return False
+    # Finished: only a checkpoint that verifies (or the one auto falls back to) decides that.
+    path = ckpt.find_resumable(spec, args.output_dir, dist_info())
+    if path is not None and ckpt.steps_left(path, args) == 0:
+        print_main(
+            f"{path} already reached the end of this run: nothing to train, and final/ is left as "
+            "it is. Raise --max_steps to train on."
+        )
+        return True
+    return False
 
 
 def _plot(output_dir: str) -> None:

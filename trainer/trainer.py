@@ -134,6 +134,9 @@ class Trainer:
             self._resume(
                 resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
             )
+        if self.state.global_step >= self.state.max_steps:  # a finished run, resumed: not one step more
+            print_main(f"Step {self.state.max_steps} was reached already: nothing to train.")
+            return self.state
         self.timer = StepTimer(
             self._flops_per_token(),
             self.hardware.name,

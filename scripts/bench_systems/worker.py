@@ -42,7 +42,18 @@ def main(argv: list[str]) -> int:
             gate.send({"error": traceback.format_exc()[-6000:]})
         raise
     gate.send({"result": result})
+    _leave_group()
     return 0
+
+
+def _leave_group() -> None:
+    """Ranks leave the process group together. A rank that tore gloo down while its peer was still
+    in it was seen to abort at exit (SIGABRT, "terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _import_all() -> None:

@@ -1,0 +1,71 @@
+"""Running ``scripts/train.py`` again into an output_dir that holds a run: a finished run trains
+nothing, a changed model or dataset is refused before anything loads, safe changes go on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import launch
+
+pytestmark = pytest.mark.distributed
+
+TINY = ["--max_steps", "4", "--logging_steps", "2", "--save_steps", "4", "--eval_steps", "4",
+        "--max_train_samples", "100", "--max_eval_samples", "8", "--block_size", "64",
+        "--model_config_overrides", '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}']  # fmt: skip
+
+
+def train(out: Path, *extra: str, check: bool = True):
+    proc = launch(
+        ["scripts/train.py", "--output_dir", str(out), *TINY, *extra], launcher="python", check=check
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def steps(out: Path) -> list[int]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("rerun") / "run"
+    train(out)
+    return out
+
+
+def test_rerunning_a_finished_run_trains_nothing_and_keeps_final(finished):
+    final = (finished / "final" / "model.safetensors").stat().st_mtime_ns
+    code, text = train(finished)
+    assert code == 0
+    assert f"{finished / 'checkpoint-4'} already reached the end of this run: nothing to train" in text
+    assert steps(finished) == [2, 4]
+    assert not (finished / "checkpoint-5").exists()
+    assert (finished / "final" / "model.safetensors").stat().st_mtime_ns == final
+
+
+def test_resuming_into_another_model_or_data_is_refused_before_loading(finished):
+    before = sorted(p.name for p in finished.iterdir())
+    code, text = train(
+        finished,
+        "--model_config_overrides", '{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}',
+        "--block_size", "32",
+        check=False,
+    )  # fmt: skip
+    assert code == 2, text
+    assert (
+        "error: block_size, model_config_overrides: differ from the run that wrote "
+        f"{finished / 'checkpoint-4'}" in text
+    )
+    assert "--resume_from_checkpoint false" in text and "Traceback" not in text
+    assert sorted(p.name for p in finished.iterdir()) == before
+
+
+def test_safe_changes_resume_and_are_named(finished):
+    code, text = train(finished, "--max_steps", "6", "--logging_steps", "1", "--max_eval_samples", "4")
+    assert code == 0
+    assert "with changed settings: logging_steps, max_eval_samples, max_steps" in text
+    assert f"Resumed from {finished / 'checkpoint-4'} at step 4." in text
+    assert steps(finished) == [2, 4, 5, 6]
