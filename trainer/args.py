@@ -18,12 +18,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.config.errors import ConfigError, unknown_key_message
+from trainer.config.files import STATED_ARGUMENTS, stated_arguments
 
 logger = logging.getLogger(__name__)
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Strategy = Literal["no", "steps", "epoch"]
+PRECISION_FIELDS = ("precision", "bf16", "fp16")
 # The metric sinks report_to can name. Rows always go to output_dir/metrics.jsonl as well.
 REPORT_TO = ("tensorboard",)
 
@@ -153,10 +155,12 @@ class TrainingArguments(_Args):
         ``--deepspeed my.json`` expect; a field that is set must agree with it (``resolve`` checks)."""
         if not isinstance(data, dict) or data.get("deepspeed") is None:
             return data
+        precision_set = any(k in data for k in PRECISION_FIELDS)
+        if precision_set and all(k in data for k in STATED_ARGUMENTS):
+            return data  # nothing left unset (an assignment validates every field): no file to read
         stated = _stated_arguments(data["deepspeed"])
-        if any(k in data for k in ("precision", "bf16", "fp16")):
-            for k in ("precision", "bf16", "fp16"):
-                stated.pop(k, None)
+        if precision_set:
+            stated = {k: v for k, v in stated.items() if k not in PRECISION_FIELDS}
         return {**stated, **data}
 
     @field_validator("eval_strategy", "save_strategy", mode="before")
@@ -394,8 +398,6 @@ def parse_run_config(argv: list[str]) -> RunConfig:
 
 def _stated_arguments(source: Any) -> dict[str, Any]:
     """What a DeepSpeed config states of the training arguments; precision also rules the flags."""
-    from trainer.config.resolution import stated_arguments  # late: trainer.config imports this module
-
     stated = stated_arguments(source) if isinstance(source, str | dict) else {}
     if "precision" in stated:
         stated.update(bf16=stated["precision"] == "bf16", fp16=stated["precision"] == "fp16")

@@ -84,19 +84,21 @@ class _ThroughWriter(CheckpointEngine):
 def report_grad_norm(ds: Any) -> None:
     """DeepSpeed's ZeRO and mixed-precision optimizers report the gradient norm; plain ZeRO-0 in
     fp32 does not (it clips, when asked, and drops the norm), so ``get_global_grad_norm()`` stays
-    None there. This measures it before every optimizer step, with the same all-stage, all-rank
-    reduction DeepSpeed clips with, so grad_norm is reported on every path, clipping or not."""
+    None there. On that path the clipping moves here: one pass of DeepSpeed's own ``clip_grad_norm_``
+    (same parameters, same all-stage, all-rank reduction) before every optimizer step measures the
+    norm and clips, so grad_norm is reported whether clipping is on or off."""
     if ds.zero_optimization() or ds.fp16_enabled() or ds.bfloat16_enabled():
         return
     take_step = ds._take_model_step
 
     def measured_step(*args: Any, **kwargs: Any) -> None:
-        # max_norm=inf measures without clipping; DeepSpeed still clips as configured.
-        norm = clip_grad_norm_(parameters=ds.module.parameters(), max_norm=float("inf"), mpu=ds.mpu)
+        max_norm = ds.gradient_clipping() or float("inf")  # inf: measure without clipping
+        norm = clip_grad_norm_(parameters=ds.module.parameters(), max_norm=max_norm, mpu=ds.mpu)
         take_step(*args, **kwargs)
         ds._global_grad_norm = norm
 
     ds._take_model_step = measured_step
+    ds.clip_fp32_gradients = lambda: None  # clipped above already; a second pass would only repeat it
 
 
 class DeepSpeedDriver:

@@ -319,11 +319,9 @@ class Trainer:
         self._ensure_engine(max(self.state.max_steps, 1))
         self.engine.train(False)
         rows: list[tuple[int, np.ndarray, np.ndarray]] = []
-        with torch.no_grad():
-            for batch, indices in self._eval_batches(dataset, with_indices=True):
-                logits = self.engine.logits(batch).float().cpu().numpy()
-                labels = batch["labels"].numpy()
-                rows += [(i, logits[j], labels[j]) for j, i in enumerate(indices) if i >= 0]
+        for batch, indices in self._eval_batches(dataset, with_indices=True):
+            logits = self.engine.logits(batch).float().cpu().numpy()  # no_grad inside the engine
+            rows += [(i, logits[j], batch["labels"][j].numpy()) for j, i in enumerate(indices) if i >= 0]
         self.engine.train(True)
         merged = sorted((r for part in all_gather_object(rows) for r in part), key=lambda r: r[0])
         return PredictionOutput(

@@ -111,8 +111,9 @@ def _count_autos(node: object) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from trainer.config.files import load_deepspeed_json
     from trainer.config.presets import dump_json
-    from trainer.config.resolution import load_deepspeed_json, resolve_json
+    from trainer.config.resolution import resolve_json
 
     data = load_deepspeed_json(args.file)
     run_config = None

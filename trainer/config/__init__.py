@@ -26,7 +26,7 @@ _LAZY = {
     "Hardware": "trainer.config.hardware",
     "resolve": "trainer.config.resolution",
     "generate": "trainer.config.resolution",
-    "load_deepspeed_json": "trainer.config.resolution",
+    "load_deepspeed_json": "trainer.config.files",
     "PRESETS": "trainer.config.presets",
     "PRECISIONS": "trainer.config.presets",
     "preset_config": "trainer.config.presets",
@@ -49,9 +49,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from trainer.config.errors import ConfigError
+    from trainer.config.files import load_deepspeed_json
     from trainer.config.hardware import Hardware
     from trainer.config.presets import PRECISIONS, PRESETS, preset_config, write_presets
-    from trainer.config.resolution import generate, load_deepspeed_json, resolve
+    from trainer.config.resolution import generate, resolve
     from trainer.config.schema import DSConfig, batch_problems, validate
 
 

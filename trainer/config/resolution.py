@@ -23,16 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.config.base import Problem, dedupe
 from trainer.config.errors import ConfigError
+from trainer.config.files import MISSING, get_path, is_auto, load_source
 from trainer.config.hardware import Hardware
 from trainer.config.optim import OPTIMIZER_PARAMS, ZERO_TESTED_OPTIMIZERS
-from trainer.config.presets import AIO_BLOCK, FP16_BLOCK, PRESETS, preset_base, zero_section
+from trainer.config.presets import AIO_BLOCK, FP16_BLOCK, PRESETS, zero_section
 from trainer.config.schema import validate
 from trainer.config.zero import STAGE3_KNOBS
 
 if TYPE_CHECKING:
     from trainer.args import RunConfig, TrainingArguments
-
-_MISSING: Any = object()
 
 # TrainingArguments.optim -> (optimizer type, extra params)
 _OPTIMIZERS = {
@@ -49,19 +48,6 @@ _SCHEDULERS = {
     "constant_with_warmup": "WarmupLR",
 }
 ARGS_NOTE = "in the training arguments"
-
-
-def is_auto(value: Any) -> bool:
-    return isinstance(value, str) and value.strip().lower() == "auto"
-
-
-def _get(data: dict[str, Any], path: str) -> Any:
-    node: Any = data
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
 
 
 def _set(data: dict[str, Any], path: str, value: Any) -> None:
@@ -116,28 +102,6 @@ def _overlaps(path: str, problems: list[Problem]) -> bool:
     return any(key == k or key.startswith(k + ".") for key in path.split(", ") for k in known)
 
 
-def load_deepspeed_json(path: str | Path) -> dict[str, Any]:
-    """Read a DeepSpeed JSON file; duplicate keys are an error, as they are in DeepSpeed."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError([("deepspeed", f"DeepSpeed config file not found: {path}")])
-
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        keys = [k for k, _ in pairs]
-        dupes = sorted({k for k in keys if keys.count(k) > 1})
-        if dupes:
-            raise ConfigError([(str(path), f"duplicate key {', '.join(dupes)}")])
-        return dict(pairs)
-
-    try:
-        data = json.loads(path.read_text(), object_pairs_hook=no_duplicates)
-    except json.JSONDecodeError as err:
-        raise ConfigError([(str(path), f"invalid JSON: {err}")]) from None
-    if not isinstance(data, dict):
-        raise ConfigError([(str(path), "a DeepSpeed config must be a JSON object")])
-    return data
-
-
 @dataclass
 class _Resolver:
     args: TrainingArguments
@@ -158,12 +122,12 @@ class _Resolver:
 
         ``want`` None means the run cannot tell; only an ``"auto"`` is then an error (``source`` says why).
         """
-        have = _get(self.data, path)
+        have = get_path(self.data, path)
         if want is None:
             if is_auto(have):
                 self.problems.append((path, f'"auto" cannot be resolved: {source}'))
             return
-        if have is _MISSING:
+        if have is MISSING:
             if fill and self.fill_missing:
                 _set(self.data, path, want)
             return
@@ -178,9 +142,9 @@ class _Resolver:
                 )
             )
 
-    def settle_arg(self, path: str, arg: str, want: Any = _MISSING) -> None:
+    def settle_arg(self, path: str, arg: str, want: Any = MISSING) -> None:
         """Settle a key that mirrors one training argument; only an explicitly set argument overrides the file."""
-        value = getattr(self.args, arg) if want is _MISSING else want
+        value = getattr(self.args, arg) if want is MISSING else want
         given = self.explicit(arg)
         self.settle(path, value, f"{arg}={_show(value)} {ARGS_NOTE}", fill=given, compare=given)
 
@@ -191,7 +155,7 @@ class _Resolver:
         pp = self.args.pipeline_parallel_size
         if pp > 1 or self.explicit("pipeline_parallel_size"):
             self.settle_arg("pipeline.stages", "pipeline_parallel_size")
-        stages = _get(self.data, "pipeline.stages")
+        stages = get_path(self.data, "pipeline.stages")
         stages = stages if _positive_int(stages) else pp
         # A world size the stages do not divide is reported by the schema's batch check.
         return self.world_size // stages if self.world_size % stages == 0 else 1
@@ -205,8 +169,8 @@ class _Resolver:
         self.settle("gradient_accumulation_steps", gas, f"gradient_accumulation_steps={gas} {note}")
         if not self.check:
             # Nothing is compared, so the file's own micro batch and accumulation size the total.
-            mbs = _positive_int(_get(self.data, "train_micro_batch_size_per_gpu")) or mbs
-            gas = _positive_int(_get(self.data, "gradient_accumulation_steps")) or gas
+            mbs = _positive_int(get_path(self.data, "train_micro_batch_size_per_gpu")) or mbs
+            gas = _positive_int(get_path(self.data, "gradient_accumulation_steps")) or gas
         self.settle(
             "train_batch_size",
             mbs * gas * dp,
@@ -217,7 +181,7 @@ class _Resolver:
 
     def precision(self) -> None:
         requested = self.args.requested_precision
-        flags = {p: _get(self.data, f"{p}.enabled") for p in ("fp16", "bf16")}
+        flags = {p: get_path(self.data, f"{p}.enabled") for p in ("fp16", "bf16")}
         on = [p for p, v in flags.items() if v is True]
         if requested == "auto":
             precision = (
@@ -232,7 +196,7 @@ class _Resolver:
         )
         for p in ("fp16", "bf16"):
             want = precision == p
-            if flags[p] is _MISSING:
+            if flags[p] is MISSING:
                 if not (want and self.fill_missing):
                     continue
                 if isinstance(self.data.get(p), dict):
@@ -253,14 +217,14 @@ class _Resolver:
         check_grad_overflow off. The step would be applied and the weights lost."""
         if getattr(self.args, "nonfinite_policy", None) != "skip":
             return
-        stage = _get(self.data, "zero_optimization.stage")
-        fp16, bf16 = (_get(self.data, f"{p}.enabled") is True for p in ("fp16", "bf16"))
-        if stage in (0, _MISSING) and not fp16 and not bf16:
+        stage = get_path(self.data, "zero_optimization.stage")
+        fp16, bf16 = (get_path(self.data, f"{p}.enabled") is True for p in ("fp16", "bf16"))
+        if stage in (0, MISSING) and not fp16 and not bf16:
             self.problems.append(
                 ("nonfinite_policy", "skip needs an optimizer that drops non-finite steps, and ZeRO-0 in fp32 "
                  "applies them; use rollback or stop, or ZeRO stage 1-3")
             )  # fmt: skip
-        elif bf16 and _get(self.data, "bf16.check_grad_overflow") is False:
+        elif bf16 and get_path(self.data, "bf16.check_grad_overflow") is False:
             self.problems.append(
                 ("bf16.check_grad_overflow", "false makes DeepSpeed apply non-finite steps, which "
                  "nonfinite_policy=skip relies on it to drop; set it true, or use rollback or stop")
@@ -271,19 +235,20 @@ class _Resolver:
         for block in ("offload_optimizer", "offload_param"):
             if (
                 getattr(self.args, block) != "none"
-                or _get(self.data, f"zero_optimization.{block}") is not _MISSING
+                or get_path(self.data, f"zero_optimization.{block}") is not MISSING
             ):
                 self.settle_arg(f"zero_optimization.{block}.device", block)
-            if _get(self.data, f"zero_optimization.{block}.device") == "nvme" and self.args.nvme_path:
+            if get_path(self.data, f"zero_optimization.{block}.device") == "nvme" and self.args.nvme_path:
                 self.settle_arg(f"zero_optimization.{block}.nvme_path", "nvme_path")
         if "nvme" in (
-            _get(self.data, f"zero_optimization.{b}.device") for b in ("offload_optimizer", "offload_param")
+            get_path(self.data, f"zero_optimization.{b}.device")
+            for b in ("offload_optimizer", "offload_param")
         ):
             self.data.setdefault("aio", dict(AIO_BLOCK))
         if (
             self.hardware is not None
             and self.hardware.device != "cuda"
-            and _get(self.data, "aio.use_gds") is True
+            and get_path(self.data, "aio.use_gds") is True
         ):
             self.problems.append(
                 ("aio.use_gds", f"GPUDirect Storage needs a CUDA GPU; this run is on {self.hardware.name}")
@@ -293,7 +258,7 @@ class _Resolver:
     def bucket_sizes(self) -> None:
         """ZeRO bucket sizes from the hidden size h: reduce h², prefetch 0.9·h², persistence 10·h."""
         h = self.hidden_size
-        stage3 = _get(self.data, "zero_optimization.stage") == 3
+        stage3 = get_path(self.data, "zero_optimization.stage") == 3
         sizes = {
             "reduce_bucket_size": h * h if h else None,
             "prefetch_bucket_size": int(0.9 * h * h) if h else None,
@@ -301,7 +266,7 @@ class _Resolver:
         }
         for key, want in sizes.items():
             names = [f"stage3_{key}", key] if key in STAGE3_KNOBS else [key]
-            present = [n for n in names if _get(self.data, f"zero_optimization.{n}") is not _MISSING]
+            present = [n for n in names if get_path(self.data, f"zero_optimization.{n}") is not MISSING]
             path = f"zero_optimization.{present[0] if present else names[0]}"
             reason = (
                 "needs the model's hidden size; pass hidden_size or set model_config_overrides.hidden_size"
@@ -311,21 +276,21 @@ class _Resolver:
 
     def optimizer(self) -> None:
         a = self.args
-        offload = _get(self.data, "zero_optimization.offload_optimizer.device") in ("cpu", "nvme")
+        offload = get_path(self.data, "zero_optimization.offload_optimizer.device") in ("cpu", "nvme")
         opt_type, extra = _OPTIMIZERS[a.optim]
         if offload:
             extra = {}  # CPU offload runs DeepSpeed's CPU Adam; torch_adam would bypass it
-        if _get(self.data, "optimizer") is _MISSING:
+        if get_path(self.data, "optimizer") is MISSING:
             self.data["optimizer"] = {"type": opt_type, "params": dict(extra)}
-            stage = _get(self.data, "zero_optimization.stage")
+            stage = get_path(self.data, "zero_optimization.stage")
             if isinstance(stage, int) and stage >= 1 and opt_type not in ZERO_TESTED_OPTIMIZERS:
                 self.data["zero_allow_untested_optimizer"] = True
-        have = _get(self.data, "optimizer.type")
+        have = get_path(self.data, "optimizer.type")
         # DeepSpeed runs both Adam and AdamW in AdamW mode unless adam_w_mode is false.
         same = {"adam", "adamw"} if opt_type == "Adam" else {opt_type.lower()}
         if is_auto(have) or (self.explicit("optim") and isinstance(have, str) and have.lower() not in same):
             self.settle_arg("optimizer.type", "optim", opt_type)
-        model = OPTIMIZER_PARAMS.get(str(_get(self.data, "optimizer.type")))
+        model = OPTIMIZER_PARAMS.get(str(get_path(self.data, "optimizer.type")))
         if model is None:
             return  # an unknown type: the schema names it
         wants = {
@@ -354,18 +319,18 @@ class _Resolver:
         lr = a.learning_rate
         total, warmup, why = self.steps()
         sched_type = _SCHEDULERS[a.lr_scheduler_type]
-        if _get(self.data, "scheduler") is _MISSING:
+        if get_path(self.data, "scheduler") is MISSING:
             self.data["scheduler"] = {
                 "type": sched_type,
                 "params": self._scheduler_params(sched_type, lr, total, warmup, why),
             }
             return
-        have = _get(self.data, "scheduler.type")
+        have = get_path(self.data, "scheduler.type")
         if is_auto(have) or (
             self.explicit("lr_scheduler_type") and isinstance(have, str) and have != sched_type
         ):
             self.settle_arg("scheduler.type", "lr_scheduler_type", sched_type)
-        kind = _get(self.data, "scheduler.type")
+        kind = get_path(self.data, "scheduler.type")
         warmup_steps = max(1, warmup) if warmup is not None else None
         warmup_src = f"warmup_steps={a.warmup_steps} / warmup_ratio={a.warmup_ratio} {ARGS_NOTE}"
         if kind in ("WarmupLR", "WarmupDecayLR"):
@@ -459,46 +424,7 @@ def _base(args: TrainingArguments) -> tuple[dict[str, Any], bool]:
             )
         }
         return data, False
-    return _load_source(args.deepspeed, args.nvme_path), True
-
-
-def _load_source(source: str | dict[str, Any], nvme_path: str | None = None) -> dict[str, Any]:
-    """A DeepSpeed config given as a dict, a preset name or a JSON path, as a fresh dict."""
-    if isinstance(source, dict):
-        return json.loads(json.dumps(source))  # a deep copy: the caller's dict is never changed
-    if source in PRESETS:
-        return preset_base(source, nvme_path)
-    return load_deepspeed_json(source)
-
-
-# Training arguments that a DeepSpeed config can state outright, and where it states them.
-STATED_ARGUMENTS = {
-    "per_device_train_batch_size": "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps": "gradient_accumulation_steps",
-    "max_grad_norm": "gradient_clipping",
-    "zero_stage": "zero_optimization.stage",
-    "offload_optimizer": "zero_optimization.offload_optimizer.device",
-    "offload_param": "zero_optimization.offload_param.device",
-    "pipeline_parallel_size": "pipeline.stages",
-    "learning_rate": "optimizer.params.lr",
-    "weight_decay": "optimizer.params.weight_decay",
-}
-
-
-def stated_arguments(source: str | dict[str, Any]) -> dict[str, Any]:
-    """The training arguments a DeepSpeed config states with a concrete value (not ``"auto"``):
-    a run takes them from the config wherever its own arguments leave them unset. Empty when the
-    config cannot be read (``resolve`` reports that, naming the file)."""
-    try:
-        data = _load_source(source)
-    except ConfigError:
-        return {}
-    stated = {arg: _get(data, path) for arg, path in STATED_ARGUMENTS.items()}
-    stated = {arg: value for arg, value in stated.items() if value is not _MISSING and not is_auto(value)}
-    on = [p for p in ("bf16", "fp16") if _get(data, f"{p}.enabled") is True]
-    if len(on) == 1:
-        stated["precision"] = on[0]
-    return stated
+    return load_source(args.deepspeed, args.nvme_path), True
 
 
 def resolve(
