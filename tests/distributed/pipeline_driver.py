@@ -16,7 +16,7 @@ import deepspeed
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from tests.distributed.driver import StepsRun
+from tests.distributed.driver import StepsRun, grad_norms
 from trainer import Trainer, TrainingArguments
 from trainer.args import ModelArguments
 from trainer.config import resolve
@@ -104,10 +104,6 @@ def train(out: Path, name: str, config, train_ds, eval_ds=None, **overrides) -> 
 
 def losses(trainer: Trainer) -> list[float]:
     return [row["loss"] for row in trainer.state.log_history if "loss" in row]
-
-
-def grad_norms(trainer: Trainer) -> list[float | None]:
-    return [row.get("grad_norm") for row in trainer.state.log_history if "loss" in row]
 
 
 def save_weights(trainer: Trainer, path: Path) -> None:
