@@ -8,7 +8,7 @@ the newest complete checkpoint in output_dir if there is one.
 import sys
 from pathlib import Path
 
-from trainer.run import main
+from trainer.cli.train import main
 
 DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "default.yaml"
 
@@ -18,4 +18,4 @@ if __name__ == "__main__":
         argv = ["--config", str(DEFAULT_RECIPE), *argv]
     if not any(a == "--resume_from_checkpoint" or a.startswith("--resume_from_checkpoint=") for a in argv):
         argv = [*argv, "--resume_from_checkpoint", "auto"]
-    sys.exit(main(argv))
+    sys.exit(main(argv, prog="scripts/train.py"))

@@ -419,6 +419,15 @@ class Saver:
 # ---- resume (collective) -------------------------------------------------------------------------
 
 
+def resume_candidate(spec: str | bool | None, output_dir: str | Path) -> Path | None:
+    """The checkpoint ``spec`` names (``auto``/True: the newest complete one), not yet verified:
+    what a run plans with before its process group verifies it in ``find_resumable``."""
+    if spec in (None, False, ""):
+        return None
+    path = (complete_checkpoints(output_dir) or [None])[-1] if spec in (True, "auto") else Path(spec)
+    return path if path is not None and is_complete(path) else None
+
+
 def find_resumable(spec: str | bool | None, output_dir: str | Path, dist: DistInfo) -> Path | None:
     """The checkpoint to resume from, verified on every rank before anything is loaded.
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,14 @@ from trainer.callbacks import (
     metric_key,
 )
 from trainer.config import resolve
-from trainer.data import MODEL_INPUTS, ResumableDistributedSampler, default_collator, model_columns, pad_stack
+from trainer.data import (
+    IGNORE_INDEX,
+    MODEL_INPUTS,
+    ResumableDistributedSampler,
+    default_collator,
+    model_columns,
+    pad_stack,
+)
 from trainer.distributed import (
     EXIT_NONFINITE,
     EXIT_PREEMPTED,
@@ -40,16 +48,15 @@ from trainer.distributed import (
     all_gather_object,
     all_reduce_sum,
     barrier,
-    crash_now,
     detect_hardware,
-    fault_due,
-    fault_plan,
     host_all_reduce,
     init_distributed,
     print_main,
     warn,
 )
-from trainer.engine import IGNORE_INDEX, Engine, count_targets
+from trainer.engine import Engine, build_engine
+from trainer.faults import fault_plan
+from trainer.modeling import enable_gradient_checkpointing
 from trainer.monitor import (
     StepTimer,
     flops_per_token_for_model,
@@ -57,6 +64,7 @@ from trainer.monitor import (
     non_padding_tokens,
     summary_table,
 )
+from trainer.steps import check_resolved, keep_global_batch, plan_steps
 
 
 @dataclass
@@ -71,8 +79,6 @@ class EvalPrediction(PredictionOutput):
 
 
 def set_seed(seed: int) -> None:
-    import random
-
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -94,7 +100,11 @@ class Trainer:
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
         run_config: RunConfig | None = None,
+        ds_config: dict[str, Any] | None = None,
     ):
+        """HF's arguments, plus ``run_config`` (saved with every checkpoint) and ``ds_config``: the
+        DeepSpeed config already resolved for this run (``trainer.launch.build_run`` passes it, having
+        built the model under it); without one the Trainer resolves it from ``args``."""
         if model is None:
             raise ValueError("Trainer: model is required")
         self.args = args or TrainingArguments()
@@ -113,10 +123,9 @@ class Trainer:
         default = [DefaultFlowCallback(), MetricsCallback(), ProgressCallback()]
         self.callback_handler = CallbackHandler(default + list(callbacks or []))
         self.engine: Engine | None = None
-        self.ds_config: dict[str, Any] | None = None
+        self.ds_config = ds_config
         self.saver: ckpt.Saver | None = None
-        self.faults = fault_plan()
-        self.watchdog = Watchdog(self.args.output_dir, self.args.hang_timeout_s, self.faults)
+        self.watchdog = Watchdog(self.args.output_dir, self.args.hang_timeout_s, fault_plan())
         self.preemption = PreemptionFlag()
 
     # ---- public API ----------------------------------------------------------------------------
@@ -129,11 +138,14 @@ class Trainer:
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainerState:
         args = self.args
-        sampler = self._prepare_training()
-        with self.watchdog.phase("load"):
-            self._resume(
-                resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
-            )
+        spec = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
+        # The checkpoint is found before the engine is built: its global batch is part of the config.
+        checkpoint = ckpt.find_resumable(spec, args.output_dir, self.dist)
+        sampler = self._prepare_training(checkpoint)
+        if checkpoint is not None:
+            with self.watchdog.phase("load"):
+                self._load_checkpoint(checkpoint)
+            print_main(f"Resumed from {checkpoint} at step {self.state.global_step}.")
         if self.state.global_step >= self.state.max_steps:  # a finished run, resumed: not one step more
             print_main(f"Step {self.state.max_steps} was reached already: nothing to train.")
             return self.state
@@ -144,57 +156,36 @@ class Trainer:
             args.peak_tflops,
             self.dist.world_size,
         )
-        self.control = self.callback_handler.fire("on_train_begin", args, self.state, self.control)
+        self._fire("on_train_begin")
         self.engine.train()
         self._reset_window_sums()
         # self.state is re-read every time: a rollback replaces it.
         while self.state.epoch_index < self.state.num_train_epochs and not self.control.should_training_stop:
             sampler.set_epoch(self.state.epoch_index, self.state.samples_into_epoch)
-            self.control = self.callback_handler.fire("on_epoch_begin", args, self.state, self.control)
+            self._fire("on_epoch_begin")
             if self._train_epoch(sampler):
                 self.state.epoch_index += 1
                 self.state.samples_into_epoch = 0
                 self.state.epoch = float(self.state.epoch_index)
-                self.control = self.callback_handler.fire("on_epoch_end", args, self.state, self.control)
+                self._fire("on_epoch_end")
                 self._maybe_evaluate_and_save()
         self._finish_save()
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             self._load_checkpoint(Path(self.state.best_model_checkpoint), weights_only=True)
-        self.control = self.callback_handler.fire("on_train_end", args, self.state, self.control)
+        self._fire("on_train_end")
         print_main(summary_table(self.state.log_history))
         return self.state
 
     def _train_epoch(self, sampler: ResumableDistributedSampler) -> bool:
         """Optimizer steps until the epoch ends (True) or the run stops or rolls back (False)."""
-        args, faults = self.args, self.faults
         for window in self._windows(sampler):
-            # One host-only vote per step carries both the window's target tokens and the
-            # preemption flag, so every rank stops after the same step.
-            # An asynchronous save in flight adds this rank's "my files are written" to the vote.
-            local = [float(sum(count_targets(b) for b in window)), 1.0 if self.preemption.received else 0.0]
-            if self.saver is not None and self.saver.pending:
-                local.append(float(self.saver.written()))
-            window_tokens, preempted, *written = host_all_reduce(local)
-            if written:
-                self._committed(self.saver.commit_if_written(written[0]))
-            if preempted:
-                self._save_and_exit_on_preemption()
-            self.control = self.callback_handler.fire("on_step_begin", args, self.state, self.control)
-            poison = faults.get("kind") == "nan" and self.state.global_step + 1 == faults.get("step")
-            if poison:
-                faults.pop("kind")  # once per process, or a rollback would replay it forever
-            window_loss, window_tokens = self.engine.train_window(
-                window, poison=poison, window_tokens=max(window_tokens, 1.0)
-            )
-            self._loss_sum += window_loss
-            self._token_sum += window_tokens
-            self._nonfinite |= ~torch.isfinite(window_loss)  # on device: read only at log/save time
-            self._advance(window)
-            if fault_due(faults, "crash", self.dist.rank, self.state.global_step):
-                crash_now()
-            self.control = self.callback_handler.fire("on_step_end", args, self.state, self.control)
+            window_tokens = self._vote(window)
+            self._fire("on_step_begin")
+            window_loss = self.engine.train_window(window, window_tokens)
+            self._accumulate(window, window_loss, window_tokens)
+            self._fire("on_step_end")
             if (self.control.should_log or self.control.should_save) and not self._guard_finite():
-                return False
+                return False  # rolled back: the epoch restarts from the checkpoint's position
             if self.control.should_log:
                 self._log_train()
             if self._maybe_evaluate_and_save():
@@ -202,6 +193,28 @@ class Trainer:
             if self.control.should_training_stop:
                 return False
         return True
+
+    def _vote(self, window: list[dict[str, torch.Tensor]]) -> float:
+        """One host-only all-reduce per step carries the window's target tokens, the preemption flag
+        and, while an asynchronous save is in flight, each rank's "my files are written", so every
+        rank stops, commits and divides the loss alike. Returns the window's tokens on all ranks."""
+        local = [self.engine.local_targets(window), 1.0 if self.preemption.received else 0.0]
+        if self.saver is not None and self.saver.pending:
+            local.append(float(self.saver.written()))
+        window_tokens, preempted, *written = host_all_reduce(local)
+        if written:
+            self._committed(self.saver.commit_if_written(written[0]))
+        if preempted:
+            self._save_and_exit_on_preemption()
+        return max(window_tokens, 1.0)
+
+    def _accumulate(self, window: list[dict[str, torch.Tensor]], loss: torch.Tensor, tokens: float) -> None:
+        """Add a step to the logging window's sums (on the device until a logging step reads them)
+        and advance the state's step, sample and epoch counters."""
+        self._loss_sum += loss
+        self._token_sum += tokens
+        self._nonfinite |= ~torch.isfinite(loss)
+        self._advance(window)
 
     def _advance(self, window: list[dict[str, torch.Tensor]]) -> None:
         samples = sum(len(b["input_ids"]) for b in window)
@@ -308,9 +321,7 @@ class Trainer:
             extra = self.compute_metrics(EvalPrediction(pred.predictions, pred.label_ids, {}))
             metrics.update({f"{metric_key_prefix}_{k}": v for k, v in extra.items()})
         self._log({**metrics, "step": self.state.global_step, "epoch": self.state.epoch})
-        self.control = self.callback_handler.fire(
-            "on_evaluate", self.args, self.state, self.control, metrics=metrics
-        )
+        self._fire("on_evaluate", metrics=metrics)
         return metrics
 
     def predict(self, test_dataset: Dataset) -> PredictionOutput:
@@ -340,62 +351,50 @@ class Trainer:
         barrier("save_model")
         return target
 
-    def _prepare_training(self) -> ResumableDistributedSampler:
-        """Seed, plan the run's length from the data, and build the engine."""
+    def _prepare_training(self, checkpoint: Path | None = None) -> ResumableDistributedSampler:
+        """Seed, keep a resumed checkpoint's global batch, plan the run's length from the data, and
+        build the engine."""
         args, state = self.args, self.state
         if self.train_dataset is None:
             raise ValueError("Trainer.train: train_dataset is required")
         set_seed(args.seed)
-        sampler = ResumableDistributedSampler(
+        if checkpoint is not None:
+            keep_global_batch(args, checkpoint, self.dist.world_size)
+        plan = plan_steps(args, len(self.train_dataset), self.dist.world_size)
+        state.steps_per_epoch, state.max_steps, state.num_train_epochs = plan
+        self._ensure_engine(state.max_steps)
+        return ResumableDistributedSampler(
             len(self.train_dataset), self.dist.world_size, self.dist.rank, seed=args.seed
         )
-        micro_per_epoch = math.ceil(len(sampler) / args.per_device_train_batch_size)
-        state.steps_per_epoch = math.ceil(micro_per_epoch / args.gradient_accumulation_steps)
-        epochs_steps = math.ceil(args.num_train_epochs * state.steps_per_epoch)
-        state.max_steps = args.max_steps if args.max_steps > 0 else epochs_steps
-        state.num_train_epochs = math.ceil(state.max_steps / state.steps_per_epoch)
-        self._ensure_engine(state.max_steps)
-        return sampler
 
     # ---- engine and data -----------------------------------------------------------------------
 
     def _ensure_engine(self, total_steps: int) -> None:
+        """Build the engine once, from the resolved DeepSpeed config (resolved here unless given)."""
         if self.engine is not None:
             return
-        self.ds_config = resolve(
-            self.args,
-            world_size=self.dist.world_size,
-            hardware=self.hardware,
-            hidden_size=_hidden_size(self.model),
-            total_steps=total_steps,
-            client_optimizer=self.client_optimizer is not None,
-            client_scheduler=self.client_scheduler is not None,
-        )
+        if self.ds_config is None:
+            self.ds_config = resolve(
+                self.args,
+                world_size=self.dist.world_size,
+                hardware=self.hardware,
+                hidden_size=_hidden_size(self.model),
+                total_steps=total_steps,
+                client_optimizer=self.client_optimizer is not None,
+                client_scheduler=self.client_scheduler is not None,
+            )
+        check_resolved(self.ds_config, self.args, self.dist.world_size)
         if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
-            from trainer.modeling import enable_gradient_checkpointing
-
             enable_gradient_checkpointing(self.model)
         with self.watchdog.phase("init"):
-            if self.args.pipeline_parallel_size > 1:
-                from trainer.pipeline import PipelineAdapter
-
-                self.engine = PipelineAdapter(
-                    self.model,
-                    self.ds_config,
-                    optimizer=self.client_optimizer,
-                    lr_scheduler=self.client_scheduler,
-                    weight_decay=self.args.weight_decay,
-                    gradient_checkpointing=self.args.gradient_checkpointing,
-                )
-                self.ds_config = self.engine.ds_config  # each pipeline pools its stages' micro-batches
-            else:
-                self.engine = Engine(
-                    self.model,
-                    self.ds_config,
-                    optimizer=self.client_optimizer,
-                    lr_scheduler=self.client_scheduler,
-                    weight_decay=self.args.weight_decay,
-                )
+            self.engine = build_engine(
+                self.model,
+                self.ds_config,
+                optimizer=self.client_optimizer,
+                lr_scheduler=self.client_scheduler,
+                weight_decay=self.args.weight_decay,
+                gradient_checkpointing=self.args.gradient_checkpointing,
+            )
         if self.dist.is_main:
             out = Path(self.args.output_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -444,9 +443,15 @@ class Trainer:
 
     # ---- logging, evaluation, saving -----------------------------------------------------------
 
+    def _fire(self, event: str, **kwargs: Any) -> None:
+        """Run ``event`` on every callback; like HF's, they also get the model (and our engine)."""
+        self.control = self.callback_handler.fire(
+            event, self.args, self.state, self.control, model=self.model, engine=self.engine, **kwargs
+        )
+
     def _log(self, logs: dict[str, Any]) -> None:
         self.state.log_history.append(logs)
-        self.control = self.callback_handler.fire("on_log", self.args, self.state, self.control, logs=logs)
+        self._fire("on_log", logs=logs)
 
     def _log_train(self) -> None:
         # The one host-device sync of a logging window; the token count is already global.
@@ -496,9 +501,8 @@ class Trainer:
             self.saver = ckpt.Saver(
                 self.args, self.dist, self.ds_config, self.run_config, config, self.processing_class
             )
-        midway = fault_due(self.faults, "crash", self.dist.rank, self.state.global_step, phase="save")
         self._saved_step = self.state.global_step
-        self._committed(self.saver.save(self.engine, self.state, on_written=crash_now if midway else None))
+        self._committed(self.saver.save(self.engine, self.state))
 
     def _finish_save(self) -> None:
         """Commit a pending asynchronous save (collective); a no-op when none is pending."""
@@ -508,9 +512,7 @@ class Trainer:
 
     def _committed(self, checkpoint: Path | None) -> None:
         if checkpoint is not None:
-            self.control = self.callback_handler.fire(
-                "on_save", self.args, self.state, self.control, checkpoint=str(checkpoint)
-            )
+            self._fire("on_save", checkpoint=str(checkpoint))
 
     def _update_best(self, final: Path) -> None:
         key = metric_key(self.args)
@@ -522,37 +524,6 @@ class Trainer:
         if best is None or sign * (latest - best) > 0:
             self.state.best_metric = latest
             self.state.best_model_checkpoint = str(final)
-
-    def _resume(self, spec: str | bool | None) -> None:
-        path = ckpt.find_resumable(spec, self.args.output_dir, self.dist)
-        if path is None:
-            return
-        args = self.args
-        gas = ckpt.accumulation_for(path, self.engine.world_size, args.per_device_train_batch_size)
-        if gas is not None and gas != args.gradient_accumulation_steps:
-            # Another number of ranks: the global batch (and so the run's trajectory) stays the
-            # checkpoint's; the accumulation steps absorb the change.
-            print_main(
-                f"{path.name}: gradient_accumulation_steps {args.gradient_accumulation_steps} -> {gas}"
-            )
-            args.gradient_accumulation_steps = gas
-            total = gas * args.per_device_train_batch_size * self.engine.world_size
-            self.ds_config.update(gradient_accumulation_steps=gas, train_batch_size=total)
-            self.engine.set_train_batch_size(total)
-            if self.dist.is_main:
-                (Path(args.output_dir) / "ds_config.json").write_text(
-                    json.dumps(self.ds_config, indent=2, sort_keys=True)
-                )
-            planned = self.state.max_steps
-            self._prepare_training()  # re-plans steps per epoch; the engine is kept as it is
-            if self.state.max_steps != planned:
-                # An epoch-based run: its LR schedule was sized for the steps planned before this.
-                warn(
-                    f"the LR schedule was sized for {planned} steps, the run now has {self.state.max_steps}; "
-                    f"set max_steps, or pass --gradient_accumulation_steps {gas} on this world size"
-                )
-        self._load_checkpoint(path)
-        print_main(f"Resumed from {path} at step {self.state.global_step}.")
 
     def _load_checkpoint(self, path: Path, weights_only: bool = False) -> None:
         saved = ckpt.load(self.engine, path, self.dist, restore_rng=not weights_only)

@@ -6,20 +6,18 @@ makes the split across stages a pure re-arrangement of the same computation.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from trainer.engine import causal_lm_loss_sum
-from trainer.pipeline import (
-    PipelineAdapter,
-    WindowLoss,
-    assemble_hf_state_dict,
-    pipeline_layers,
-    pooled_config,
-    stage_state_dict,
-)
+from trainer.args import TrainingArguments
+from trainer.config import Hardware, resolve
+from trainer.engine import PipelineEngine, causal_lm_loss_sum
+from trainer.engine.pipeline_engine import WindowLoss
+from trainer.engine.pipeline_layers import assemble_hf_state_dict, pipeline_layers, stage_state_dict
 
 VOCAB = 96
 PACKED = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]])
@@ -127,19 +125,24 @@ def test_unsupported_architecture_is_refused_by_name():
         pipeline_layers(model)
 
 
-def test_pooled_config_multiplies_accumulation_and_batch():
-    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-              "pipeline": {"stages": 2, "activation_checkpoint_interval": 1}}  # fmt: skip
-    pooled = pooled_config(config, 2)
+def test_resolved_pipeline_config_pools_accumulation_and_batch_over_the_stages():
+    args = TrainingArguments(
+        pipeline_parallel_size=2, per_device_train_batch_size=2, gradient_accumulation_steps=2
+    )
+    pooled = resolve(args, world_size=4, hardware=Hardware.cpu(), total_steps=1)
+    # 2 data-parallel pipelines × micro 2 × accumulation 2 per rank, × 2 stages pooling theirs
     assert pooled["gradient_accumulation_steps"] == 4 and pooled["train_batch_size"] == 16
-    assert pooled["pipeline"] == {"stages": 2, "activation_checkpoint_interval": 1}
-    assert config["gradient_accumulation_steps"] == 2  # the input is left alone
+    assert pooled["pipeline"]["stages"] == 2
+    plain = resolve(
+        args.model_copy(update={"pipeline_parallel_size": 1}), world_size=4, hardware=Hardware.cpu()
+    )
+    assert plain["gradient_accumulation_steps"] == 2 and plain["train_batch_size"] == 16
 
 
 def test_window_loss_scales_for_deepspeed_and_keeps_the_plain_sum():
     logits = torch.randn(2, 5, VOCAB, generator=torch.Generator().manual_seed(0))
     labels = torch.tensor([[1, 2, 3, -100, -100], [4, 5, 6, 7, 8]])
-    loss = WindowLoss()
+    loss = WindowLoss(SimpleNamespace(loss_fn=causal_lm_loss_sum))
     loss.start(scale=0.25)
     out1, out2 = loss(logits, labels), loss(logits[:1], labels[:1])
     plain = causal_lm_loss_sum(logits, labels)
@@ -149,11 +152,11 @@ def test_window_loss_scales_for_deepspeed_and_keeps_the_plain_sum():
     assert count.item() == 6 + 2 and out2.requires_grad is False
 
 
-def test_adapter_refuses_a_client_optimizer_and_a_single_stage():
+def test_pipeline_engine_refuses_a_client_optimizer_and_a_single_stage():
     model = llama(False)
     config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "pipeline": {"stages": 2}}  # fmt: skip
     with pytest.raises(ValueError, match="pass optimizer settings .* instead of a client optimizer"):
-        PipelineAdapter(model, config, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        PipelineEngine(model, config, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="pipeline.stages must be at least 2 for a pipeline, got 1"):
-        PipelineAdapter(model, {**config, "pipeline": {"stages": 1}})
+        PipelineEngine(model, {**config, "pipeline": {"stages": 1}})

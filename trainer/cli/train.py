@@ -1,15 +1,142 @@
-"""``trainer train [--config R.yaml] [--field value ...]``: the same as scripts/train.py.
+"""``trainer train [--config R.yaml] [--field value ...]``, and what ``scripts/train.py`` runs: one
+training job from a ``RunConfig``, then its evaluation, export and a sample from the export.
 
-Its flags are the run schema's fields, so its argv goes to ``trainer.run.main`` untouched (which also
+Order matters for the error contract: arguments are validated and the DeepSpeed config's rules are
+checked (batch arithmetic, precision against the hardware) before any data is tokenised or model
+built. Its flags are the run schema's fields, so the dispatcher hands argv over untouched (``main``
 answers ``--help`` from the schema); argparse would stop at the first ``--field`` it does not know.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+from trainer import checkpoint as ckpt
+from trainer.args import HELP_FLAGS, RunConfig, parse_run_config, run_help
+from trainer.config import check
+from trainer.config.errors import ConfigError
+from trainer.distributed import configure_logging, detect_hardware, dist_info, init_distributed, print_main
+from trainer.faults import FaultInjection, fault_plan
+from trainer.launch import build_run
+from trainer.plots import plot_runs
+
 RAW_ARGV = True
 
+EXIT_BAD_INPUT = 2
 
-def main(argv: list[str]) -> int:
-    from trainer.run import main as run_main
 
-    return run_main(argv, prog="trainer train")
+def run(run_config: RunConfig) -> int:
+    args = run_config.training
+    hardware = detect_hardware()
+    # Fails fast on impossible batch sizes, fp16 on CPU, bad DeepSpeed JSON: nothing is loaded yet.
+    check(args, dist_info().world_size, hardware)
+    _check_paths(run_config)
+    init_distributed(hardware)
+    if _nothing_to_resume(run_config):
+        return 0
+    callbacks = [FaultInjection(plan)] if (plan := fault_plan()) else None
+    trainer = build_run(run_config, callbacks=callbacks)
+    state = trainer.train()
+    eval_ds = trainer.eval_dataset
+    evals = [row for row in state.log_history if "eval_loss" in row]
+    if eval_ds is not None and len(eval_ds) and not (evals and evals[-1]["step"] == state.global_step):
+        evals.append(trainer.evaluate())
+    if evals:
+        print_main(f"eval_loss {evals[-1]['eval_loss']:.4f}  perplexity {evals[-1]['eval_perplexity']:.2f}")
+    final = trainer.save_model(str(Path(args.output_dir) / "final"))
+    if dist_info().is_main:
+        plot_runs([args.output_dir])
+        print_main(f"Exported the model to {final}")
+        print_main(_sample(final, torch.device("cpu")))
+    return 0
+
+
+def _check_paths(run_config: RunConfig) -> None:
+    model_path = run_config.model.model_name_or_path
+    is_local = model_path and (model_path.startswith((".", "/")) or Path(model_path).exists())
+    if is_local and not (Path(model_path) / "config.json").is_file():
+        raise ConfigError([("model_name_or_path", f"{model_path}: no config.json there")])
+    dataset = run_config.data.dataset
+    if (
+        dataset != "stdlib"
+        and dataset.startswith((".", "/", "~"))
+        and not Path(dataset).expanduser().exists()
+    ):
+        raise ConfigError([("dataset", f"{dataset}: no such file or directory")])
+
+
+def _nothing_to_resume(run_config: RunConfig) -> bool:
+    """Before anything loads: refuse to resume into another model or other data, and say so when
+    the checkpoint to resume already reached the end of the run (True: nothing to train; final/ is
+    left as it is). Checksums are verified here only for a checkpoint that would end the run;
+    otherwise the Trainer's resume verifies it, once."""
+    args = run_config.training
+    spec = args.resume_from_checkpoint
+    if spec in (None, False, ""):
+        return False
+    newest = (ckpt.complete_checkpoints(args.output_dir) or [None])[-1]
+    path = newest if spec in (True, "auto") else Path(spec)
+    if path is None or not ckpt.is_complete(path):
+        return False
+    refused, changed = ckpt.run_config_changes(path, run_config)
+    if refused:
+        raise ConfigError(
+            [
+                (
+                    ", ".join(refused),
+                    f"differ from the run that wrote {path}, so its weights and data position do not "
+                    "apply; use a new --output_dir, or --resume_from_checkpoint false to start over",
+                )
+            ]
+        )
+    if changed:
+        print_main(f"Resuming {path} with changed settings: {', '.join(changed)}")
+    if ckpt.steps_left(path, args) != 0:
+        return False
+    # Finished: only a checkpoint that verifies (or the one auto falls back to) decides that.
+    path = ckpt.find_resumable(spec, args.output_dir, dist_info())
+    if path is not None and ckpt.steps_left(path, args) == 0:
+        print_main(
+            f"{path} already reached the end of this run: nothing to train, and final/ is left as "
+            "it is. Raise --max_steps to train on."
+        )
+        return True
+    return False
+
+
+def _sample(model_dir: Path, device, prompt: str = "class Parser:\n    def __init__(self") -> str:
+    """A short greedy completion from the exported model: proof that the export loads and works."""
+    # Only rank 0 samples: under ZeRO-3 the export must load whole, not inside zero.Init.
+    unset_hf_deepspeed_config()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(device)
+    out = model.generate(
+        **inputs,
+        max_new_tokens=48,
+        do_sample=False,
+        repetition_penalty=1.3,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return "Sample completion:\n" + tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None, prog: str = "trainer train") -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    configure_logging()
+    if any(a in HELP_FLAGS for a in argv):
+        if dist_info().is_main:
+            print(run_help(prog))
+        return 0
+    try:
+        return run(parse_run_config(argv))
+    except ConfigError as err:
+        # Every rank sees the same bad input; one message is enough.
+        if dist_info().is_main:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT

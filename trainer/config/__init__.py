@@ -25,6 +25,7 @@ _LAZY = {
     "batch_problems": "trainer.config.schema",
     "Hardware": "trainer.config.hardware",
     "resolve": "trainer.config.resolution",
+    "check": "trainer.config.resolution",
     "generate": "trainer.config.resolution",
     "load_deepspeed_json": "trainer.config.files",
     "PRESETS": "trainer.config.presets",
@@ -39,6 +40,7 @@ __all__ = [
     "DSConfig",
     "Hardware",
     "batch_problems",
+    "check",
     "generate",
     "load_deepspeed_json",
     "preset_config",
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
     from trainer.config.files import load_deepspeed_json
     from trainer.config.hardware import Hardware
     from trainer.config.presets import PRECISIONS, PRESETS, preset_config, write_presets
-    from trainer.config.resolution import generate, resolve
+    from trainer.config.resolution import check, generate, resolve
     from trainer.config.schema import DSConfig, batch_problems, validate
 
 

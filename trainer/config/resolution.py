@@ -437,7 +437,8 @@ def resolve(
     client_optimizer: bool = False,
     client_scheduler: bool = False,
 ) -> dict[str, Any]:
-    """The concrete DeepSpeed dict for a run: no ``"auto"`` left, every rule checked.
+    """The concrete DeepSpeed dict for a run: no ``"auto"`` left, every rule checked, and the batch
+    keys of a pipeline pooled over its stages (what the engine runs and ``ds_config.json`` records).
 
     ``run`` is a RunConfig or just its TrainingArguments. ``world_size`` counts all ranks;
     the batch keys use the data-parallel part of it. ``hidden_size`` (default: the model's
@@ -455,7 +456,26 @@ def resolve(
         )
     data, check = _base(args)
     r = _Resolver(args, world_size, hardware, hidden_size, total_steps, check=check, data=data)
-    return _run(r, client_optimizer, client_scheduler)
+    return _pool_stages(_run(r, client_optimizer, client_scheduler))
+
+
+def check(run: RunConfig | TrainingArguments, world_size: int, hardware: Hardware) -> None:
+    """Every rule ``resolve`` applies, before anything is loaded (ConfigError otherwise). An
+    epoch-based run's length is known only once its data is; until then any count past the warmup
+    stands in for it."""
+    args = run.training if hasattr(run, "training") else run
+    steps = args.max_steps if args.max_steps > 0 else args.warmup_steps + 1
+    resolve(run, world_size, hardware, total_steps=steps)
+
+
+def _pool_stages(config: dict[str, Any]) -> dict[str, Any]:
+    """What a pipeline runs: each pipeline's stages pool their micro-batches, so its accumulation
+    steps and train batch are ``stages`` times the per-rank ones the run's arguments give."""
+    stages = int((config.get("pipeline") or {}).get("stages") or 1)
+    if stages > 1:
+        config["gradient_accumulation_steps"] *= stages
+        config["train_batch_size"] *= stages
+    return config
 
 
 def _run(

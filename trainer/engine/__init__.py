@@ -1,0 +1,49 @@
+"""Engines: how the Trainer's steps are carried out by DeepSpeed.
+
+``Engine`` is the contract (``core``); ``DeepSpeedEngine`` drives ZeRO 0-3 and ``PipelineEngine``
+pipeline stages; ``build_engine`` picks one for a resolved DeepSpeed config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainer.engine.core import Batch, Engine, LossFn, weight_decay_groups
+from trainer.engine.deepspeed_engine import DeepSpeedEngine
+from trainer.engine.loss import causal_lm_loss_sum, count_targets
+from trainer.engine.pipeline_engine import PipelineEngine
+
+__all__ = [
+    "Batch",
+    "DeepSpeedEngine",
+    "Engine",
+    "LossFn",
+    "PipelineEngine",
+    "build_engine",
+    "causal_lm_loss_sum",
+    "count_targets",
+    "weight_decay_groups",
+]
+
+
+def build_engine(
+    model: torch.nn.Module,
+    ds_config: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: Any = None,
+    weight_decay: float = 0.0,
+    gradient_checkpointing: bool = False,
+) -> Engine:
+    """The engine for ``ds_config``: a pipeline when it has two or more stages."""
+    if int((ds_config.get("pipeline") or {}).get("stages") or 1) > 1:
+        return PipelineEngine(
+            model,
+            ds_config,
+            optimizer,
+            lr_scheduler,
+            weight_decay,
+            gradient_checkpointing=gradient_checkpointing,
+        )
+    return DeepSpeedEngine(model, ds_config, optimizer, lr_scheduler, weight_decay)

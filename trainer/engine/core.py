@@ -1,0 +1,199 @@
+"""The engine contract the Trainer talks to, and what every DeepSpeed-driven engine shares.
+
+The Trainer owns *when* things happen; an engine owns *how* DeepSpeed is driven: one optimizer step
+over an accumulation window, evaluation forwards, the numbers a logging step reports, and saving
+and loading DeepSpeed's shards. ``DeepSpeedEngine`` (ZeRO 0-3) and ``PipelineEngine`` (pipeline
+stages) implement the four abstract methods; everything else here is written once for both.
+
+The loss of a window is the sum of per-token losses divided by the number of target tokens in the
+whole window on all ranks (see ``trainer.engine.loss``). ``loss_fn`` is that per-batch summed loss:
+an engine attribute, so another loss (or a test's fault injection) plugs in without a subclass.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+from deepspeed.runtime.utils import clip_grad_norm_
+
+from trainer.checkpoint_writer import FileWriter
+from trainer.engine.loss import causal_lm_loss_sum, count_targets
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two parameter groups: decay for matrices, none for biases, norms and other 1-d tensors."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 partitions keep the real shape here
+        (no_decay if len(shape) < 2 or name.endswith(".bias") else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+class _ThroughWriter(CheckpointEngine):
+    """DeepSpeed's checkpoint-engine interface over our FileWriter, used for the length of a save."""
+
+    def __init__(self, writer: FileWriter, zipfile: bool):
+        super().__init__()
+        self.writer, self.zipfile = writer, zipfile
+
+    def create(self, info: Any) -> None:
+        pass
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.writer.save(state_dict, path, zipfile=self.zipfile)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info: Any) -> bool:
+        return True  # ours is the checkpoint-level commit, after every rank's writer is done
+
+    def preserves_storage_sharing(self) -> bool:
+        # An asynchronous writer copies tensor by tensor anyway, so DeepSpeed need not clone first.
+        return not self.writer.asynchronous
+
+
+def report_grad_norm(ds: Any) -> None:
+    """DeepSpeed's ZeRO and mixed-precision optimizers report the gradient norm; plain ZeRO-0 in
+    fp32 does not (it clips, when asked, and drops the norm), so ``get_global_grad_norm()`` stays
+    None there. On that path the clipping moves here: one pass of DeepSpeed's own ``clip_grad_norm_``
+    (same parameters, same all-stage, all-rank reduction) before every optimizer step measures the
+    norm and clips, so grad_norm is reported whether clipping is on or off."""
+    if ds.zero_optimization() or ds.fp16_enabled() or ds.bfloat16_enabled():
+        return
+    take_step = ds._take_model_step
+
+    def measured_step(*args: Any, **kwargs: Any) -> None:
+        max_norm = ds.gradient_clipping() or float("inf")  # inf: measure without clipping
+        norm = clip_grad_norm_(parameters=ds.module.parameters(), max_norm=max_norm, mpu=ds.mpu)
+        take_step(*args, **kwargs)
+        ds._global_grad_norm = norm
+
+    ds._take_model_step = measured_step
+    ds.clip_fp32_gradients = lambda: None  # clipped above already; a second pass would only repeat it
+
+
+class Engine(ABC):
+    """One DeepSpeed engine behind the interface the Trainer uses.
+
+    ``ds`` is DeepSpeed's engine, which only engines touch; ``module`` the HF model (what the
+    export is written from); ``world_size`` the data-parallel size; ``lr_scale`` a rollback's
+    learning-rate cut, applied after the scheduler sets each step's rate."""
+
+    ds: Any
+    module: torch.nn.Module
+    loss_fn: LossFn = staticmethod(causal_lm_loss_sum)
+
+    def _initialize(self, model: torch.nn.Module, config: dict[str, Any], **kwargs: Any) -> None:
+        self.ds, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
+            model=model, config=config, **kwargs
+        )
+        report_grad_norm(self.ds)
+        self.device: torch.device = self.ds.device
+        self.world_size: int = self.ds.dp_world_size
+        self.lr_scale = 1.0
+
+    # ---- what each engine does its own way ------------------------------------------------------
+
+    @abstractmethod
+    def train_window(self, window: list[Batch], window_tokens: float) -> torch.Tensor:
+        """Forward/backward every micro-batch of one accumulation window, then one optimizer step.
+        ``window_tokens``: the window's target tokens on all ranks. Returns this rank's summed
+        loss, on the device."""
+
+    @abstractmethod
+    def eval_loss_sum(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, target count) of one batch, both on the device; a sum over ranks counts
+        every batch once."""
+
+    @abstractmethod
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """The logits of this rank's batch (a collective, like every forward under ZeRO-3 or a pipeline)."""
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole HF model's weights on rank 0 (collective); None on other ranks."""
+
+    # ---- shared ---------------------------------------------------------------------------------
+
+    def local_targets(self, window: list[Batch]) -> float:
+        """Target tokens of this rank's window, counted on the host from the CPU batches, so the
+        count can ride the Trainer's host-only vote and never waits on the device stream."""
+        return float(sum(count_targets(b) for b in window))
+
+    def model_inputs(self, batch: Batch) -> tuple[torch.Tensor, Batch]:
+        """(labels, model inputs) on the device. Packed rows carry position_ids that restart at each
+        document: then the attention mask is left out, so HF models build a block-diagonal mask from
+        the positions and documents do not attend to each other. Right padding needs no mask in a
+        causal model (no real token looks right), and padded labels are ignored anyway."""
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        if "position_ids" in batch:
+            batch.pop("attention_mask", None)
+            batch["use_cache"] = False
+        return labels, batch
+
+    def train(self, mode: bool = True) -> None:
+        self.ds.train(mode)
+
+    def learning_rate(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+    def grad_norm(self) -> float | None:
+        norm = self.ds.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def loss_scale(self) -> float | None:
+        """Current fp16 loss scale; None outside fp16."""
+        return float(self.ds.loss_scale()) if self.ds.fp16_enabled() else None
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.ds.skipped_steps)
+
+    def _apply_lr_scale(self) -> None:
+        if self.lr_scale != 1.0:
+            for group in self.ds.optimizer.param_groups:
+                group["lr"] *= self.lr_scale
+
+    # ---- DeepSpeed state on disk ---------------------------------------------------------------
+
+    def save(self, directory: str, tag: str, client_state: dict[str, Any], writer: FileWriter) -> None:
+        """DeepSpeed's shards of this rank, every file through ``writer`` (which may copy to host
+        memory and write in the background)."""
+        # universal_checkpoint_info lets ds_to_universal convert this save for another world size.
+        state = {"universal_checkpoint_info": {}, **client_state}
+        own = self.ds.checkpoint_engine
+        self.ds.checkpoint_engine = _ThroughWriter(writer, getattr(own, "zipfile_serialization", False))
+        try:
+            self.ds.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
+        finally:
+            self.ds.checkpoint_engine = own
+
+    def load(self, directory: str, tag: str, load_optimizer_states: bool = True) -> dict[str, Any]:
+        path, client_state = self.ds.load_checkpoint(
+            directory, tag=tag, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise FileNotFoundError(f"{directory}/{tag}: DeepSpeed found no checkpoint to load")
+        self._loaded(load_optimizer_states)
+        return client_state or {}
+
+    @abstractmethod
+    def _loaded(self, optimizer_states: bool) -> None:
+        """What an engine redoes after DeepSpeed loaded a checkpoint into it."""
+
+    @abstractmethod
+    def load_universal(self, directory: str, tag: str) -> dict[str, Any]:
+        """Load a universal checkpoint (saved on any number of ranks), re-partitioned for this one."""

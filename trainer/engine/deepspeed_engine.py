@@ -1,0 +1,135 @@
+"""DeepSpeed's own engine (ZeRO stages 0-3, offload, mixed precision) behind the engine contract.
+
+The accumulation boundary is set explicitly before every backward, so a short final window of an
+epoch is stepped like any other. DeepSpeed averages gradients over data-parallel ranks and (by
+default) divides by the accumulation steps; we turn the latter off and pre-multiply by the world
+size, so the update equals one big batch however it is split into micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+from trainer.engine.core import Batch, Engine, weight_decay_groups
+from trainer.engine.loss import target_count
+
+
+class DeepSpeedEngine(Engine):
+    """``module`` is the wrapped HF model; ``ds`` DeepSpeed's engine around it."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ds_config: dict[str, Any],
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any = None,
+        weight_decay: float = 0.0,
+    ):
+        if "activation_checkpointing" in ds_config:
+            # Custom models that call deepspeed.checkpointing.checkpoint read these settings.
+            deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
+        params = optimizer.param_groups if optimizer is not None else weight_decay_groups(model, weight_decay)
+        self._initialize(
+            model,
+            ds_config,
+            model_parameters=None if optimizer is not None else params,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+        )
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.ds.module
+
+    def train_window(self, window: list[Batch], window_tokens: float) -> torch.Tensor:
+        # DeepSpeed averages gradients over ranks; multiplying by the world size turns that into a sum.
+        scale = self.world_size / window_tokens
+        loss_sum = torch.zeros((), device=self.device)
+        for i, batch in enumerate(window):
+            self.ds.set_gradient_accumulation_boundary(i == len(window) - 1)
+            labels, inputs = self.model_inputs(batch)
+            loss = self.loss_fn(self.ds(**inputs).logits, labels)
+            self.ds.backward(loss * scale, scale_wrt_gas=False)
+            loss_sum += loss.detach()
+        self.ds.step()
+        self._apply_lr_scale()
+        return loss_sum
+
+    @torch.no_grad()
+    def eval_loss_sum(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        labels, inputs = self.model_inputs(batch)
+        return self.loss_fn(self.ds(**inputs).logits, labels), target_count(labels)
+
+    @torch.no_grad()
+    def logits(self, batch: Batch) -> torch.Tensor:
+        return self.ds(**self.model_inputs(batch)[1]).logits
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Gathered under ZeRO-3; on rank 0 only."""
+        if self.ds.zero_optimization_partition_weights():
+            state = self.ds._zero3_consolidated_16bit_state_dict()
+            return state if self.ds.global_rank == 0 else None
+        if self.ds.global_rank != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+
+    def _loaded(self, optimizer_states: bool) -> None:
+        if optimizer_states:
+            _replay_cpu_adam_bias_state(self.ds)
+
+    def load_universal(self, directory: str, tag: str) -> dict[str, Any]:
+        """Weights, optimizer moments and scheduler of a ``ds_to_universal`` output."""
+        config = self.ds._config
+        groups = self.ds.optimizer.optimizer.param_groups if hasattr(self.ds.optimizer, "optimizer") else []
+        decay = [g.get("weight_decay") for g in groups]
+        # The same switch as "checkpoint": {"load_universal": true}; DeepSpeed reads it only at load.
+        config.load_universal_checkpoint = True
+        try:
+            client_state = self.load(directory, tag)
+        finally:
+            config.load_universal_checkpoint = False
+        if self.ds.zero_optimization_partition_weights():
+            # ZeRO-3's universal load copies the first group's hyperparameters to every group (which
+            # would put weight decay on the no-decay group) and gives every group one shared step
+            # tensor (which torch's Adam then advances once per group per step). Both are undone here.
+            for group, value in zip(groups, decay, strict=True):
+                group["weight_decay"] = value
+            for state in self.ds.optimizer.optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+        return client_state
+
+
+def _replay_cpu_adam_bias_state(ds: Any) -> None:
+    """Make DeepSpeed's CPU Adam kernels resume bit-exactly.
+
+    Both DeepSpeedCPUAdam (offload) and FusedAdam on the CPU accelerator keep beta1^t and beta2^t
+    in a C++ optimizer object that outlives each call and is not part of any checkpoint. In a
+    continuing run they are built up by one float multiplication per step; a fresh process that
+    first sees step t computes them with pow() instead, which differs in the last bit, so every
+    update after a resume drifts by ~1e-7. Replaying steps 1..t on empty tensors rebuilds the
+    exact same products. CUDA's FusedAdam computes the powers per call and needs nothing.
+    """
+    opt = getattr(ds, "basic_optimizer", None)
+    if isinstance(opt, FusedAdam) and ds.device.type == "cpu":
+
+        def call(k: int, group: dict[str, Any], t: list[torch.Tensor]) -> None:
+            opt.multi_tensor_adam(2048 * 32, opt._dummy_overflow_buf, [[x] for x in t], 0.0, *group["betas"],
+                                  group["eps"], k, opt.adam_w_mode, int(group["bias_correction"]), 0.0)  # fmt: skip
+    elif isinstance(opt, DeepSpeedCPUAdam):
+
+        def call(k: int, group: dict[str, Any], t: list[torch.Tensor]) -> None:
+            opt.ds_opt_adam.adam_update(opt.opt_id, k, 0.0, *group["betas"], group["eps"], 0.0,
+                                        group["bias_correction"], t[1], t[0], t[2], t[3])  # fmt: skip
+    else:
+        return
+    steps = [int(s["step"]) for s in opt.state.values() if "step" in s]
+    # Empty tensors: the kernel still advances its beta powers, but skips its OpenMP loop (~6 us a call).
+    dummy = [torch.zeros(0) for _ in range(4)]  # grad, param, exp_avg, exp_avg_sq
+    for k in range(1, max(steps, default=0) + 1):
+        for group in opt.param_groups:  # in the order a real step visits them
+            call(k, group, dummy)

@@ -1,0 +1,83 @@
+"""Fault injection for tests: a crash, a crash inside a save, or a non-finite loss, at a planned step.
+
+``TRAINER_FAULT`` in the environment plans one fault, e.g. ``crash:rank=1:step=7``,
+``crash:rank=1:step=8:phase=save`` or ``nan:step=5`` (and ``hang:rank=1:phase=save``, which the
+hang watchdog acts on). ``trainer train`` installs ``FaultInjection`` when it is set; tests that
+drive the Trainer themselves pass the callback. Nothing here is part of the training loop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from trainer.callbacks import TrainerCallback
+from trainer.distributed import dist_info
+
+
+def fault_plan() -> dict[str, Any]:
+    """The planned fault as a dict (empty when none). Crashes fire only in the first attempt of an
+    elastic agent, so a restarted job gets past them."""
+    spec = os.environ.get("TRAINER_FAULT", "")
+    if not spec:
+        return {}
+    kind, *fields = spec.split(":")
+    plan: dict[str, Any] = {"kind": kind}
+    for field in fields:
+        name, _, value = field.partition("=")
+        plan[name] = int(value) if value.lstrip("-").isdigit() else value
+    if kind == "hang":
+        plan["hang"] = plan.pop("phase")
+    if kind == "crash" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return {}
+    return plan
+
+
+def fault_due(plan: dict[str, Any], kind: str, rank: int, step: int, phase: str | None = None) -> bool:
+    """Whether a planned fault of this kind fires on this rank at this step (and in this phase:
+    a plan without one fires after the step)."""
+    return (plan.get("kind"), plan.get("rank"), plan.get("step"), plan.get("phase")) == (
+        kind,
+        rank,
+        step,
+        phase,
+    )
+
+
+def crash_now() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FaultInjection(TrainerCallback):
+    """Carries out a fault plan through the engine the Trainer passes to callbacks.
+
+    ``nan``: the engine's loss function returns NaN for one step (once per process, or a rollback
+    would replay it forever). ``crash`` after a step: SIGKILL once the step ends. ``crash`` with
+    ``phase=save``: SIGKILL inside that step's save, once this rank's DeepSpeed files are handed
+    to the writer and before the ranks vote on the commit."""
+
+    def __init__(self, plan: dict[str, Any]):
+        self.plan = dict(plan)
+        self.rank = dist_info().rank
+        self._loss_fn: Any = None
+
+    def on_step_begin(self, args, state, control, engine=None, **kw):
+        if self.plan.get("kind") == "nan" and state.global_step + 1 == self.plan.get("step"):
+            self.plan.pop("kind")
+            self._loss_fn = engine.loss_fn
+            engine.loss_fn = lambda logits, labels: self._loss_fn(logits, labels) * float("nan")
+
+    def on_step_end(self, args, state, control, engine=None, **kw):
+        if self._loss_fn is not None:
+            engine.loss_fn, self._loss_fn = self._loss_fn, None
+        if fault_due(self.plan, "crash", self.rank, state.global_step):
+            crash_now()
+        if fault_due(self.plan, "crash", self.rank, state.global_step, phase="save"):
+            save = engine.save
+
+            def save_then_crash(*a: Any, **k: Any) -> None:
+                save(*a, **k)
+                crash_now()
+
+            engine.save = save_then_crash

@@ -1,0 +1,75 @@
+"""One function builds a run from a ``RunConfig``: what ``trainer train``, the test scenarios and the
+benchmarks all call.
+
+The order is the contract: the process group first (ZeRO-3 partitions over it, and one process must
+not fall back to DeepSpeed's MPI discovery), then the tokenizer and data, then the run's length and
+a resumed checkpoint's global batch, then the one resolution of the DeepSpeed config, then the model
+built under it (partitioned at creation under ZeRO-3), then the Trainer, which uses that config as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from trainer import checkpoint as ckpt
+from trainer.args import RunConfig
+from trainer.callbacks import TrainerCallback
+from trainer.config import resolve
+from trainer.data import build_datasets, get_tokenizer
+from trainer.distributed import detect_hardware, init_distributed
+from trainer.modeling import build_model, hidden_size_of, model_config
+from trainer.steps import keep_global_batch, plan_steps
+from trainer.trainer import Trainer, set_seed
+
+
+def build_run(
+    run_config: RunConfig,
+    *,
+    tokenizer: Any = None,
+    train_dataset: Dataset | None = None,
+    eval_dataset: Dataset | None = None,
+    config: Any = None,
+    data_collator: Callable | None = None,
+    callbacks: list[TrainerCallback] | None = None,
+) -> Trainer:
+    """A Trainer for ``run_config``, its model built. The tokenizer, the datasets and the model's HF
+    config come from ``run_config`` unless given (tests and benchmarks bring their own)."""
+    args, model_args, data_args = run_config.training, run_config.model, run_config.data
+    hardware = detect_hardware()
+    dist = init_distributed(hardware)
+    if tokenizer is None and (train_dataset is None or config is None):
+        tokenizer = get_tokenizer(model_args, data_args)
+    if train_dataset is None:
+        train_dataset, eval_dataset = build_datasets(data_args, tokenizer, seed=args.seed)
+        if eval_dataset is not None and data_args.max_eval_samples:
+            eval_dataset = eval_dataset.select(range(min(data_args.max_eval_samples, len(eval_dataset))))
+    config = config if config is not None else model_config(model_args, tokenizer, data_args.block_size)
+    checkpoint = ckpt.resume_candidate(args.resume_from_checkpoint, args.output_dir)
+    if checkpoint is not None:
+        keep_global_batch(args, checkpoint, dist.world_size)
+    ds_config = resolve(
+        run_config,
+        world_size=dist.world_size,
+        hardware=hardware,
+        hidden_size=hidden_size_of(config),
+        total_steps=plan_steps(args, len(train_dataset), dist.world_size).max_steps,
+    )
+    set_seed(args.seed)
+    model: torch.nn.Module = build_model(
+        model_args, config, ds_config, args.gradient_checkpointing, seed=args.seed
+    )
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=data_collator,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        run_config=run_config,
+        ds_config=ds_config,
+    )
