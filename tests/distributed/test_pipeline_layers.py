@@ -134,7 +134,10 @@ def test_resolved_pipeline_config_pools_accumulation_and_batch_over_the_stages()
     assert pooled["gradient_accumulation_steps"] == 4 and pooled["train_batch_size"] == 16
     assert pooled["pipeline"]["stages"] == 2
     plain = resolve(
-        args.model_copy(update={"pipeline_parallel_size": 1}), world_size=4, hardware=Hardware.cpu()
+        args.model_copy(update={"pipeline_parallel_size": 1}),
+        world_size=4,
+        hardware=Hardware.cpu(),
+        total_steps=1,
     )
     assert plain["gradient_accumulation_steps"] == 2 and plain["train_batch_size"] == 16
 
