@@ -6,6 +6,7 @@ deepspeed) load on first use, so ``trainer.config`` and the config CLI stay ligh
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -27,7 +28,5 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'trainer' has no attribute {name!r}")

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+from deepspeed.checkpoint import ds_to_universal
 
 from trainer.args import DataArguments, ModelArguments, RunConfig, TrainingArguments, dump_run_config
 from trainer.callbacks import TrainerState
@@ -500,8 +501,6 @@ def needs_universal(path: Path, data_parallel: int) -> bool:
 
 def _convert_to_universal(source: Path, target: Path) -> None:
     """``deepspeed.checkpoint.ds_to_universal`` into a staging dir, committed like a checkpoint."""
-    from deepspeed.checkpoint import ds_to_universal
-
     staging = target.with_name(STAGING + target.name)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

@@ -7,8 +7,11 @@ rank ever holds the full model.
 
 from __future__ import annotations
 
+import zlib
+from contextlib import nullcontext
 from typing import Any
 
+import deepspeed
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig
 from transformers.integrations import HfDeepSpeedConfig
@@ -93,11 +96,6 @@ def init_weights(model: torch.nn.Module, seed: int, zero3: bool = False) -> None
     Matrices get N(0, initializer_range), biases zeros and 1-d weights (norm scales) ones. Each
     parameter is gathered alone under ZeRO-3, so peak memory stays one tensor.
     """
-    import zlib
-    from contextlib import nullcontext
-
-    import deepspeed
-
     std = getattr(model.config, "initializer_range", 0.02)
     for name, param in model.named_parameters():
         gathered = deepspeed.zero.GatheredParameters([param], modifier_rank=0) if zero3 else nullcontext()

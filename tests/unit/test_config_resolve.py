@@ -76,7 +76,8 @@ def test_batch_keys_come_from_the_arguments_and_world_size():
 
 def test_batch_keys_count_data_parallel_ranks_only_under_pipeline():
     ds = resolve(args(per_device_train_batch_size=2, pipeline_parallel_size=2, max_steps=1), 4, CPU)
-    assert ds["train_batch_size"] == 4
+    # 2 pipelines × micro 2 × accumulation 1 per rank; each pipeline's 2 stages pool their batches
+    assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (4 * 2, 1 * 2)
     assert ds["pipeline"] == {"stages": 2}
 
 
