@@ -33,23 +33,17 @@ from trainer.callbacks import (
 from trainer.config import resolve
 from trainer.data import MODEL_INPUTS, ResumableDistributedSampler, default_collator, model_columns, pad_stack
 from trainer.distributed import (
-    EXIT_NONFINITE,
-    EXIT_PREEMPTED,
-    PreemptionFlag,
-    Watchdog,
     all_gather_object,
     all_reduce_sum,
     barrier,
-    crash_now,
     detect_hardware,
-    fault_due,
-    fault_plan,
     host_all_reduce,
     init_distributed,
     print_main,
     warn,
 )
 from trainer.engine import IGNORE_INDEX, Engine, count_targets
+from trainer.faults import crash_now, fault_due, fault_plan
 from trainer.monitor import (
     StepTimer,
     flops_per_token_for_model,
@@ -57,6 +51,7 @@ from trainer.monitor import (
     non_padding_tokens,
     summary_table,
 )
+from trainer.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag, Watchdog
 
 
 @dataclass
