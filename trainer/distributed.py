@@ -2,26 +2,24 @@
 
 Works the same under the ``deepspeed`` launcher, ``torchrun``, ``accelerate launch``, SLURM
 (``SLURM_PROCID`` and friends) and plain ``python`` (a world of one).
+
+What a run does when something goes wrong (exit codes, preemption, the hang watchdog) lives in
+``trainer.resilience``, which builds on this module; this one imports nothing of it, so the
+process group can be set up without pulling in signal handlers or timer threads.
 """
 
 from __future__ import annotations
 
 import datetime
-import faulthandler
 import importlib
 import logging
 import os
-import signal
 import sys
-import threading
-import time
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch
 import torch.distributed as dist
 
@@ -114,8 +112,6 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
         os.environ.setdefault("WORLD_SIZE", str(info.world_size))
         if hardware.device == "cpu":
             _remove_stale_shm_buffer(info.rank)
-        import deepspeed
-
         backend = "nccl" if hardware.device == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -138,6 +134,8 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
             _unlink_own_shm_buffer(info)
     return info
 
+
+# ---- DeepSpeed's CPU all-reduce buffers ---------------------------------------------------------
 
 SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer_"
 
@@ -213,6 +211,7 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order; a world of one, or no group yet, needs no collective."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
@@ -247,133 +246,12 @@ def host_all_reduce(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-# ---- preemption --------------------------------------------------------------------------------
-
-EXIT_PREEMPTED = 75  # saved a checkpoint on SIGTERM/SIGUSR1 and stopped; restart to continue
-EXIT_HANG = 76  # a labelled phase timed out; stack dumps are in output_dir/hang-<rank>.txt
-EXIT_NONFINITE = 77  # non-finite loss or gradient norm with nonfinite_policy=stop
-
-
-class PreemptionFlag:
-    """Set by SIGTERM/SIGUSR1. The Trainer votes on it after every step (host-only), so all ranks
-    finish the same step and save together."""
-
-    def __init__(self, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")):
-        self.received: str | None = None
-        self.at = 0.0
-        for name in signals:
-            signal.signal(getattr(signal, name), self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received, self.at = signal.Signals(signum).name, time.monotonic()
-
-
-# ---- hang watchdog -----------------------------------------------------------------------------
-
-
-class Watchdog:
-    """Labelled collective phases with a timeout.
-
-    Entering a phase records the rank in the rendezvous store; a timer thread fires if the phase
-    has not finished in time. Then this rank writes every thread's stack to
-    ``output_dir/hang-<rank>.txt``, prints which ranks never reached the phase, and exits with
-    EXIT_HANG. Every rank runs its own timer, so all ranks leave dumps.
-    """
-
-    def __init__(self, output_dir: str | Path, timeout_s: float, faults: dict[str, Any] | None = None):
-        self.output_dir = Path(output_dir)
-        self.timeout_s = timeout_s
-        self.faults = faults or {}
-        self._seq: Counter[str] = Counter()
-        self.info = dist_info()
-
-    @contextmanager
-    def phase(self, label: str, timeout_s: float | None = None) -> Iterator[None]:
-        self._seq[label] += 1
-        key = f"trainer/phase/{label}/{self._seq[label]}"
-        timeout = timeout_s or self.timeout_s
-        timer = threading.Timer(timeout, self._fire, (label, key, timeout))
-        timer.daemon = True
-        timer.start()
-        try:
-            if self.faults.get("hang") == label and self.faults.get("rank") == self.info.rank:
-                time.sleep(10 * timeout)  # fault injection: this rank never reaches the phase
-            store = _store()
-            if store is not None:
-                store.set(f"{key}/{self.info.rank}", "1")
-            yield
-            barrier(label)
-        finally:
-            timer.cancel()
-
-    def _fire(self, label: str, key: str, timeout: float) -> None:
-        store, world = _store(), self.info.world_size
-        missing = [r for r in range(world) if store is not None and not store.check([f"{key}/{r}"])]
-        message = (
-            f"hang: phase '{label}' did not finish within {timeout:.0f}s on rank {self.info.rank}; "
-            f"ranks that never reached it: {missing or 'none (all entered; see the stacks)'}"
-        )
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.output_dir / f"hang-{self.info.rank}.txt", "w") as f:
-            f.write(message + "\n\n")
-            faulthandler.dump_traceback(f, all_threads=True)
-        print(message, file=sys.stderr, flush=True)
-        if store is not None:
-            # Let the other ranks finish their dumps before the launcher tears the job down.
-            store.add("trainer/hang/dumped", 1)
-            deadline = time.monotonic() + 10
-            while store.add("trainer/hang/dumped", 0) < world and time.monotonic() < deadline:
-                time.sleep(0.1)
-        os._exit(EXIT_HANG)
-
-
-def _store() -> Any:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return None
-    return dist.distributed_c10d._get_default_store()
-
-
-# ---- fault injection (tests) -------------------------------------------------------------------
-
-
-def fault_plan() -> dict[str, Any]:
-    """``TRAINER_FAULT`` for tests, e.g. ``crash:rank=1:step=7``, ``hang:rank=1:phase=save``,
-    ``nan:step=5``. Crashes fire only in the first attempt of an elastic agent, so a restarted
-    job gets past them."""
-    spec = os.environ.get("TRAINER_FAULT", "")
-    if not spec:
-        return {}
-    kind, *fields = spec.split(":")
-    plan: dict[str, Any] = {"kind": kind}
-    for field in fields:
-        name, _, value = field.partition("=")
-        plan[name] = int(value) if value.lstrip("-").isdigit() else value
-    if kind == "hang":
-        plan["hang"] = plan.pop("phase")
-    if kind == "crash" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return {}
-    return plan
-
-
-def fault_due(plan: dict[str, Any], kind: str, rank: int, step: int, phase: str | None = None) -> bool:
-    """Whether a planned fault of this kind fires on this rank at this step (and in this phase:
-    a plan without one fires after the step)."""
-    return (plan.get("kind"), plan.get("rank"), plan.get("step"), plan.get("phase")) == (
-        kind,
-        rank,
-        step,
-        phase,
-    )
-
-
-def crash_now() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def print_main(*args: Any, **kwargs: Any) -> None:
+    """``print`` on rank 0 only, flushed: one line per job, not one per rank."""
     if dist_info().is_main:
         print(*args, **kwargs, flush=True)
 
 
 def warn(message: str) -> None:
+    """A warning every rank prints, tagged with its rank, since ranks can disagree."""
     print(f"[rank {dist_info().rank}] warning: {message}", file=sys.stderr, flush=True)

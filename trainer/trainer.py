@@ -41,10 +41,6 @@ from trainer.data import (
     pad_stack,
 )
 from trainer.distributed import (
-    EXIT_NONFINITE,
-    EXIT_PREEMPTED,
-    PreemptionFlag,
-    Watchdog,
     all_gather_object,
     all_reduce_sum,
     barrier,
@@ -64,6 +60,7 @@ from trainer.monitor import (
     non_padding_tokens,
     summary_table,
 )
+from trainer.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag, Watchdog
 from trainer.steps import check_resolved, keep_global_batch, plan_steps
 
 

@@ -502,7 +502,7 @@ def nonfinite(out: Path) -> dict:
     import math
     import os
 
-    from trainer.distributed import EXIT_NONFINITE
+    from trainer.resilience import EXIT_NONFINITE
 
     data = learnable_dataset(64)
     result = {}

@@ -79,7 +79,7 @@ def test_file_entry_matches_hashlib(tmp_path):
 
 
 def test_fault_plans_fire_only_where_planned(monkeypatch):
-    from trainer.distributed import fault_due, fault_plan
+    from trainer.faults import fault_due, fault_plan
 
     monkeypatch.setenv("TRAINER_FAULT", "crash:rank=1:step=8:phase=save")
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
