@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from trainer.config.errors import ConfigError, unknown_key_message
 from trainer.config.files import STATED_ARGUMENTS, stated_arguments
+from trainer.config.reference import type_name
 
 logger = logging.getLogger(__name__)
 
@@ -421,8 +422,6 @@ def _default_text(field: Any) -> str:
 
 def run_help(prog: str = "scripts/train.py") -> str:
     """The ``--help`` text: every run field with its type, default and description, from the schema."""
-    from trainer.config.reference import type_name  # late: trainer.config's modules import this one
-
     lines = [f"usage: {prog} [--config RECIPE.yaml] [--field value ...]", "", _HELP_INTRO]
     for section, model in SECTIONS.items():
         lines += ["", f"{section} arguments ({model.__name__}):"]

@@ -14,30 +14,31 @@ from trainer.config.presets import preset_files, stale_presets, write_presets
 from trainer.config.reference import render_reference
 
 DS_CONFIGS = ROOT / "ds_configs"
+DEFAULTS = TrainingArguments()  # the files carry the default batch sizes and clipping
 WORLD_SIZES = (1, 2, 3, 8)
 
 
 def test_ds_configs_directory_is_what_the_schema_generates(tmp_path):
-    assert stale_presets(DS_CONFIGS) == []
-    written = write_presets(tmp_path)
+    assert stale_presets(DS_CONFIGS, DEFAULTS) == []
+    written = write_presets(tmp_path, DEFAULTS)
     assert sorted(p.name for p in written) == sorted(p.name for p in DS_CONFIGS.glob("*.json"))
     for path in written:
         assert path.read_text() == (DS_CONFIGS / path.name).read_text()
 
 
 def test_a_hand_edit_is_detected(tmp_path):
-    write_presets(tmp_path)
+    write_presets(tmp_path, DEFAULTS)
     edited = tmp_path / "zero2_bf16.json"
     edited.write_text(edited.read_text().replace('"stage": 2', '"stage": 1'))
     (tmp_path / "mine.json").write_text("{}")
-    assert stale_presets(tmp_path) == [
+    assert stale_presets(tmp_path, DEFAULTS) == [
         f"{edited}: differs from the schema's preset",
         f"{tmp_path / 'mine.json'}: not a preset",
     ]
 
 
 def test_every_preset_in_every_precision():
-    files = preset_files()
+    files = preset_files(DEFAULTS)
     assert len(files) == len(PRESETS) * len(PRECISIONS) == 21
     for name, preset in PRESETS.items():
         for precision in PRECISIONS:
@@ -51,13 +52,15 @@ def test_every_preset_in_every_precision():
 def test_zero3_presets_gather_weights_for_save_16bit_model():
     for name in ("zero3", "zero3_offload", "zero3_nvme"):
         assert (
-            preset_config(name, "bf16")["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
+            preset_config(name, "bf16", DEFAULTS)["zero_optimization"][
+                "stage3_gather_16bit_weights_on_model_save"
+            ]
             is True
         )
 
 
 def test_deepspeed_parser_accepts_every_preset_and_resolved_config():
-    cases = [(data, ws) for data in preset_files().values() for ws in WORLD_SIZES]
+    cases = [(data, ws) for data in preset_files(DEFAULTS).values() for ws in WORLD_SIZES]
     # Resolved configs carry the optimizer and scheduler sections too.
     for name in PRESETS:
         for precision, hardware in (("fp32", Hardware.cpu()), ("bf16", Hardware.cpu())):
@@ -76,7 +79,7 @@ def test_deepspeed_parser_accepts_every_preset_and_resolved_config():
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_preset_files_are_stable_json(precision):
     text = (DS_CONFIGS / f"zero2_{precision}.json").read_text()
-    assert text.endswith("}\n") and json.loads(text) == preset_config("zero2", precision)
+    assert text.endswith("}\n") and json.loads(text) == preset_config("zero2", precision, DEFAULTS)
 
 
 def test_docs_config_reference_is_current():

@@ -507,7 +507,7 @@ def test_json_file_errors(tmp_path):
 def test_resolve_json_without_a_run_does_not_compare_or_add_sections():
     data = json.loads((THIRD_PARTY / "axolotl_zero1.json").read_text())
     data["train_micro_batch_size_per_gpu"] = 3
-    ds = resolve_json(data, world_size=2)
+    ds = resolve_json(data, TrainingArguments(), world_size=2, compare=False)
     assert ds["train_batch_size"] == 6
     assert "optimizer" not in ds and "scheduler" not in ds
 

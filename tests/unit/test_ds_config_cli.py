@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import ROOT
+from trainer.args import TrainingArguments
 from trainer.cli.main import main
 from trainer.config import preset_config
 
@@ -78,7 +79,7 @@ def test_generate_refuses_a_broken_combination(capsys):
 
 def test_validate_a_good_file(capsys, tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps(preset_config("zero2", "bf16")))
+    path.write_text(json.dumps(preset_config("zero2", "bf16", TrainingArguments())))
     code, out, err = run_cli(capsys, "validate", str(path), "--world-size", "4")
     assert (code, out, err) == (0, f"{path}: valid at world size 4\n", "")
 

@@ -6,7 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainer.config.errors import ConfigError
+from trainer.args import RunConfig, TrainingArguments, load_recipe
+from trainer.config import ConfigError, generate, load_deepspeed_json, write_presets
+from trainer.config.presets import dump_json, stale_presets
+from trainer.config.reference import render_reference
+from trainer.config.resolution import resolve_json
 
 DEFAULT_PRESET_DIR = "ds_configs"
 DEFAULT_REFERENCE = "docs/config.md"
@@ -65,24 +69,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _presets(args: argparse.Namespace) -> int:
-    from trainer.config.presets import stale_presets, write_presets
-
+    defaults = TrainingArguments()  # the files carry the default batch sizes and clipping
     if args.check:
-        stale = stale_presets(args.out_dir)
+        stale = stale_presets(args.out_dir, defaults)
         for line in stale:
             print(line, file=sys.stderr)
         if stale:
             print("regenerate with: trainer ds-config presets", file=sys.stderr)
         return 1 if stale else 0
-    for path in write_presets(args.out_dir):
+    for path in write_presets(args.out_dir, defaults):
         print(path)
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from trainer.config.presets import dump_json
-    from trainer.config.resolution import generate
-
     config = generate(
         zero_stage=args.zero_stage,
         precision=args.precision,
@@ -111,19 +111,16 @@ def _count_autos(node: object) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from trainer.config.files import load_deepspeed_json
-    from trainer.config.presets import dump_json
-    from trainer.config.resolution import resolve_json
-
     data = load_deepspeed_json(args.file)
-    run_config = None
-    if args.config:
-        from trainer.args import RunConfig, load_recipe
-
-        run_config = RunConfig.from_flat(load_recipe(args.config))
+    # Without a recipe, "auto" comes from the default arguments and nothing is compared.
+    run = RunConfig.from_flat(load_recipe(args.config)) if args.config else TrainingArguments()
     try:
         resolved = resolve_json(
-            data, world_size=args.world_size, run=run_config, hidden_size=args.hidden_size
+            data,
+            run,
+            world_size=args.world_size,
+            hidden_size=args.hidden_size,
+            compare=bool(args.config),
         )
     except ConfigError as err:
         count = len(err.problems)
@@ -140,8 +137,6 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _reference(args: argparse.Namespace) -> int:
-    from trainer.config.reference import render_reference
-
     text = render_reference()
     path = Path(args.output)
     if args.check:

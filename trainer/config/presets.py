@@ -2,7 +2,8 @@
 
 A preset fixes the ZeRO stage and offload. The precision block, batch sizes and the rest come
 from the run when a preset is used by name (``deepspeed: zero3``); the files written to
-``ds_configs/`` carry the training arguments' defaults so DeepSpeed can read them on their own.
+``ds_configs/`` carry the batch sizes and clipping of the training arguments the caller passes (the
+defaults, ``TrainingArguments()``) so DeepSpeed can read them on their own.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from trainer.config.arguments import TrainingArgs
 from trainer.config.schema import validate
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -102,25 +104,23 @@ def preset_base(name: str, nvme_path: str | None = None) -> dict[str, Any]:
     return data
 
 
-def preset_config(name: str, precision: Precision) -> dict[str, Any]:
-    """A complete preset as written to ``ds_configs/<name>_<precision>.json``."""
-    from trainer.args import TrainingArguments  # trainer.args imports trainer.config; import late
-
-    fields = TrainingArguments.model_fields
+def preset_config(name: str, precision: Precision, args: TrainingArgs) -> dict[str, Any]:
+    """A complete preset as written to ``ds_configs/<name>_<precision>.json``, with the batch sizes
+    and clipping of ``args`` (the files carry the defaults: ``TrainingArguments()``)."""
     data: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": fields["per_device_train_batch_size"].default,
-        "gradient_accumulation_steps": fields["gradient_accumulation_steps"].default,
-        "gradient_clipping": fields["max_grad_norm"].default,
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "gradient_clipping": args.max_grad_norm,
         **precision_sections(precision),
         **preset_base(name, NVME_PLACEHOLDER),
     }
     return validate(data).to_dict()
 
 
-def preset_files() -> dict[str, dict[str, Any]]:
+def preset_files(args: TrainingArgs) -> dict[str, dict[str, Any]]:
     """File name -> config, for every preset and precision."""
     return {
-        f"{name}_{precision}.json": preset_config(name, precision)
+        f"{name}_{precision}.json": preset_config(name, precision, args)
         for name in PRESETS
         for precision in PRECISIONS
     }
@@ -130,21 +130,21 @@ def dump_json(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
-def write_presets(out_dir: str | Path) -> list[Path]:
+def write_presets(out_dir: str | Path, args: TrainingArgs) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for file_name, data in preset_files().items():
+    for file_name, data in preset_files(args).items():
         path = out / file_name
         path.write_text(dump_json(data))
         written.append(path)
     return written
 
 
-def stale_presets(out_dir: str | Path) -> list[str]:
+def stale_presets(out_dir: str | Path, args: TrainingArgs) -> list[str]:
     """Files in ``out_dir`` that differ from what ``write_presets`` would write, or should not be there."""
     out = Path(out_dir)
-    expected = {name: dump_json(data) for name, data in preset_files().items()}
+    expected = {name: dump_json(data) for name, data in preset_files(args).items()}
     problems = []
     for name, text in expected.items():
         path = out / name

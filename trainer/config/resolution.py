@@ -19,8 +19,9 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
+from trainer.config.arguments import RunArgs, Shortcuts, TrainingArgs
 from trainer.config.base import Problem, dedupe
 from trainer.config.errors import ConfigError
 from trainer.config.files import MISSING, get_path, is_auto, load_source
@@ -29,9 +30,6 @@ from trainer.config.optim import OPTIMIZER_PARAMS, ZERO_TESTED_OPTIMIZERS
 from trainer.config.presets import AIO_BLOCK, FP16_BLOCK, PRESETS, zero_section
 from trainer.config.schema import validate
 from trainer.config.zero import STAGE3_KNOBS
-
-if TYPE_CHECKING:
-    from trainer.args import RunConfig, TrainingArguments
 
 # TrainingArguments.optim -> (optimizer type, extra params)
 _OPTIMIZERS = {
@@ -104,7 +102,7 @@ def _overlaps(path: str, problems: list[Problem]) -> bool:
 
 @dataclass
 class _Resolver:
-    args: TrainingArguments
+    args: TrainingArgs
     world_size: int
     hardware: Hardware | None  # None: the target is unknown, so support is not checked
     hidden_size: int | None = None
@@ -415,7 +413,7 @@ class _Resolver:
         return config.to_dict()
 
 
-def _base(args: TrainingArguments) -> tuple[dict[str, Any], bool]:
+def _base(args: TrainingArgs) -> tuple[dict[str, Any], bool]:
     """The config to start from, and whether its explicit values must agree with the arguments."""
     if args.deepspeed is None:
         data: dict[str, Any] = {
@@ -428,7 +426,7 @@ def _base(args: TrainingArguments) -> tuple[dict[str, Any], bool]:
 
 
 def resolve(
-    run: RunConfig | TrainingArguments,
+    run: RunArgs | TrainingArgs,
     world_size: int,
     hardware: Hardware,
     *,
@@ -459,7 +457,7 @@ def resolve(
     return _pool_stages(_run(r, client_optimizer, client_scheduler))
 
 
-def check(run: RunConfig | TrainingArguments, world_size: int, hardware: Hardware) -> None:
+def check(run: RunArgs | TrainingArgs, world_size: int, hardware: Hardware) -> None:
     """Every rule ``resolve`` applies, before anything is loaded (ConfigError otherwise). An
     epoch-based run's length is known only once its data is; until then any count past the warmup
     stands in for it."""
@@ -502,26 +500,26 @@ def _run(
 
 def resolve_json(
     data: dict[str, Any],
+    run: RunArgs | TrainingArgs,
     world_size: int = 1,
-    run: RunConfig | TrainingArguments | None = None,
     hardware: Hardware | None = None,
     hidden_size: int | None = None,
+    *,
+    compare: bool = True,
 ) -> dict[str, Any]:
     """Check a DeepSpeed JSON on its own (``trainer ds-config validate``).
 
-    With a run, ``"auto"`` comes from its training arguments and explicit values must agree with
-    them, as in ``resolve``. Without one, only ``"auto"`` is replaced (from the default
-    arguments); nothing is added or compared. Sections the file leaves out (optimizer,
-    scheduler) stay out. Without hardware, precision support is not checked.
+    ``"auto"`` comes from ``run``'s training arguments; with ``compare``, explicit values must agree
+    with them, as in ``resolve``. Without (no run to check against: the caller passes the default
+    arguments), only ``"auto"`` is replaced; nothing is added or compared. Sections the file leaves
+    out (optimizer, scheduler) stay out. Without hardware, precision support is not checked.
     """
-    from trainer.args import TrainingArguments
-
-    args = TrainingArguments() if run is None else run.training if hasattr(run, "training") else run
+    args = run.training if hasattr(run, "training") else run
     if hidden_size is None and hasattr(run, "model"):
         hidden_size = run.model.model_config_overrides.get("hidden_size")
     copy = json.loads(json.dumps(data))
-    r = _Resolver(args, world_size, hardware, hidden_size=hidden_size, check=run is not None, data=copy)
-    r.fill_missing = run is not None
+    r = _Resolver(args, world_size, hardware, hidden_size=hidden_size, check=compare, data=copy)
+    r.fill_missing = compare
     return _run(r, add_sections=False)
 
 
@@ -541,17 +539,19 @@ def generate(
     """One config for a target cluster (``trainer ds-config generate``): no optimizer or scheduler,
     which the training script supplies. With a world size it includes train_batch_size; with a
     hidden size, the ZeRO-3 bucket sizes."""
-    from trainer.args import TrainingArguments
-
-    args = TrainingArguments(
-        per_device_train_batch_size=micro_batch,
-        gradient_accumulation_steps=grad_accum,
-        zero_stage=zero_stage,
-        offload_optimizer=offload_optimizer,
-        offload_param=offload_param,
-        nvme_path=nvme_path,
-        precision=precision,
-        max_grad_norm=gradient_clipping,
+    # Only the batch, precision and ZeRO steps run below, and they read no more than the shortcuts.
+    args = cast(
+        TrainingArgs,
+        Shortcuts(
+            per_device_train_batch_size=micro_batch,
+            gradient_accumulation_steps=grad_accum,
+            zero_stage=zero_stage,
+            offload_optimizer=offload_optimizer,
+            offload_param=offload_param,
+            nvme_path=nvme_path,
+            precision=precision,
+            max_grad_norm=gradient_clipping,
+        ),
     )
     data, _ = _base(args)
     r = _Resolver(args, world_size or 1, hardware=None, hidden_size=hidden_size, check=False, data=data)
