@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from trainer.config.errors import ConfigError
-from trainer.memory import (
+from trainer.planner import (
     PRESETS,
     Cluster,
     ModelSpec,
@@ -18,7 +18,7 @@ from trainer.memory import (
     no_fit_message,
     spec_from_counts,
 )
-from trainer.memory import plan as make_plan
+from trainer.planner import plan as make_plan
 
 SIZE_FLAGS = ("params", "layers", "hidden", "heads", "vocab")
 
