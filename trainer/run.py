@@ -129,7 +129,7 @@ def _nothing_to_resume(run_config: RunConfig) -> bool:
 
 def _plot(output_dir: str) -> None:
     try:
-        from trainer.monitor import plot_runs
+        from trainer.plots import plot_runs
     except ImportError:
         return
     plot_runs([output_dir])

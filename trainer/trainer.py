@@ -50,13 +50,9 @@ from trainer.distributed import (
     warn,
 )
 from trainer.engine import IGNORE_INDEX, Engine, count_targets
-from trainer.monitor import (
-    StepTimer,
-    flops_per_token_for_model,
-    memory_stats,
-    non_padding_tokens,
-    summary_table,
-)
+from trainer.metrics import summary_table
+from trainer.monitor import memory_stats
+from trainer.throughput import StepTimer, flops_per_token_for_model, non_padding_tokens
 
 
 @dataclass
