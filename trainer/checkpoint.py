@@ -1,5 +1,5 @@
 """Checkpoint directories: layout, atomic commit, discovery, verification, rotation, universal
-conversion for a new world size, HF export.
+conversion for a new world size. HF exports are trainer/export.py's.
 
 ``output_dir/checkpoint-<step>/`` holds::
 
@@ -542,30 +542,3 @@ def load(engine: Any, path: Path, dist: DistInfo, restore_rng: bool = True) -> T
     if restore_rng:
         load_rng(path, dist.rank)
     return TrainerState.load_from_json(path / "trainer_state.json")
-
-
-# ---- HF export -----------------------------------------------------------------------------------
-
-
-def export_hf(
-    model: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer: Any, out_dir: str | Path
-) -> Path:
-    """Write an HF model directory (config, safetensors, tokenizer).
-
-    Files are written into a staging directory first and then moved in one by one, so a crash never
-    leaves a truncated weights file, and other contents of ``out_dir`` (e.g. output_dir) are kept.
-    """
-    if not state_dict:
-        raise ValueError(f"{out_dir}: refusing to export an empty state dict")
-    out = Path(out_dir)
-    tmp = out.parent / f"{STAGING}export-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    out.mkdir(parents=True, exist_ok=True)
-    for file in tmp.iterdir():
-        os.replace(file, out / file.name)
-    tmp.rmdir()
-    return out

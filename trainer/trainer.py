@@ -50,6 +50,7 @@ from trainer.distributed import (
     warn,
 )
 from trainer.engine import IGNORE_INDEX, Engine, count_targets
+from trainer.export import export_hf
 from trainer.metrics import summary_table
 from trainer.monitor import memory_stats
 from trainer.throughput import StepTimer, flops_per_token_for_model, non_padding_tokens
@@ -332,7 +333,7 @@ class Trainer:
         state_dict = self.engine.full_state_dict() if self.engine else self.model.state_dict()
         if self.dist.is_main:
             module = self.engine.module if self.engine else self.model
-            ckpt.export_hf(module, state_dict, self.processing_class, target)
+            export_hf(module, state_dict, self.processing_class, target)
         barrier("save_model")
         return target
 

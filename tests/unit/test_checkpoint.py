@@ -298,8 +298,3 @@ def test_a_committed_universal_copy_is_reused(tmp_path):
     assert ckpt.universal_copy(path, ONE) == path / "universal"  # no conversion: DeepSpeed not called
     assert (path / "universal" / "ds" / "zero" / "optimizer_state.pt").read_bytes() == b"converted"
     assert ckpt.verify(path) == []  # the checkpoint's own manifest is unaffected
-
-
-def test_export_refuses_an_empty_state_dict(tmp_path):
-    with pytest.raises(ValueError, match="empty state dict"):
-        ckpt.export_hf(torch.nn.Linear(2, 2), {}, None, tmp_path / "out")
