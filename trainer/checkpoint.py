@@ -43,7 +43,6 @@ import yaml
 from trainer.args import DataArguments, ModelArguments, RunConfig, TrainingArguments, dump_run_config
 from trainer.callbacks import TrainerState
 from trainer.checkpoint_writer import FileWriter, file_entry
-from trainer.config.errors import ConfigError
 from trainer.distributed import DistInfo, all_gather_object, barrier, warn
 
 PREFIX = "checkpoint-"
@@ -57,15 +56,19 @@ _STEP = re.compile(rf"^{PREFIX}(\d+)$")
 _OPTIM_SHARD = re.compile(rf"^{DS_TAG}/.*optim_states\.pt$")
 
 
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be resumed from; the message names the file.
+class CheckpointError(Exception):
+    """A checkpoint that cannot be resumed from or exported; the message names the file.
 
-    It is a ConfigError on the key ``resume_from_checkpoint``, so the entry point prints it as one
-    line and exits with the bad-input status, like any other bad input.
+    Not a config problem, but bad input all the same: the entry points catch it next to ConfigError,
+    print it as one line and exit with the bad-input status. ``str()`` names the setting that chose
+    the checkpoint, ``resume_from_checkpoint: <message>``, as a config problem would.
     """
 
+    KEY = "resume_from_checkpoint"
+
     def __init__(self, message: str):
-        super().__init__([("resume_from_checkpoint", message)])
+        self.message = message
+        super().__init__(f"{self.KEY}: {message}")
 
 
 class CheckpointWriteError(RuntimeError):
@@ -173,7 +176,7 @@ def verify(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
     try:
         manifest = read_manifest(path)
     except CheckpointError as err:
-        return [err.problems[0][1]]
+        return [err.message]
     problems = []
     for i, (name, entry) in enumerate(sorted(manifest["files"].items())):
         if i % world_size != rank:

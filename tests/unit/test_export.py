@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from trainer.cli.main import main
 from trainer.export import export_hf
 
 
@@ -28,3 +29,12 @@ def test_export_writes_a_loadable_model_and_keeps_other_files(tmp_path):
     ids = torch.arange(1, 9)[None]
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_trainer_export_of_an_incomplete_checkpoint_is_bad_input(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "nope"), str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: resume_from_checkpoint: {tmp_path / 'nope'}: not a complete checkpoint "
+        "(no COMPLETE marker or manifest)\n"
+    )
+    assert not (tmp_path / "hf").exists()

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from trainer.config import generate
 from trainer.config.errors import ConfigError
 from trainer.planner import (
     PRESETS,
@@ -87,8 +88,6 @@ def deepspeed_config(
     setup: Setup, precision: str, micro_batch: int, world_size: int, hidden: int
 ) -> dict[str, Any]:
     """The DeepSpeed config a setup runs with, built through the schema."""
-    from trainer.config import generate
-
     return generate(
         zero_stage=setup.zero_stage,
         precision=precision,
