@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from trainer.args import TrainingArguments
+from trainer.metrics import MetricsWriter
 
 
 @dataclass
@@ -115,8 +118,6 @@ class ProgressCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kw):
         if state.is_world_process_zero and not args.disable_tqdm:
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True)
 
     def on_step_end(self, args, state, control, **kw):
@@ -140,8 +141,6 @@ class MetricsCallback(TrainerCallback):
         self.writer = None
 
     def on_train_begin(self, args, state, control, **kw):
-        from trainer.monitor import MetricsWriter
-
         self.writer = MetricsWriter(args.output_dir, args.report_to, is_main=state.is_world_process_zero)
 
     def on_log(self, args, state, control, logs=None, **kw):

@@ -1,5 +1,5 @@
 """Checkpoint directories: layout, atomic commit, discovery, verification, rotation, universal
-conversion for a new world size, HF export.
+conversion for a new world size. HF exports are trainer/export.py's.
 
 ``output_dir/checkpoint-<step>/`` holds::
 
@@ -44,7 +44,6 @@ from deepspeed.checkpoint import ds_to_universal
 from trainer.args import DataArguments, ModelArguments, RunConfig, TrainingArguments, dump_run_config
 from trainer.callbacks import TrainerState
 from trainer.checkpoint_writer import FileWriter, file_entry
-from trainer.config.errors import ConfigError
 from trainer.distributed import DistInfo, all_gather_object, barrier, warn
 
 PREFIX = "checkpoint-"
@@ -58,15 +57,19 @@ _STEP = re.compile(rf"^{PREFIX}(\d+)$")
 _OPTIM_SHARD = re.compile(rf"^{DS_TAG}/.*optim_states\.pt$")
 
 
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be resumed from; the message names the file.
+class CheckpointError(Exception):
+    """A checkpoint that cannot be resumed from or exported; the message names the file.
 
-    It is a ConfigError on the key ``resume_from_checkpoint``, so the entry point prints it as one
-    line and exits with the bad-input status, like any other bad input.
+    Not a config problem, but bad input all the same: the entry points catch it next to ConfigError,
+    print it as one line and exit with the bad-input status. ``str()`` names the setting that chose
+    the checkpoint, ``resume_from_checkpoint: <message>``, as a config problem would.
     """
 
+    KEY = "resume_from_checkpoint"
+
     def __init__(self, message: str):
-        super().__init__([("resume_from_checkpoint", message)])
+        self.message = message
+        super().__init__(f"{self.KEY}: {message}")
 
 
 class CheckpointWriteError(RuntimeError):
@@ -174,7 +177,7 @@ def verify(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
     try:
         manifest = read_manifest(path)
     except CheckpointError as err:
-        return [err.problems[0][1]]
+        return [err.message]
     problems = []
     for i, (name, entry) in enumerate(sorted(manifest["files"].items())):
         if i % world_size != rank:
@@ -550,30 +553,3 @@ def load(engine: Any, path: Path, dist: DistInfo, restore_rng: bool = True) -> T
     if restore_rng:
         load_rng(path, dist.rank)
     return TrainerState.load_from_json(path / "trainer_state.json")
-
-
-# ---- HF export -----------------------------------------------------------------------------------
-
-
-def export_hf(
-    model: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer: Any, out_dir: str | Path
-) -> Path:
-    """Write an HF model directory (config, safetensors, tokenizer).
-
-    Files are written into a staging directory first and then moved in one by one, so a crash never
-    leaves a truncated weights file, and other contents of ``out_dir`` (e.g. output_dir) are kept.
-    """
-    if not state_dict:
-        raise ValueError(f"{out_dir}: refusing to export an empty state dict")
-    out = Path(out_dir)
-    tmp = out.parent / f"{STAGING}export-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    out.mkdir(parents=True, exist_ok=True)
-    for file in tmp.iterdir():
-        os.replace(file, out / file.name)
-    tmp.rmdir()
-    return out

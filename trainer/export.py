@@ -1,30 +1,60 @@
-"""Offline export of a checkpoint directory to an HF model directory, in one process.
+"""HF model directories (config, safetensors, tokenizer): every export the trainer writes.
 
-The checkpoint carries the model's HF config and the tokenizer (or, if written without them, a run
-config they are rebuilt from), so nothing but the checkpoint is needed. The weights come from DeepSpeed's shards (consolidated to fp32 by DeepSpeed's own ``zero_to_fp32`` for
-ZeRO 1-3, read from the model-states file for ZeRO-0). Files are checked against the manifest first:
-DeepSpeed's shards are pickles, and only verified files are unpickled.
+Two sources, one writer. ``export_hf`` writes the live weights a run holds (``Trainer.save_model``).
+``export_checkpoint`` is the offline export of a checkpoint directory, in one process: the checkpoint
+carries the model's HF config and the tokenizer (or, if written without them, a run config they are
+rebuilt from), so nothing but the checkpoint is needed. Its weights come from DeepSpeed's shards
+(consolidated to fp32 by DeepSpeed's own ``zero_to_fp32`` for ZeRO 1-3, read from the model-states
+file for ZeRO-0). Files are checked against the manifest first: DeepSpeed's shards are pickles, and
+only verified files are unpickled.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from trainer import checkpoint as ckpt
+import trainer.checkpoint as ckpt
 from trainer.args import RunConfig
+from trainer.data import get_tokenizer
+from trainer.modeling import model_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export_hf(
+    model: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer: Any, out_dir: str | Path
+) -> Path:
+    """Write an HF model directory of ``model`` with the weights ``state_dict``.
+
+    Files are written into a staging directory first and then moved in one by one, so a crash never
+    leaves a truncated weights file, and other contents of ``out_dir`` (e.g. output_dir) are kept.
+    """
+    if not state_dict:
+        raise ValueError(f"{out_dir}: refusing to export an empty state dict")
+    out = Path(out_dir)
+    tmp = out.parent / f"{ckpt.STAGING}export-{out.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _save_pretrained(model, tokenizer, tmp, state_dict=state_dict)
+    out.mkdir(parents=True, exist_ok=True)
+    for file in tmp.iterdir():
+        os.replace(file, out / file.name)
+    tmp.rmdir()
+    return out
 
 
 def export_checkpoint(
     checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", max_shard_size: str = "5GB"
 ) -> Path:
-    from transformers import AutoModelForCausalLM
-
+    """Write an HF model directory of a verified checkpoint's weights, cast to ``dtype``."""
     path = Path(checkpoint)
     if not ckpt.is_complete(path):
         raise ckpt.CheckpointError(f"{path}: not a complete checkpoint (no {ckpt.MARKER} marker or manifest)")
@@ -44,20 +74,21 @@ def export_checkpoint(
     model = model.to(DTYPES[dtype])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
+    _save_pretrained(model, tokenizer, out, max_shard_size=max_shard_size)
+    return out
+
+
+def _save_pretrained(model: Any, tokenizer: Any, out: Path, **options: Any) -> None:
+    """The files of an HF model directory, as both exports write them: safetensors, and the tokenizer
+    when there is one. ``options`` go to the model's ``save_pretrained``."""
+    model.save_pretrained(out, safe_serialization=True, **options)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    return out
 
 
 def _model_and_tokenizer(path: Path) -> tuple[Any, Any]:
     """The model config and tokenizer the checkpoint carries (every save writes them for an HF
     model); checkpoints without them are rebuilt from their run config."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from trainer.data import get_tokenizer
-    from trainer.modeling import model_config
-
     if (path / "config.json").is_file():
         config = AutoConfig.from_pretrained(path)
         has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
@@ -77,8 +108,6 @@ def _consolidated_state(path: Path, zero_stage: int) -> dict[str, torch.Tensor]:
             path / ckpt.DS_TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
         )
         return {k: v.float() for k, v in saved["module"].items()}
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
     return get_fp32_state_dict_from_zero_checkpoint(str(path), tag=ckpt.DS_TAG)
 
 

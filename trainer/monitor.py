@@ -1,201 +1,18 @@
-"""Throughput, model FLOPs and MFU, memory, and the metric writers (metrics.jsonl and TensorBoard).
+"""Memory of this rank: device and host peaks, and the bytes the engine holds in model states.
 
-The one rule: nothing here synchronises host and device except ``StepTimer.flush``, which the Trainer
-calls at a logging step. docs/observability.md defines each metric.
+Reading CUDA allocator counters does not synchronise the device, so these are safe at any step.
+docs/observability.md defines each metric; docs/memory.md compares them with the planner.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
 import resource
 import sys
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-# ---------------------------------------------------------------- FLOPs and peaks
-
-
-def model_flops_per_token(
-    n_params: int, n_layers: int, hidden_size: int, seq_len: int, n_embedding_params: int = 0
-) -> float:
-    """Training FLOPs per token: 6·N + 12·L·h·s.
-
-    N is the parameters that take part in matrix multiplies: all parameters minus
-    ``n_embedding_params``, the lookup tables (token embeddings not tied to the output layer, position
-    embeddings), which cost no multiply. Each such parameter costs 2 FLOPs per token forward and 4
-    backward. The attention scores (Q·Kᵀ) and their product with V add 2·2·s·h FLOPs per layer and
-    token forward, 3x that with backward: 12·L·h·s (the full s x s matrix, as the PaLM paper counts).
-    Activation recomputation is not counted: this is model FLOPs, the numerator of MFU.
-    """
-    return 6.0 * (n_params - n_embedding_params) + 12.0 * n_layers * hidden_size * seq_len
-
-
-def lookup_params(model: Any) -> int:
-    """Parameters of ``model``'s embedding tables that are only looked up (not tied to the output layer)."""
-    import torch
-
-    out_weight = None
-    if hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None:
-        out_weight = model.get_output_embeddings().weight
-    return sum(
-        _numel(m.weight)
-        for m in model.modules()
-        if isinstance(m, torch.nn.Embedding) and m.weight is not out_weight
-    )
-
-
-def _numel(p: Any) -> int:
-    # Under ZeRO-3 a parameter is a partitioned stub; ds_numel is its real size.
-    return int(getattr(p, "ds_numel", p.numel()))
-
-
-def flops_per_token_for_model(model: Any, seq_len: int) -> float:
-    """``model_flops_per_token`` for an HF causal LM, reading layers and hidden size from its config."""
-    unique = {id(p): _numel(p) for p in model.parameters()}  # tied weights once
-    cfg = model.config
-    return model_flops_per_token(
-        sum(unique.values()), cfg.num_hidden_layers, cfg.hidden_size, seq_len, lookup_params(model)
-    )
-
-
-# Dense (no 2:4 sparsity) peak TFLOP/s per GPU from the vendors' datasheets. "fp32" is the plain
-# (non-tensor-core) rate, which is what fp32 matmuls get unless TF32 is enabled; "tf32" the TF32
-# tensor-core rate. Entries are matched in order on the device name, so specific names come first.
-# A10G: AWS publishes no datasheet of its own; the A10's figures are used.
-PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
-    (r"H100.*NVL|H200.*NVL", {"bf16": 835, "fp16": 835, "tf32": 417.5, "fp32": 60}),
-    (r"H100.*PCIe", {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51}),
-    (r"H100|H200|H800|GH200", {"bf16": 989, "fp16": 989, "tf32": 494.5, "fp32": 67}),
-    (r"A100|A800", {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5}),
-    (r"B200", {"bf16": 2250, "fp16": 2250}),
-    (r"L40S", {"bf16": 362, "fp16": 362, "tf32": 183, "fp32": 91.6}),
-    (r"\bL4\b", {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30.3}),
-    (r"\bA10G?\b", {"bf16": 125, "fp16": 125, "tf32": 62.5, "fp32": 31.2}),
-    (r"V100.*PCI", {"fp16": 112, "fp32": 14}),
-    (r"V100", {"fp16": 125, "fp32": 15.7}),
-    (r"\bT4\b", {"fp16": 65, "fp32": 8.1}),
-    (r"RTX 4090", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6}),
-    (r"MI300X|MI325X", {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4}),
-]
-_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
-
-
-def peak_tflops(device_name: str, dtype: str) -> float | None:
-    """Dense peak TFLOP/s of a GPU for a compute dtype (bf16, fp16, tf32, fp32), or None if unknown."""
-    dtype = _DTYPE_NAMES.get(dtype.removeprefix("torch."), dtype)
-    for pattern, peaks in PEAK_TFLOPS:
-        if re.search(pattern, device_name, flags=re.IGNORECASE):
-            return peaks.get(dtype)
-    return None
-
-
-# ---------------------------------------------------------------- throughput
-
-
-def non_padding_tokens(batch: dict[str, Any]) -> Any:
-    """Tokens of a batch that are not padding: the attention mask's sum, else every input id.
-
-    Returns a tensor on the batch's device (summing it does not synchronise); pass it to
-    ``StepTimer.step_end`` as is.
-    """
-    mask = batch.get("attention_mask")
-    return mask.sum() if mask is not None else batch["input_ids"].numel()
-
-
-class StepTimer:
-    """Step time, throughput, model TFLOP/s and MFU over the window between two logging steps.
-
-    ``step_end`` only reads the host clock and adds counts, so it never waits for the device; the counts
-    may be ints or device tensors (added lazily, on the device). ``flush`` calls ``sync_fn`` once (e.g.
-    ``torch.cuda.synchronize``) so that the window's queued device work is finished before the clock is
-    read; as the previous flush also synced, the window's wall time is exact.
-
-    Counts passed to ``step_end`` are taken as global (all ranks). If they are this rank's, pass
-    ``all_reduce_sum`` to ``flush``: it gets ``[tokens, samples]`` of this rank's window and returns the
-    sums over ranks (one collective, at the logging step).
-
-    MFU's peak is ``peak_tflops_override`` if given, else the table's entry for ``device_name`` and
-    ``precision``; with neither, TFLOP/s is reported without MFU.
-    """
-
-    def __init__(
-        self,
-        flops_per_token: float | None = None,
-        device_name: str = "",
-        precision: str = "fp32",
-        peak_tflops_override: float | None = None,
-        world_size: int = 1,
-        clock: Callable[[], float] = time.perf_counter,
-    ):
-        self.flops_per_token = flops_per_token
-        self.peak = peak_tflops_override or (peak_tflops(device_name, precision) if device_name else None)
-        self.world_size = world_size
-        self.clock = clock
-        self.total_tokens = 0.0
-        self.total_samples = 0.0
-        self.elapsed_s = 0.0
-        self.start()
-
-    def start(self, sync_fn: Callable[[], None] | None = None) -> None:
-        """Begin a window now; call again after evaluation or a checkpoint so they are not counted.
-
-        Steps of the current window not yet flushed are dropped, so call it right after a flush.
-        """
-        if sync_fn is not None:
-            sync_fn()
-        self._t0 = self.clock()
-        self._steps = 0
-        self._tokens: Any = 0
-        self._samples: Any = 0
-
-    def step_end(self, tokens: Any, samples: Any) -> None:
-        self._steps += 1
-        self._tokens = self._tokens + tokens
-        self._samples = self._samples + samples
-
-    def flush(
-        self,
-        sync_fn: Callable[[], None] | None = None,
-        all_reduce_sum: Callable[[list[float]], list[float]] | None = None,
-        world_size: int | None = None,
-    ) -> dict[str, float]:
-        """Metrics of the window since the last flush (or start), then a new window; {} if no step ran.
-
-        ``world_size`` (default: the constructor's) is the number of devices sharing the FLOPs.
-        """
-        if sync_fn is not None:
-            sync_fn()
-        now = self.clock()
-        elapsed, steps = now - self._t0, self._steps
-        tokens, samples = float(self._tokens), float(self._samples)
-        if all_reduce_sum is not None:
-            tokens, samples = (float(v) for v in all_reduce_sum([tokens, samples]))
-        self._t0, self._steps, self._tokens, self._samples = now, 0, 0, 0
-        if steps == 0 or elapsed <= 0:
-            return {}
-        self.total_tokens += tokens
-        self.total_samples += samples
-        self.elapsed_s += elapsed
-        out = {
-            "step_time_s": elapsed / steps,
-            "tokens_per_second": tokens / elapsed,
-            "samples_per_second": samples / elapsed,
-            "total_tokens": self.total_tokens,
-            "train_time_s": self.elapsed_s,
-        }
-        if self.flops_per_token:
-            # Model FLOP/s per device: the FLOPs of the global token rate shared by the devices.
-            out["tflops"] = self.flops_per_token * tokens / elapsed / (world_size or self.world_size) / 1e12
-            if self.peak:
-                out["mfu"] = out["tflops"] / self.peak
-        return out
-
-
-# ---------------------------------------------------------------- memory
+import torch
 
 
 def _host_rss_bytes() -> int | None:
@@ -217,8 +34,6 @@ def memory_stats(device: Any = None) -> dict[str, int]:
     On a GPU the peak is since the last ``reset_peak_memory``; on CPU the process's peak RSS, which the
     OS never resets. Reading CUDA allocator counters does not synchronise the device.
     """
-    import torch
-
     device = torch.device(device) if device is not None else None
     rss = _host_rss_bytes()
     # The kernel updates the recorded peak lazily, so it can trail the current RSS by a few pages.
@@ -236,8 +51,6 @@ def memory_stats(device: Any = None) -> dict[str, int]:
 
 def reset_peak_memory(device: Any = None) -> None:
     """Start a new peak window on a GPU (a no-op on CPU, whose peak RSS cannot be reset)."""
-    import torch
-
     device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(device)
@@ -250,11 +63,9 @@ def engine_state_bytes(engine: Any) -> dict[str, int]:
     inner optimizer's states and the fp32 master weights it steps, when those are not the module's
     parameters, and the wrapper's fp32 partitions (attributes named ``*fp32*``). ``grads``: gradients
     of either, and the wrapper's gradient partitions and buffers (attributes named ``*grad*``).
-    ``other``: any further tensors of the wrapper (communication buckets). Meta tensors hold no memory and are skipped. Compare with
-    ``trainer.memory.model_state_bytes`` (docs/memory.md).
+    ``other``: any further tensors of the wrapper (communication buckets). Meta tensors hold no
+    memory and are skipped. Compare with ``trainer.planner.model_state_bytes`` (docs/memory.md).
     """
-    import torch
-
     seen: set[int] = set()
     out = {"params": 0, "grads": 0, "optimizer": 0, "other": 0}
 
@@ -289,8 +100,6 @@ def engine_state_bytes(engine: Any) -> dict[str, int]:
 
 def _tensors_in(value: Any, depth: int = 0) -> Iterable[Any]:
     """Tensors inside nested lists, tuples and dicts (not inside other objects)."""
-    import torch
-
     if isinstance(value, torch.Tensor):
         yield value
     elif depth < 4 and isinstance(value, (list, tuple)):
@@ -299,126 +108,3 @@ def _tensors_in(value: Any, depth: int = 0) -> Iterable[Any]:
     elif depth < 4 and isinstance(value, dict):
         for item in value.values():
             yield from _tensors_in(item, depth + 1)
-
-
-# ---------------------------------------------------------------- writers
-
-
-def _plain(value: Any) -> Any:
-    """A JSON-safe scalar: tensors and numpy numbers become Python numbers, NaN and inf become None."""
-    if hasattr(value, "item") and callable(value.item):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def tensorboard_tag(key: str) -> str:
-    """HF's layout: ``eval_loss`` -> ``eval/loss``, anything else -> ``train/<key>``."""
-    return f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
-
-
-class MetricsWriter:
-    """Appends one JSON object per row to ``output_dir/metrics.jsonl`` (and TensorBoard) on the main rank.
-
-    Each row is flushed as it is written, so a crashed run keeps every row logged before the crash.
-    The file is appended to, so a resumed run continues it; readers keep the last row of each step.
-    """
-
-    def __init__(self, output_dir: str, report_to: Iterable[str] = (), is_main: bool = True):
-        self.is_main = is_main
-        self.path = Path(output_dir) / "metrics.jsonl"
-        self._file = None
-        self._tb = None
-        if not is_main:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
-        if "tensorboard" in report_to:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "runs"))
-
-    def write(self, row: dict[str, Any]) -> None:
-        if self._file is None:
-            return
-        row = {key: _plain(value) for key, value in row.items()}
-        self._file.write(json.dumps(row, allow_nan=False) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            step = row.get("step")
-            for key, value in row.items():
-                if (
-                    key not in ("step", "epoch")
-                    and isinstance(value, (int, float))
-                    and not isinstance(value, bool)
-                ):
-                    self._tb.add_scalar(tensorboard_tag(key), value, global_step=step)
-            self._tb.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-
-
-def plot_runs(run_dirs: list[str], out_dir: str | None = None) -> list[str]:
-    """PNG plots of the runs' metrics (see ``trainer.plots.plot_runs``); matplotlib loads only here."""
-    from trainer.plots import plot_runs as _plot_runs
-
-    return _plot_runs(run_dirs, out_dir)
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl (a file or a run directory); a torn last line is skipped."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
-def summary_table(rows: list[dict[str, Any]]) -> str:
-    """End-of-training summary: total time, tokens, mean throughput, final and best eval loss."""
-    train = [r for r in rows if r.get("loss") is not None or r.get("tokens_per_second") is not None]
-    evals = [r for r in rows if r.get("eval_loss") is not None]
-    timed = [r for r in train if r.get("train_time_s") is not None]
-    items: list[tuple[str, str]] = []
-    if train:
-        items.append(("steps", str(max(int(r.get("step", 0)) for r in train))))
-    if timed:
-        last = timed[-1]
-        seconds, tokens = float(last["train_time_s"]), float(last.get("total_tokens", 0))
-        items.append(("train time", _duration(seconds)))
-        items.append(("tokens", f"{tokens:,.0f}"))
-        if seconds > 0:
-            items.append(("mean tokens/s", f"{tokens / seconds:,.1f}"))
-    mfus = [r["mfu"] for r in train if r.get("mfu") is not None]
-    if mfus:
-        items.append(("mean MFU", f"{100 * sum(mfus) / len(mfus):.1f}%"))
-    losses = [r for r in train if r.get("loss") is not None]
-    if losses:
-        items.append(("final train loss", f"{losses[-1]['loss']:.4f}"))
-    if evals:
-        best = min(evals, key=lambda r: r["eval_loss"])
-        items.append(("best eval loss", f"{best['eval_loss']:.4f} (step {best.get('step', '?')})"))
-    if not items:
-        return "no metrics logged"
-    width = max(len(k) for k, _ in items)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in items)
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"

@@ -13,7 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from trainer.monitor import read_metrics
+from trainer.metrics import read_metrics
 
 GB = 1e9
 

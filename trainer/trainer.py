@@ -51,17 +51,14 @@ from trainer.distributed import (
     warn,
 )
 from trainer.engine import Engine, build_engine
+from trainer.export import export_hf
 from trainer.faults import fault_plan
+from trainer.metrics import summary_table
 from trainer.modeling import enable_gradient_checkpointing
-from trainer.monitor import (
-    StepTimer,
-    flops_per_token_for_model,
-    memory_stats,
-    non_padding_tokens,
-    summary_table,
-)
+from trainer.monitor import memory_stats
 from trainer.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag, Watchdog
 from trainer.steps import check_resolved, keep_global_batch, plan_steps
+from trainer.throughput import StepTimer, flops_per_token_for_model, non_padding_tokens
 
 
 @dataclass
@@ -344,7 +341,7 @@ class Trainer:
         state_dict = self.engine.full_state_dict() if self.engine else self.model.state_dict()
         if self.dist.is_main:
             module = self.engine.module if self.engine else self.model
-            ckpt.export_hf(module, state_dict, self.processing_class, target)
+            export_hf(module, state_dict, self.processing_class, target)
         barrier("save_model")
         return target
 

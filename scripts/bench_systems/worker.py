@@ -69,7 +69,8 @@ def run(system: str, job: Job, gate: GateClient, rank: int, local_rank: int) -> 
     import deepspeed
     import torch
 
-    from trainer.monitor import flops_per_token_for_model, memory_stats
+    from trainer.monitor import memory_stats
+    from trainer.throughput import flops_per_token_for_model
 
     _import_all()
     cuda = job.device == "cuda"

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trainer import checkpoint as ckpt
+from trainer.cli import train as run_module
 from trainer.config.errors import ConfigError
 from trainer.distributed import DistInfo
 
@@ -177,7 +178,18 @@ def test_explicit_corrupt_path_is_one_error_naming_the_file(tmp_path):
         f"resume_from_checkpoint: {path}/ds/zero_pp_rank_0_mp_rank_00_optim_states.pt: "
         "checksum does not match the manifest"
     )
-    assert isinstance(err.value, ConfigError)  # the entry point prints it as one line and exits 2
+    assert not isinstance(err.value, ConfigError)  # a checkpoint problem, not a config one
+
+
+def test_the_entry_point_reports_a_checkpoint_error_as_bad_input(tmp_path, monkeypatch, capsys):
+    def refuse(run_config):
+        raise ckpt.CheckpointError(f"{tmp_path}: not a complete checkpoint")
+
+    monkeypatch.setattr(run_module, "parse_run_config", lambda argv: None)
+    monkeypatch.setattr(run_module, "run", refuse)
+    assert run_module.main([]) == run_module.EXIT_BAD_INPUT == 2
+    message = f"error: resume_from_checkpoint: {tmp_path}: not a complete checkpoint\n"
+    assert capsys.readouterr().err == message  # as before CheckpointError stopped being a ConfigError
 
 
 def test_explicit_path_without_marker_is_refused(tmp_path):
@@ -298,8 +310,3 @@ def test_a_committed_universal_copy_is_reused(tmp_path):
     assert ckpt.universal_copy(path, ONE) == path / "universal"  # no conversion: DeepSpeed not called
     assert (path / "universal" / "ds" / "zero" / "optimizer_state.pt").read_bytes() == b"converted"
     assert ckpt.verify(path) == []  # the checkpoint's own manifest is unaffected
-
-
-def test_export_refuses_an_empty_state_dict(tmp_path):
-    with pytest.raises(ValueError, match="empty state dict"):
-        ckpt.export_hf(torch.nn.Linear(2, 2), {}, None, tmp_path / "out")

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from trainer.config.errors import ConfigError
-from trainer.memory import (
+from trainer.planner import (
     GB,
     PRESETS,
     Cluster,

@@ -8,7 +8,7 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from trainer.memory import (
+from trainer.planner import (
     GB,
     Cluster,
     Setup,

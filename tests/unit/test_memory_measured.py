@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from tests.conftest import launch
-from trainer.memory import model_state_bytes
+from trainer.planner import model_state_bytes
 
 pytestmark = pytest.mark.distributed
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from trainer.cli.main import main
-from trainer.monitor import read_metrics
+from trainer.metrics import read_metrics
 from trainer.plots import build_figures, plot_runs, series
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from trainer.checkpoint import CheckpointError
+from trainer.config.errors import ConfigError
+from trainer.export import export_checkpoint
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="a complete checkpoint-<step> directory")
@@ -14,10 +18,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.checkpoint import CheckpointError
-    from trainer.config.errors import ConfigError
-    from trainer.export import export_checkpoint
-
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.dtype, args.max_shard_size)
     except (CheckpointError, ConfigError) as err:

@@ -7,8 +7,9 @@ import json
 import sys
 from typing import Any
 
+from trainer.config import generate
 from trainer.config.errors import ConfigError
-from trainer.memory import (
+from trainer.planner import (
     PRESETS,
     Cluster,
     ModelSpec,
@@ -18,7 +19,7 @@ from trainer.memory import (
     no_fit_message,
     spec_from_counts,
 )
-from trainer.memory import plan as make_plan
+from trainer.planner import plan as make_plan
 
 SIZE_FLAGS = ("params", "layers", "hidden", "heads", "vocab")
 
@@ -87,8 +88,6 @@ def deepspeed_config(
     setup: Setup, precision: str, micro_batch: int, world_size: int, hidden: int
 ) -> dict[str, Any]:
     """The DeepSpeed config a setup runs with, built through the schema."""
-    from trainer.config import generate
-
     return generate(
         zero_stage=setup.zero_stage,
         precision=precision,

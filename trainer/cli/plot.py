@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from trainer.plots import plot_runs
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", metavar="RUN", help="a run's output_dir (or its metrics.jsonl)")
@@ -17,8 +19,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.plots import plot_runs  # matplotlib loads only when plotting
-
     try:
         written = plot_runs(args.runs, args.output)
     except (FileNotFoundError, ValueError) as err:

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None, prog: str = "trainer train") -> int:
         return 0
     try:
         return run(parse_run_config(argv))
-    except ConfigError as err:
+    except (ConfigError, ckpt.CheckpointError) as err:
         # Every rank sees the same bad input; one message is enough.
         if dist_info().is_main:
             print(f"error: {err}", file=sys.stderr, flush=True)

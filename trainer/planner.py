@@ -395,6 +395,7 @@ def deepspeed_estimates(spec: ModelSpec, cluster: Cluster) -> dict[str, dict[str
 
     Imports deepspeed, so it is kept out of the planner's path; docs/memory.md compares the two.
     """
+    # Function-local on purpose: deepspeed is optional to the planner, which must answer without it.
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
