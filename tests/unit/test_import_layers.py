@@ -1,0 +1,121 @@
+"""The package's structure, checked from its source: imports form no cycle (function-local ones
+included), only the engines touch DeepSpeed's engine object, and scripts never edit sys.path."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "trainer"
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    return modules
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(sub) for sub in ast.walk(node))
+    return skipped
+
+
+def _imported(node: ast.AST, module: str, is_package: bool, modules: dict[str, Path]) -> list[str]:
+    """The project modules an import statement loads (``from pkg import mod`` loads ``pkg.mod``)."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            parent = module if is_package else module.rpartition(".")[0]
+            for _ in range(node.level - 1):
+                parent = parent.rpartition(".")[0]
+            base = f"{parent}.{base}" if base else parent
+        subs = [f"{base}.{alias.name}" for alias in node.names]
+        names = [s for s in subs if s in modules] or [base]
+    else:
+        return []
+    found = []
+    for name in names:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            found.append(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text())
+        skipped = _type_checking_nodes(tree)
+        graph[module] = {
+            target
+            for node in ast.walk(tree)
+            if id(node) not in skipped
+            for target in _imported(node, module, path.name == "__init__.py", modules)
+        }
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every module that can reach itself, with the path back (depth-first search)."""
+    found, done = [], set()
+
+    def visit(node: str, stack: list[str]) -> None:
+        if node in stack:
+            found.append(stack[stack.index(node) :] + [node])
+            return
+        if node in done:
+            return
+        for target in sorted(graph[node]):
+            visit(target, stack + [node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+    return found
+
+
+def test_no_import_cycles_counting_function_local_imports():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_config_imports_nothing_above_it():
+    graph = import_graph()
+    above = {
+        m: sorted(t for t in targets if not t.startswith("trainer.config")) for m, targets in graph.items()
+    }
+    assert {m: t for m, t in above.items() if m.startswith("trainer.config") and t} == {}
+
+
+def test_only_engines_touch_the_deepspeed_engine_object():
+    """``.ds`` is DeepSpeed's engine inside an Engine; the loop and everything else use the contract."""
+    touching = []
+    for module, path in _modules().items():
+        if module.startswith("trainer.engine"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "ds":
+                touching.append(f"{module}:{node.lineno}")
+    assert touching == []
+
+
+def test_no_script_or_test_edits_sys_path():
+    edits = []
+    for path in [*(ROOT / "scripts").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and ast.unparse(node) == "sys.path":
+                edits.append(str(path.relative_to(ROOT)))
+    assert edits == []
