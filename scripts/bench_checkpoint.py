@@ -31,14 +31,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trainer import checkpoint as ckpt  # noqa: E402
-from trainer.args import TrainingArguments  # noqa: E402
-from trainer.callbacks import TrainerState  # noqa: E402
-from trainer.config import resolve  # noqa: E402
-from trainer.distributed import barrier, detect_hardware, host_all_reduce, init_distributed  # noqa: E402
-from trainer.engine import Engine  # noqa: E402
+from trainer import checkpoint as ckpt
+from trainer.args import TrainingArguments
+from trainer.callbacks import TrainerState
+from trainer.config import resolve
+from trainer.distributed import barrier, detect_hardware, host_all_reduce, init_distributed
+from trainer.engine import Engine
 
 CHUNK = 4 << 20
 

@@ -19,10 +19,8 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from trainer.config.base import ConfigModel, nested_model  # noqa: E402

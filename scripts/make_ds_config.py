@@ -8,12 +8,8 @@ python scripts/make_ds_config.py validate my_ds.json --world-size 8
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trainer.cli.main import main  # noqa: E402
+from trainer.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["ds-config", *(sys.argv[1:] or ["presets"])]))
