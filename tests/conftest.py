@@ -1,82 +1,15 @@
-"""Shared helpers: launching real distributed runs in subprocesses."""
+"""Session fixtures and hooks; the helpers that launch runs are in ``tests/helpers/launch.py``."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-
-
-def run_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("DS_ACCELERATOR", "cpu")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(
-        OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"
-    )
-    env.update(extra)
-    return env
-
-
-def launch(
-    args: list[str],
-    nproc: int = 2,
-    launcher: str = "deepspeed",
-    timeout: int = 900,
-    check: bool = True,
-    env: dict[str, str] | None = None,
-) -> subprocess.CompletedProcess:
-    """Run a script under a real launcher; on failure the output is part of the assertion message."""
-    if launcher == "deepspeed":
-        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_free_port()), *args]
-    elif launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", f"--master_port={_free_port()}", *args]
-    elif launcher == "accelerate":
-        # --multi_gpu: without it accelerate starts one process where it sees no GPUs.
-        cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nproc),
-               "--main_process_port", str(_free_port()), *args]  # fmt: skip
-    else:
-        cmd = [sys.executable, *args]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=env or run_env(), capture_output=True, text=True, timeout=timeout
-    )
-    if check:
-        assert proc.returncode == 0, (
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
-        )
-    return proc
-
-
-def shm_buffers() -> set[str]:
-    """This user's DeepSpeed CPU all-reduce buffers now in /dev/shm."""
-    from trainer.distributed import SHM_BUFFER_PREFIX
-
-    return {p.name for p in Path("/dev/shm").glob(f"{SHM_BUFFER_PREFIX}{os.getuid()}_*")}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
 def session_tmp(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("session")
-
-
-def have_launcher() -> bool:
-    return shutil.which("deepspeed", path=str(BIN)) is not None
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

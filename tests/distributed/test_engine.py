@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import launch, shm_buffers
+from tests.helpers.launch import launch, shm_buffers
 
 pytestmark = pytest.mark.distributed
 
@@ -26,7 +26,7 @@ SCENARIOS = [
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine")
     before = shm_buffers()
-    launch(["tests/distributed/driver.py", str(out), *SCENARIOS])
+    launch(["tests/helpers/trainer_scenarios.py", str(out), *SCENARIOS])
     (out / "shm_left.json").write_text(json.dumps(sorted(shm_buffers() - before)))
     return out, json.loads((out / "results.json").read_text())
 
@@ -114,7 +114,7 @@ def test_trainer_export_of_each_zero_stage_gives_the_engines_logits(results, sta
     # checkpoint-20 of ZeRO 1 and 3 was saved asynchronously; 0 and 2 synchronously.
     from transformers import AutoModelForCausalLM
 
-    from tests.distributed.driver import tiny_config
+    from tests.helpers.trainer_scenarios import tiny_config
     from trainer.export import export_checkpoint
 
     out, _ = results

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import launch
+from tests.helpers.launch import launch
 
 pytestmark = pytest.mark.distributed
 
@@ -21,7 +21,7 @@ SCENARIOS = ["llama", "gpt2", "checkpoint"]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline")
-    proc = launch(["tests/distributed/pipeline_driver.py", str(out), *SCENARIOS])
+    proc = launch(["tests/helpers/pipeline_scenarios.py", str(out), *SCENARIOS])
     (out / "log.txt").write_text(proc.stdout)
     return out, json.loads((out / "results.json").read_text())
 
@@ -159,7 +159,7 @@ def test_predict_returns_the_trained_models_logits_in_dataset_order(results):
     """The plain engine's predict() against an HF forward of the exported weights, row by row."""
     from transformers import LlamaForCausalLM
 
-    from tests.distributed.pipeline_driver import llama_config, padded_dataset
+    from tests.helpers.pipeline_scenarios import llama_config, padded_dataset
 
     out, _ = results
     model = LlamaForCausalLM(llama_config(tied=False)).eval()

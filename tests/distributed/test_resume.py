@@ -1,6 +1,7 @@
 """Checkpoints through the real launcher: exact resume (ZeRO 0-3), corrupt checkpoints, a world-size
 change (2 ranks -> 1, and -> 3 when slow tests run), HF export. One 2-rank launch and one 1-rank
-launch serve every default test; ``resume_driver.py`` does the runs, these tests only compare."""
+launch serve every default test; ``tests/helpers/resume_scenarios.py`` does the runs, these tests only
+compare."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import re
 import pytest
 import torch
 
-from tests.conftest import launch
+from tests.helpers.launch import launch
 
 pytestmark = pytest.mark.distributed
 
-DRIVER = "tests/distributed/resume_driver.py"
+DRIVER = "tests/helpers/resume_scenarios.py"
 SAVE_AT = 5
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import launch
+from tests.helpers.launch import launch
 from tests.unit.test_checkpoint import flip_byte, make_checkpoint
 
 pytestmark = pytest.mark.distributed

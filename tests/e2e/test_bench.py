@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, launch
+from tests.helpers.launch import ROOT, launch
 
 sys.path.insert(0, str(ROOT / "scripts"))
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import launch
+from tests.helpers.launch import launch
 from trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.distributed

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import ROOT, launch
+from tests.helpers.launch import ROOT, launch
 
 
 @pytest.fixture(scope="module")

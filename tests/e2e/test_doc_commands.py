@@ -24,8 +24,8 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, run_env
 from tests.e2e.test_launch_matrix import CASES
+from tests.helpers.launch import ROOT, run_env
 
 PROGRAMS = ("deepspeed", "torchrun", "accelerate", "python", "trainer", "make", "sbatch")
 NOT_RUN = "# not run by the tests:"

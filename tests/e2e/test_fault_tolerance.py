@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import BIN, ROOT, _free_port, launch, run_env
+from tests.helpers.launch import BIN, ROOT, free_port, launch, run_env
 from trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.distributed
@@ -49,7 +49,7 @@ def torchrun_cmd(out: Path, max_restarts: int = 0) -> list[str]:
         str(BIN / "torchrun"),
         "--nproc_per_node=2",
         f"--max-restarts={max_restarts}",
-        f"--master_port={_free_port()}",
+        f"--master_port={free_port()}",
         "scripts/train.py",
         "--output_dir",
         str(out),

@@ -19,7 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, launch
+from tests.helpers.launch import ROOT, launch
 
 pytestmark = pytest.mark.distributed
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import BIN, ROOT, _free_port, launch, run_env
+from tests.helpers.launch import BIN, ROOT, free_port, launch, run_env
 
 pytestmark = pytest.mark.distributed
 
@@ -40,7 +40,7 @@ def one_node(runs) -> Path:
 
 def two_agents(out: Path, timeout: int = 900) -> list[subprocess.CompletedProcess]:
     """Two torchrun agents, one rank each, meeting through a c10d rendezvous on localhost."""
-    port, run_id = _free_port(), uuid.uuid4().hex[:8]
+    port, run_id = free_port(), uuid.uuid4().hex[:8]
     cmd = [str(BIN / "torchrun"), "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
            f"--rdzv_endpoint=localhost:{port}", f"--rdzv_id={run_id}",
            "scripts/train.py", "--output_dir", str(out), *TINY]  # fmt: skip

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers.launch import ROOT
 
 SLURM_ENV = {
     "SLURM_JOB_NODELIST": "gpu-[01-02]",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import launch
+from tests.helpers.launch import launch
 
 pytestmark = pytest.mark.distributed
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import ROOT, launch
+from tests.helpers.launch import ROOT, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -156,7 +156,7 @@ def test_fp16_on_cpu_is_refused_by_name(tmp_path):
 
 
 def test_hf_trainer_script_runs_with_our_import(tmp_path):
-    source = (ROOT / "tests" / "e2e" / "hf_script.py").read_text()
+    source = (ROOT / "tests" / "helpers" / "hf_trainer_script.py").read_text()
     hf_import = "from transformers import Trainer, TrainingArguments"
     assert hf_import in source
     ported = tmp_path / "ported.py"

@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def train(tmp_path, name: str, **overrides):
-    from tests.distributed.driver import learnable_dataset, run_trainer
+    from tests.helpers.trainer_scenarios import learnable_dataset, run_trainer
 
     return run_trainer(tmp_path, name, learnable_dataset(64), max_steps=12, learning_rate=3e-3, **overrides)
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import typing
 
-from tests.conftest import ROOT
+from tests.helpers.launch import ROOT
 from trainer.args import TrainingArguments
 from trainer.config.arguments import Shortcuts, TrainingArgs
 

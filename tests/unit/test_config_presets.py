@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.unit.ds_parser import deepspeed_errors
+from tests.helpers.deepspeed_config_parser import deepspeed_errors
+from tests.helpers.launch import ROOT
 from trainer.args import TrainingArguments
 from trainer.config import PRECISIONS, PRESETS, Hardware, preset_config, resolve, validate
 from trainer.config.presets import preset_files, stale_presets, write_presets

@@ -19,7 +19,7 @@ import pytest
 from annotated_types import Ge, Gt, Le, Lt
 from hypothesis import HealthCheck, assume, given, settings
 
-from tests.unit.ds_parser import deepspeed_parse
+from tests.helpers.deepspeed_config_parser import deepspeed_parse
 from trainer.config import ConfigError, DSConfig, validate
 from trainer.config.base import ConfigModel, _model_at, _strip_optional, literal_values
 from trainer.config.optim import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, ZERO_TESTED_OPTIMIZERS

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.helpers.launch import ROOT
 from trainer.args import TrainingArguments
 from trainer.cli.main import main
 from trainer.config import preset_config

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import launch
+from tests.helpers.launch import launch
 from trainer.planner import model_state_bytes
 
 pytestmark = pytest.mark.distributed

@@ -10,7 +10,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 import trainer
-from tests.conftest import ROOT
+from tests.helpers.launch import ROOT
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

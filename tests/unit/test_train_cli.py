@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import launch
+from tests.helpers.launch import launch
 from trainer.args import SECTIONS, run_help
 from trainer.config.reference import type_name
 

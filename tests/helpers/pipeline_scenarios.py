@@ -2,7 +2,7 @@
 
 Each scenario trains the same tiny model with and without a pipeline through the real ``Trainer``
 and writes losses into ``<out>/results.json`` and final weights into ``<out>/<scenario>/<run>.pt``.
-Usage: ``deepspeed --num_gpus N tests/distributed/pipeline_driver.py OUT SCENARIO [SCENARIO ...]``.
+Usage: ``deepspeed --num_gpus N tests/helpers/pipeline_scenarios.py OUT SCENARIO [SCENARIO ...]``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import deepspeed
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from tests.distributed.driver import StepsRun, grad_norms
+from tests.helpers.trainer_scenarios import StepsRun, grad_norms
 from trainer import Trainer, TrainingArguments
 from trainer.args import ModelArguments
 from trainer.config import resolve
@@ -214,7 +214,7 @@ def main() -> None:
     out, names = Path(argv[0]), argv[1:]
     init_distributed(detect_hardware())
     results = {name: SCENARIOS[name](out) for name in names}
-    barrier("pipeline_driver:done")
+    barrier("pipeline_scenarios:done")
     if dist_info().is_main:
         (out / "results.json").write_text(json.dumps(results, indent=1))
 

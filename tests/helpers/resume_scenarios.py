@@ -1,7 +1,7 @@
 """Checkpoint scenarios under the real ``deepspeed`` launcher: exact resume, corruption, world-size
 change, HF export. One launch runs many scenarios; the pytest side only compares.
 
-Usage: ``deepspeed --num_gpus N tests/distributed/resume_driver.py OUT SCENARIO [SCENARIO ...]``.
+Usage: ``deepspeed --num_gpus N tests/helpers/resume_scenarios.py OUT SCENARIO [SCENARIO ...]``.
 Each scenario returns a JSON-able dict; rank 0 writes ``OUT/results-<world size>.json``. Weights go
 to ``OUT/<scenario>/*.pt``. ``world_dst`` runs on 1 or 3 ranks and reads what ``world_src`` left.
 """
@@ -16,7 +16,14 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from tests.distributed.driver import TINY, StepsRun, engine_kind, make_model, save_weights, token_dataset
+from tests.helpers.trainer_scenarios import (
+    TINY,
+    StepsRun,
+    engine_kind,
+    make_model,
+    save_weights,
+    token_dataset,
+)
 from trainer import Trainer, TrainingArguments
 from trainer.callbacks import TrainerCallback
 from trainer.checkpoint import CheckpointError

@@ -2,7 +2,8 @@
 
 One launch serves many tests (each launch costs start-up time): every scenario writes its numbers
 into ``<out>/results.json`` and its weights into ``<out>/<scenario>/*.pt``; the pytest side only
-compares. Usage: ``deepspeed --num_gpus 2 tests/distributed/driver.py OUT SCENARIO [SCENARIO ...]``.
+compares.
+Usage: ``deepspeed --num_gpus 2 tests/helpers/trainer_scenarios.py OUT SCENARIO [SCENARIO ...]``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,9 @@
+"""What the tests run and share, kept apart from the tests themselves (pytest collects none of it).
+
+- ``launch``: runs a script under a real launcher (deepspeed, torchrun, accelerate, python).
+- ``trainer_scenarios``: engine and Trainer scenarios on 2 ranks; the tests compare their results.
+- ``resume_scenarios``: checkpoint scenarios (exact resume, corruption, world-size change, export).
+- ``pipeline_scenarios``: pipeline-parallel scenarios against the same model without a pipeline.
+- ``deepspeed_config_parser``: DeepSpeed's own parser run over configs in a one-rank child process.
+- ``hf_trainer_script``: an ordinary HF Trainer script; a test runs it with our Trainer import.
+"""
