@@ -16,24 +16,15 @@ docs/benchmarks.md explains the method and records the figures.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import secrets
 import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_systems.gate import Coordinator, Group, WorkerFailed  # noqa: E402
-from bench_systems.job import MODELS, SYSTEMS, Job, prepare_data  # noqa: E402
-from bench_systems.report import summarise, table, verdicts  # noqa: E402
-
-from trainer.distributed import sweep_orphan_shm_buffers  # noqa: E402
+from trainer.bench.job import MODELS, SYSTEMS, Job, prepare_data
+from trainer.bench.launch import run_systems, say
+from trainer.bench.report import describe, summarise, table, verdicts
+from trainer.distributed import sweep_orphan_shm_buffers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,111 +135,6 @@ def make_job(args: argparse.Namespace, out: Path) -> Job:
     )
 
 
-# ---------------------------------------------------------------- running the systems
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker_env(job: Job, token: str, n_systems: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env["BENCH_TOKEN"] = token
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    if job.device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
-        # The ranks of one system share the cores; the other systems wait for their turn.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.world_size)))
-    else:
-        # Host threads matter only while the systems build their models, all at once.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (job.world_size * n_systems))))
-        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    return env
-
-
-def start_group(coord: Coordinator, system: str, job: Job, out: Path, env: dict[str, str]) -> None:
-    log = out / "logs" / f"{system}.log"
-    cmd = [
-        sys.executable, "-m", "deepspeed.launcher.runner",
-        "--num_gpus", str(job.world_size), "--master_port", str(_free_port()),
-        str(Path(__file__).resolve()),
-        "--worker", system, "--job", str(out / "job.json"), "--gate", coord.address,
-    ]  # fmt: skip
-    with log.open("w") as handle:
-        # A session of its own, so a failure can stop the launcher and every rank it started.
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    coord.groups[system] = Group(system, proc, log)
-
-
-def run_systems(job: Job, systems: list[str], out: Path, start_timeout: float, step_timeout: float) -> dict:
-    """Start every system, hand the turn round until all finish; returns each rank's result."""
-    coord = Coordinator(secrets.token_hex(16))
-    env = worker_env(job, coord.token, len(systems))
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[dict]] = {}
-    try:
-        for system in systems:
-            start_group(coord, system, job, out, env)
-        t0 = time.monotonic()
-        coord.accept_all(job.world_size, start_timeout)
-        _say(f"{len(systems)} systems started ({time.monotonic() - t0:.0f}s); {job.chunk} step(s) a turn")
-        live, rounds = list(systems), 0
-        while live:
-            rounds += 1
-            if rounds in (2, 1 + -(-job.steps // job.chunk) // 2):
-                _say(f"round {rounds} of {-(-job.steps // job.chunk)} ({time.monotonic() - t0:.0f}s)")
-            for system in list(live):
-                messages = coord.turn(system, step_timeout)
-                if all("result" in m for m in messages):
-                    results[system] = [m["result"] for m in messages]
-                    live.remove(system)
-                elif any("result" in m for m in messages):
-                    raise WorkerFailed(f"{system}: its ranks disagree on when training ended")
-        for group in coord.groups.values():
-            if group.proc.wait(timeout=300) != 0:
-                raise WorkerFailed(
-                    f"{group.system}: the launcher exited with {group.proc.returncode}; see {group.log}"
-                )
-        return results
-    except (WorkerFailed, TimeoutError, subprocess.TimeoutExpired, ConnectionError, KeyboardInterrupt) as err:
-        _stop(coord)
-        for group in coord.groups.values():
-            _say(f"--- {group.system}: last lines of {group.log}\n" + _tail(group.log))
-        raise SystemExit(f"bench: {err}") from None
-    finally:
-        coord.close()
-
-
-def _stop(coord: Coordinator) -> None:
-    """Stop every launcher this run started, with all its ranks (each launcher leads its own session)."""
-    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        for group in coord.groups.values():
-            if group.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(group.proc.pid, sig)
-        for group in coord.groups.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                group.proc.wait(timeout=wait_s)
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _say(message: str) -> None:
-    print(f"bench: {message}", file=sys.stderr, flush=True)
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -256,22 +142,7 @@ def _terminated(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"stopped by signal {signum}")
 
 
-def describe(job: Job, summary: dict, results: dict) -> str:
-    first = next(iter(results.values()))[0]
-    gc = "on" if job.gradient_checkpointing else "off"
-    return (
-        f"job: Llama '{job.model}' {first['n_params'] / 1e6:.1f}M params, {job.precision}, ZeRO-{job.zero_stage}, "
-        f"activation checkpointing {gc}, {job.world_size} rank(s) ({first['device_name']}), seq {job.seq_len}, "
-        f"micro-batch {job.micro_batch} x accumulation {job.grad_accum} = {job.tokens_per_step} tokens/step, "
-        f"{job.steps} steps per system ({job.warmup} warm-up), {job.chunk} steps a turn, seed {job.seed}"
-    )
-
-
 def main(argv: list[str]) -> int:
-    if "--worker" in argv:
-        from bench_systems.worker import main as worker_main
-
-        return worker_main(argv)
     args = parse_args(argv)
     # A timeout's SIGTERM must still stop the launchers: they run in sessions of their own.
     signal.signal(signal.SIGTERM, _terminated)
@@ -279,7 +150,7 @@ def main(argv: list[str]) -> int:
     out = Path(args.out or ROOT / "output" / f"bench-{args.device}-z{args.zero_stage}{gc}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     job = make_job(args, out)
-    _say(f"preparing {job.num_samples} blocks of {job.seq_len} tokens ({args.data})")
+    say(f"preparing {job.num_samples} blocks of {job.seq_len} tokens ({args.data})")
     job.vocab_size = prepare_data(
         args.data, args.vocab_size, job.seq_len, job.num_samples, job.seed, out / "data.pt"
     )

@@ -14,11 +14,8 @@ import sys
 import pytest
 
 from tests.helpers.launch import ROOT, launch
-
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_systems.job import SYSTEMS, Job  # noqa: E402
-from bench_systems.report import summarise, verdicts  # noqa: E402
+from trainer.bench.job import SYSTEMS, Job
+from trainer.bench.report import summarise, verdicts
 
 KEYS = ("step_time_median_s", "tokens_per_second", "peak_memory_bytes", "final_loss")
 TINY = ["--device", "cpu", "--model", "tiny", "--steps", "4", "--warmup", "1", "--chunk", "1",
@@ -160,3 +157,45 @@ def test_summary_reports_mfu_on_gpus_against_the_table_peak():
     assert entry["model_tflops_per_gpu"] == pytest.approx(163.84)
     assert entry["mfu"] == pytest.approx(163.84 / 989)
     assert "cpu_time_median_s" not in entry
+
+
+# ---------------------------------------------------------------- launching, and the loop without the model
+
+
+def test_each_rank_is_the_worker_module_under_the_deepspeed_launcher():
+    from trainer.bench.launch import worker_command
+
+    cmd = worker_command("ours", _job(), ROOT / "job.json", "127.0.0.1:1234")
+    assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"]
+    at = cmd.index("--module")
+    assert cmd[at + 1 :] == ["trainer.bench.worker", "--system", "ours", "--job", str(ROOT / "job.json"),
+                             "--gate", "127.0.0.1:1234"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.bench.worker", "--help"], cwd=ROOT, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "--system" in proc.stdout
+
+
+def test_count_only_engine_leaves_out_the_model_and_forwards_everything_else():
+    import torch
+
+    from trainer.bench.loop_overhead import CountOnlyEngine
+
+    class FakeEngine:
+        device = torch.device("cpu")
+        lr_scale = 1.0
+
+        def local_targets(self, window):
+            return float(sum(len(b["labels"]) for b in window))
+
+        def train_window(self, window, window_tokens):
+            raise AssertionError("the model must not run")
+
+    engine = FakeEngine()
+    wrapped = CountOnlyEngine(engine)
+    loss = wrapped.train_window([{"labels": [1, 2, 3]}], 3.0)
+    assert loss.item() == 0.0 and loss.device == engine.device
+    wrapped.lr_scale = 0.5  # writes reach the engine the Trainer reads back
+    assert engine.lr_scale == 0.5 and wrapped.lr_scale == 0.5
+    assert wrapped.local_targets([{"labels": [1]}]) == 1.0

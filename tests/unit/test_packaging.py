@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import subprocess
+import sys
 
 import pytest
 from packaging.requirements import Requirement
@@ -53,3 +55,18 @@ def test_installed_versions_are_inside_the_declared_ranges():
     for name, req in declared().items():
         installed = re.sub(r"\+.*", "", importlib.metadata.version(name))  # 2.13.0+cpu -> 2.13.0
         assert req.specifier.contains(installed, prereleases=True), f"{name} {installed} not in {req}"
+
+
+def test_the_benchmark_is_packaged_but_not_imported_by_the_package():
+    """``trainer.bench`` ships with the distribution; ``import trainer`` and the config CLI's
+    ``trainer.config`` stay light and never load it."""
+    setuptools = pytest.importorskip("setuptools")
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert "trainer.bench" in setuptools.find_packages(str(ROOT), **find)
+    code = (
+        "import sys, trainer, trainer.config; "
+        "print(sorted(m for m in sys.modules if m.startswith('trainer.bench')))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from bench_systems.job import SYSTEMS, Job
+from trainer.bench.job import SYSTEMS, Job
 
 METRICS = ("step_time_median_s", "tokens_per_second", "peak_memory_bytes", "final_loss")
 
@@ -89,6 +89,18 @@ def _mfu(job: Job, tokens_per_second: float, rank0: dict[str, Any]) -> dict[str,
         "mfu": tflops / peak if peak else None,
         "device_name": rank0["device_name"],
     }
+
+
+def describe(job: Job, summary: dict[str, dict[str, Any]], results: dict[str, list[dict[str, Any]]]) -> str:
+    """The report's first line: the job, in words."""
+    first = next(iter(results.values()))[0]
+    gc = "on" if job.gradient_checkpointing else "off"
+    return (
+        f"job: Llama '{job.model}' {first['n_params'] / 1e6:.1f}M params, {job.precision}, ZeRO-{job.zero_stage}, "
+        f"activation checkpointing {gc}, {job.world_size} rank(s) ({first['device_name']}), seq {job.seq_len}, "
+        f"micro-batch {job.micro_batch} x accumulation {job.grad_accum} = {job.tokens_per_step} tokens/step, "
+        f"{job.steps} steps per system ({job.warmup} warm-up), {job.chunk} steps a turn, seed {job.seed}"
+    )
 
 
 def table(job: Job, summary: dict[str, dict[str, Any]]) -> str:

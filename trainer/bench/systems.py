@@ -19,8 +19,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench_systems.gate import StepClock
-from bench_systems.job import Job, collate
+from trainer.bench.gate import StepClock
+from trainer.bench.job import Job, collate
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""One rank of one system, started by the DeepSpeed launcher:
-``bench.py --worker SYSTEM --job JOB.json --gate HOST:PORT`` (plus the launcher's ``--local_rank``).
+"""One rank of one system, started by the DeepSpeed launcher as a module (``--module``):
+``python -m trainer.bench.worker --system SYSTEM --job JOB.json --gate HOST:PORT`` (plus the
+launcher's ``--local_rank``).
 
 It joins the process group, trains the job with its system while the step clock takes turns with the
 other systems, and sends the coordinator its step times, final loss and peak memory.
@@ -11,20 +12,21 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import traceback
 from pathlib import Path
 from typing import Any
 
-from bench_systems.gate import GateClient, StepClock
-from bench_systems.job import Job
-from bench_systems.systems import RUNNERS
+from trainer.bench.gate import GateClient, StepClock
+from trainer.bench.job import Job
+from trainer.bench.systems import RUNNERS
 
 PROFILED_SYSTEMS = ("ours",)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="bench.py --worker")
-    parser.add_argument("--worker", choices=sorted(RUNNERS), required=True)
+    parser = argparse.ArgumentParser(prog="python -m trainer.bench.worker")
+    parser.add_argument("--system", choices=sorted(RUNNERS), required=True)
     parser.add_argument("--job", required=True)
     parser.add_argument("--gate", required=True)
     parser.add_argument("--local_rank", type=int, default=None)  # the launcher's; LOCAL_RANK is read instead
@@ -34,9 +36,9 @@ def main(argv: list[str]) -> int:
 
     info = dist_info()
     job = Job.load(args.job)
-    gate = GateClient(args.gate, os.environ["BENCH_TOKEN"], args.worker, info.rank)
+    gate = GateClient(args.gate, os.environ["BENCH_TOKEN"], args.system, info.rank)
     try:
-        result = run(args.worker, job, gate, info.rank, info.local_rank)
+        result = run(args.system, job, gate, info.rank, info.local_rank)
     except BaseException:
         with contextlib.suppress(OSError):
             gate.send({"error": traceback.format_exc()[-6000:]})
@@ -181,3 +183,7 @@ def _write_profile(prof: Any, wall_s: float, directory: Path, system: str, cuda:
     (directory / f"{system}_profile_summary.json").write_text(json.dumps(summary, indent=1))
     (directory / f"{system}_profile.txt").write_text(events.table(sort_by=sort, row_limit=30))
     prof.export_chrome_trace(str(directory / f"{system}_trace.json.gz"))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

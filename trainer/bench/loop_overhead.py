@@ -1,12 +1,13 @@
 """The cost of the loop around the engine, without the model: our Trainer against a bare loop.
 
-    deepspeed --num_gpus 2 scripts/bench_systems/loop_overhead.py [--steps 2000]
+    deepspeed --num_gpus 2 --module trainer.bench.loop_overhead [--steps 2000]
 
 Both read the same blocks through the same DataLoader and sampler and sum the window's target
-tokens over the ranks as our engine does; the forward, backward and optimizer step are left out
-(the Trainer's engine gets a ``train_window`` that only counts tokens). What remains per step is the
-Python and host work a loop adds: callbacks, state, the throughput timer, the per-step votes. A
-third line times one host all-reduce on the gloo control group, the unit those votes cost.
+tokens over the ranks with one host all-reduce, as our Trainer's per-step vote does; the forward,
+backward and optimizer step are left out (once the Trainer has built its engine, a callback wraps it
+in ``CountOnlyEngine``, whose ``train_window`` returns a zero loss and runs nothing). What remains per
+step is the Python and host work a loop adds: callbacks, state, the throughput timer, the per-step
+vote. A third line times one host all-reduce on the gloo control group, the unit that vote costs.
 
 The full benchmark (scripts/bench.py) cannot resolve differences this small on a shared CPU; this
 measures them directly. Results are printed per rank.
@@ -15,13 +16,52 @@ measures them directly. Results are printed per rank.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-from bench_systems.job import BlockDataset, Job, collate  # noqa: E402
+from trainer.bench.job import BlockDataset, Job, collate
+from trainer.callbacks import TrainerCallback
+from trainer.distributed import host_all_reduce
+
+
+def count_only(engine: Any, window: list[dict[str, Any]]) -> float:
+    """The bare loop's step: the window's target tokens on all ranks (the engine's host-side count,
+    summed over the gloo control group), as the Trainer's vote has them before each step."""
+    return max(host_all_reduce([engine.local_targets(window)])[0], 1.0)
+
+
+class CountOnlyEngine:
+    """The Trainer's engine with the model left out: ``train_window`` returns a zero loss without a
+    forward, backward or optimizer step (the loop's vote has counted the window's tokens already);
+    every other attribute, read or written, is the wrapped engine's."""
+
+    def __init__(self, engine: Any):
+        object.__setattr__(self, "_engine", engine)
+
+    def train_window(self, window: list[dict[str, Any]], *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros((), device=self._engine.device)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._engine, name, value)
+
+
+class LeaveOutTheModel(TrainerCallback):
+    """At train begin (the Trainer has built its engine by then), wraps ``trainer.engine`` in a
+    ``CountOnlyEngine``; ``engine`` keeps the engine itself."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self.engine: Any = None
+
+    def on_train_begin(self, *a, **k):
+        if self.engine is None:
+            self.engine = self.trainer.engine
+            self.trainer.engine = CountOnlyEngine(self.engine)
 
 
 def main() -> None:
@@ -32,24 +72,17 @@ def main() -> None:
     args = parser.parse_args()
 
     import deepspeed
-    import torch
     from torch.utils.data import DataLoader
 
-    import trainer.engine as engine_module
     from trainer import Trainer
-    from trainer.callbacks import TrainerCallback
     from trainer.data import ResumableDistributedSampler
-    from trainer.distributed import dist_info, host_all_reduce
+    from trainer.distributed import dist_info
 
     info = dist_info()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     steps, micro = args.steps, 4
     dataset = BlockDataset(torch.randint(0, 100, (steps * micro * info.world_size, 32)))
 
-    def count_only(self, window, **_):
-        return torch.zeros(()), self.window_targets(window)
-
-    engine_module.Engine.train_window = count_only
     job = Job(
         device="cpu", model="tiny", vocab_size=100, seq_len=32, micro_batch=micro, grad_accum=1, steps=steps,
         warmup=0, chunk=steps, zero_stage=0, precision="fp32", gradient_checkpointing=False, seed=42,
@@ -64,19 +97,21 @@ def main() -> None:
         def on_train_end(self, *a, **k):
             self.wall, self.cpu = time.perf_counter() - self.t0, time.process_time() - self.c0
 
-    clock = Clock()
     trainer = Trainer(
         model=job.build_model(job.ds_config()),
         args=job.training_args(job.out_dir),
         train_dataset=dataset,
         data_collator=collate,
-        callbacks=[clock],
     )
+    without_model, clock = LeaveOutTheModel(trainer), Clock()
+    trainer.add_callback(without_model)  # before the clock: the clock starts on the wrapped engine
+    trainer.add_callback(clock)
     trainer.train()
     report(info.rank, "our Trainer loop", clock.wall, clock.cpu, steps)
     sampler = ResumableDistributedSampler(len(dataset), info.world_size, info.rank, seed=42)
     loader = DataLoader(dataset, batch_size=micro, sampler=sampler, collate_fn=collate)
-    timed(info.rank, "bare loop", steps, lambda: [count_only(trainer.engine, [batch]) for batch in loader])
+    engine = without_model.engine  # the bare loop counts with the engine itself, not the wrapper
+    timed(info.rank, "bare loop", steps, lambda: [count_only(engine, [batch]) for batch in loader])
     timed(info.rank, "one host all-reduce", steps, lambda: [host_all_reduce([0.0]) for _ in range(steps)])
 
 
