@@ -36,7 +36,7 @@ from trainer.args import TrainingArguments
 from trainer.callbacks import TrainerState
 from trainer.config import resolve
 from trainer.distributed import barrier, detect_hardware, host_all_reduce, init_distributed
-from trainer.engine import Engine
+from trainer.engine import DeepSpeedEngine, Engine
 
 CHUNK = 4 << 20
 
@@ -69,9 +69,16 @@ def build_engine(args: argparse.Namespace, train_args: TrainingArguments, world:
     )
     torch.manual_seed(0)
     ds_config = resolve(train_args, world, detect_hardware(), hidden_size=args.hidden_size, total_steps=10)
-    engine = Engine(LlamaForCausalLM(config), ds_config, weight_decay=0.0)
-    engine.train_window([one_batch(args.vocab_size)])
+    engine = DeepSpeedEngine(LlamaForCausalLM(config), ds_config, weight_decay=0.0)
+    train_step(engine, one_batch(args.vocab_size))
     return engine, ds_config
+
+
+def train_step(engine: Engine, batch: dict[str, torch.Tensor]) -> None:
+    """One optimizer step on one micro-batch, its target tokens summed over the ranks first (the
+    Trainer's per-step vote)."""
+    window = [batch]
+    engine.train_window(window, max(host_all_reduce([engine.local_targets(window)])[0], 1.0))
 
 
 def one_batch(vocab_size: int) -> dict[str, torch.Tensor]:
@@ -127,13 +134,13 @@ def timed_save(engine: Engine, saver: ckpt.Saver, state: TrainerState) -> dict[s
     blocked = time.perf_counter() - start
     steps = 0
     if committed is None:  # asynchronous: train while the writer works, voting as the Trainer's loop does
-        batch = one_batch(engine.ds.module.config.vocab_size)
+        batch = one_batch(engine.module.config.vocab_size)
         while committed is None:
             (written,) = host_all_reduce([float(saver.written())])
             before_commit = time.perf_counter()
             committed = saver.commit_if_written(written)
             if committed is None:
-                engine.train_window([batch])
+                train_step(engine, batch)
                 steps += 1
         blocked += time.perf_counter() - before_commit
     total = time.perf_counter() - start
@@ -187,7 +194,7 @@ def summarise(args, world, nbytes, rows, raw, dd, engine) -> dict:
     med = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in rows.items()}
     report = {
         "model_params": sum(
-            p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.ds.module.parameters()
+            p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters()
         ),
         "zero_stage": args.zero_stage,
         "world_size": world,
