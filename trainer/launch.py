@@ -37,13 +37,15 @@ def build_run(
     callbacks: list[TrainerCallback] | None = None,
 ) -> Trainer:
     """A Trainer for ``run_config``, its model built. The tokenizer, the datasets and the model's HF
-    config come from ``run_config`` unless given (tests and benchmarks bring their own)."""
+    config come from ``run_config`` unless given (tests and benchmarks bring their own; either
+    dataset alone counts as given, so an evaluation-only run loads no training data)."""
     args, model_args, data_args = run_config.training, run_config.model, run_config.data
     hardware = detect_hardware()
     dist = init_distributed(hardware)
-    if tokenizer is None and (train_dataset is None or config is None):
+    given_data = train_dataset is not None or eval_dataset is not None
+    if tokenizer is None and (not given_data or config is None):
         tokenizer = get_tokenizer(model_args, data_args)
-    if train_dataset is None:
+    if not given_data:
         train_dataset, eval_dataset = build_datasets(data_args, tokenizer, seed=args.seed)
         if eval_dataset is not None and data_args.max_eval_samples:
             eval_dataset = eval_dataset.select(range(min(data_args.max_eval_samples, len(eval_dataset))))
@@ -51,12 +53,16 @@ def build_run(
     checkpoint = ckpt.resume_candidate(args.resume_from_checkpoint, args.output_dir)
     if checkpoint is not None:
         keep_global_batch(args, checkpoint, dist.world_size)
+    # An evaluation-only run has no training length; the schedule then spans max_steps (or one step).
+    steps = max(args.max_steps, 1)
+    if train_dataset is not None:
+        steps = plan_steps(args, len(train_dataset), dist.world_size).max_steps
     ds_config = resolve(
         run_config,
         world_size=dist.world_size,
         hardware=hardware,
         hidden_size=hidden_size_of(config),
-        total_steps=plan_steps(args, len(train_dataset), dist.world_size).max_steps,
+        total_steps=steps,
     )
     set_seed(args.seed)
     model: torch.nn.Module = build_model(

@@ -16,15 +16,11 @@ import deepspeed
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from tests.helpers.trainer_scenarios import StepsRun, grad_norms
+from tests.helpers.trainer_scenarios import StepsRun, build_tiny_run, grad_norms
 from trainer import Trainer, TrainingArguments
-from trainer.args import ModelArguments
-from trainer.config import resolve
 from trainer.data import CausalLMCollator
 from trainer.distributed import barrier, detect_hardware, dist_info, init_distributed
 from trainer.engine import causal_lm_loss_sum
-from trainer.modeling import build_model
-from trainer.trainer import set_seed
 
 VOCAB = 256
 LLAMA = dict(
@@ -91,12 +87,8 @@ def train(out: Path, name: str, config, train_ds, eval_ds=None, **overrides) -> 
         # A PipelineEngine leaves its topology in DeepSpeed's process-wide groups; a plain engine
         # built later in the same process would read it (wrong data-parallel size, then a crash).
         deepspeed.utils.groups.mpu = None
-    ds_config = resolve(args, dist_info().world_size, detect_hardware(), hidden_size=64, total_steps=1)
-    set_seed(0)
-    model = build_model(ModelArguments(), config, ds_config, seed=0)
     ran = StepsRun()
-    trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                      data_collator=CausalLMCollator(0), callbacks=[ran])  # fmt: skip
+    trainer = build_tiny_run(args, train_ds, eval_ds, callbacks=[ran], config=config)
     trainer.train()
     trainer.ran = ran.report()  # the step this process began at, and the steps it trained
     return trainer

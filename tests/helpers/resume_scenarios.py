@@ -17,17 +17,15 @@ import deepspeed
 import torch
 
 from tests.helpers.trainer_scenarios import (
-    TINY,
     StepsRun,
+    build_tiny_run,
     engine_kind,
-    make_model,
     save_weights,
     token_dataset,
 )
 from trainer import Trainer, TrainingArguments
 from trainer.callbacks import TrainerCallback
 from trainer.checkpoint import CheckpointError
-from trainer.config import resolve
 from trainer.data import CausalLMCollator
 from trainer.distributed import all_gather_object, barrier, detect_hardware, dist_info, init_distributed
 
@@ -53,15 +51,8 @@ def build(out_dir: Path, resume: str | None = None, callbacks=None, **overrides)
         seed=0,
         resume_from_checkpoint=resume,
     )
-    args = TrainingArguments(**{**fields, **overrides})
-    world = dist_info().world_size
-    ds_config = resolve(args, world, detect_hardware(), hidden_size=TINY["hidden_size"], total_steps=STEPS)
-    return Trainer(
-        model=make_model(ds_config),
-        args=args,
-        train_dataset=token_dataset(DATA),
-        data_collator=CausalLMCollator(0),
-        callbacks=callbacks,
+    return build_tiny_run(
+        TrainingArguments(**{**fields, **overrides}), token_dataset(DATA), callbacks=callbacks
     )
 
 

@@ -9,24 +9,28 @@ Usage: ``deepspeed --num_gpus 2 tests/helpers/trainer_scenarios.py OUT SCENARIO 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import datasets
+import deepspeed
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer import Trainer, TrainingArguments
-from trainer.args import ModelArguments
+from trainer.args import RunConfig
 from trainer.callbacks import TrainerCallback
 from trainer.checkpoint_writer import FileWriter
-from trainer.config import resolve
 from trainer.data import CausalLMCollator, ResumableDistributedSampler
-from trainer.distributed import barrier, detect_hardware, dist_info, init_distributed
-from trainer.engine import Engine, causal_lm_loss_sum, count_targets
-from trainer.modeling import build_model, init_weights
+from trainer.distributed import all_gather_object, barrier, detect_hardware, dist_info, init_distributed
+from trainer.engine import DeepSpeedEngine, causal_lm_loss_sum, count_targets
+from trainer.faults import FaultInjection
+from trainer.launch import build_run
+from trainer.modeling import init_weights
+from trainer.resilience import EXIT_NONFINITE
 from trainer.trainer import set_seed
 
 VOCAB = 256
@@ -58,9 +62,19 @@ def learnable_dataset(n: int) -> datasets.Dataset:
     )
 
 
-def make_model(ds_config: dict) -> torch.nn.Module:
-    set_seed(0)
-    return build_model(ModelArguments(), tiny_config(), ds_config, seed=0)
+def build_tiny_run(
+    args: TrainingArguments, train_ds=None, eval_ds=None, callbacks=None, config=None
+) -> Trainer:
+    """The tiny model's run, built as every run is (``build_run``), on token datasets of our own."""
+    run = RunConfig(training=args)
+    return build_run(
+        run,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        config=config or tiny_config(),
+        data_collator=CausalLMCollator(0),
+        callbacks=callbacks,
+    )
 
 
 def run_trainer(
@@ -84,20 +98,9 @@ def run_trainer(
         disable_tqdm=True,
         seed=0,
     )
-    args = TrainingArguments(**{**fields, **overrides})
-    ds_config = resolve(
-        args, dist_info().world_size, detect_hardware(), hidden_size=TINY["hidden_size"], total_steps=1
-    )
-    model = make_model(ds_config)
+    trainer = build_tiny_run(TrainingArguments(**{**fields, **overrides}), train_ds, callbacks=callbacks)
     if prepare is not None:
-        prepare(model)
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=train_ds,
-        data_collator=CausalLMCollator(0),
-        callbacks=callbacks,
-    )
+        prepare(trainer.model)
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     return trainer, losses
@@ -395,8 +398,6 @@ class CheckpointedMLP(torch.nn.Module):
         self.calls = 0
 
     def forward(self, x):
-        import deepspeed
-
         for block in self.blocks:
             if self.use_checkpointing:
                 self.calls += 1
@@ -418,7 +419,7 @@ def custom_model_grads(mode: str, section: dict | None = None) -> dict:
         "activation_checkpointing": section or {"partition_activations": False, "cpu_checkpointing": False},
         "steps_per_print": 10**9,
     }
-    engine = Engine(model, config)
+    engine = DeepSpeedEngine(model, config)
     x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(3), requires_grad=True)
     engine.ds.set_gradient_accumulation_boundary(True)
     loss = engine.ds(x).pow(2).sum()
@@ -475,17 +476,9 @@ def evaluate_zero3(out: Path) -> dict:
     """evaluate() under ZeRO-3 with 13 samples on 2 ranks (one padded row) against plain torch."""
     data = token_dataset(13, seed=4)
     args = TrainingArguments(
-        output_dir=str(out / "eval_z3"), zero_stage=3, per_device_eval_batch_size=4, disable_tqdm=True
+        output_dir=str(out / "eval_z3"), zero_stage=3, per_device_eval_batch_size=4, disable_tqdm=True, seed=0
     )
-    ds_config = resolve(
-        args, dist_info().world_size, detect_hardware(), hidden_size=TINY["hidden_size"], total_steps=1
-    )
-    trainer = Trainer(
-        model=make_model(ds_config), args=args, eval_dataset=data, data_collator=CausalLMCollator(0)
-    )
-    metrics = trainer.evaluate()
-    from trainer.distributed import all_gather_object
-
+    metrics = build_tiny_run(args, eval_ds=data).evaluate()
     per_rank = all_gather_object(metrics["eval_loss"])
     model = LlamaForCausalLM(tiny_config())
     init_weights(model, seed=0)
@@ -500,20 +493,15 @@ def evaluate_zero3(out: Path) -> dict:
 
 def nonfinite(out: Path) -> dict:
     """A NaN loss injected at step 6 under each policy (checkpoints every 4 steps)."""
-    import math
-    import os
-
-    from trainer.resilience import EXIT_NONFINITE
-
     data = learnable_dataset(64)
     result = {}
     for policy in ("skip", "rollback", "stop"):
-        os.environ["TRAINER_FAULT"] = "nan:step=6"
         try:
             trainer, losses = run_trainer(
                 out,
                 f"nan_{policy}",
                 data,
+                callbacks=[FaultInjection({"kind": "nan", "step": 6})],
                 zero_stage=2,
                 max_steps=10,
                 save_steps=4,
@@ -538,8 +526,6 @@ def nonfinite(out: Path) -> dict:
             }
         except SystemExit as stop:
             result[policy] = {"exit": stop.code, "expected": EXIT_NONFINITE}
-        finally:
-            del os.environ["TRAINER_FAULT"]
         saved = sorted(p.name for p in (out / f"nan_{policy}").glob("checkpoint-*"))
         result[policy]["checkpoints"] = saved
     return result

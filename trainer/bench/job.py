@@ -127,6 +127,12 @@ class Job:
             gradient_checkpointing=self.gradient_checkpointing,
         )
 
+    def run_config(self, output_dir: str) -> Any:
+        """The job as our run config (what ``build_run`` builds the "ours" system from)."""
+        from trainer.args import ModelArguments, RunConfig
+
+        return RunConfig(training=self.training_args(output_dir), model=ModelArguments(model_type="llama"))
+
     def ds_config(self) -> dict[str, Any]:
         """The DeepSpeed config of the job, as our Trainer resolves it for these arguments."""
         from trainer.config import resolve

@@ -74,9 +74,9 @@ def main() -> None:
     import deepspeed
     from torch.utils.data import DataLoader
 
-    from trainer import Trainer
     from trainer.data import ResumableDistributedSampler
     from trainer.distributed import dist_info
+    from trainer.launch import build_run
 
     info = dist_info()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
@@ -97,11 +97,8 @@ def main() -> None:
         def on_train_end(self, *a, **k):
             self.wall, self.cpu = time.perf_counter() - self.t0, time.process_time() - self.c0
 
-    trainer = Trainer(
-        model=job.build_model(job.ds_config()),
-        args=job.training_args(job.out_dir),
-        train_dataset=dataset,
-        data_collator=collate,
+    trainer = build_run(
+        job.run_config(job.out_dir), train_dataset=dataset, config=job.model_config(), data_collator=collate
     )
     without_model, clock = LeaveOutTheModel(trainer), Clock()
     trainer.add_callback(without_model)  # before the clock: the clock starts on the wrapped engine

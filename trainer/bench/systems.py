@@ -42,8 +42,8 @@ def _last_loss(log_history: list[dict[str, Any]]) -> float:
 
 
 def run_ours(job: Job, ds_config: dict[str, Any], dataset: Any, clock: StepClock, out: str) -> Outcome:
-    from trainer import Trainer
     from trainer.callbacks import TrainerCallback
+    from trainer.launch import build_run
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
@@ -56,11 +56,10 @@ def run_ours(job: Job, ds_config: dict[str, Any], dataset: Any, clock: StepClock
                 control.should_log = True
             return control
 
-    model = job.build_model(ds_config)
-    trainer = Trainer(
-        model=model,
-        args=job.training_args(out),
+    trainer = build_run(
+        job.run_config(out),
         train_dataset=dataset,
+        config=job.model_config(),
         data_collator=collate,
         callbacks=[Clock()],
     )
