@@ -160,6 +160,7 @@ def test_unmarked_and_staging_directories_are_never_loaded(two_ranks):
         "checkpoint-5",
         "ds_config.json",
         "metrics.jsonl",
+        "run_config.yaml",
     ]
     assert not (where / "checkpoint-12" / "COMPLETE").exists()
     # checkpoint-10 was re-saved by the resumed run and is sound again.
