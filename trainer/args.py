@@ -48,6 +48,38 @@ class _Args(BaseModel):
         return self.model_dump(mode="json")
 
 
+# HF optimizer names (by prefix) with no DeepSpeed optimizer behind them, and what to use instead.
+_ADAMW = "use adamw_torch (or adamw_fused)"
+REFUSED_OPTIMIZERS = {
+    "adamw_torch_xla": f"needs torch_xla, not DeepSpeed; {_ADAMW}",
+    "adamw_torch_npu": f"needs an Ascend NPU, not DeepSpeed; {_ADAMW}",
+    "adamw_torch_4bit": f"a torchao low-bit optimizer, which DeepSpeed's ZeRO does not partition; {_ADAMW}",
+    "adamw_torch_8bit": f"a torchao low-bit optimizer, which DeepSpeed's ZeRO does not partition; {_ADAMW}",
+    "adamw_anyprecision": f"a torchdistx optimizer DeepSpeed does not drive; {_ADAMW}",
+    "adafactor": f"DeepSpeed has no Adafactor; {_ADAMW}",
+    "ademamix": f"DeepSpeed has no AdEMAMix; {_ADAMW}",
+    "adamw_bnb": f"bitsandbytes optimizers are not supported with DeepSpeed's ZeRO here; {_ADAMW}",
+    "adamw_8bit": f"bitsandbytes optimizers are not supported with DeepSpeed's ZeRO here; {_ADAMW}",
+    "paged_": f"bitsandbytes paged optimizers are not supported with DeepSpeed here; {_ADAMW}",
+    "lion_8bit": "bitsandbytes optimizers are not supported with DeepSpeed's ZeRO here; use lion",
+    "rmsprop": f"DeepSpeed has no RMSprop; {_ADAMW}",
+    "adagrad": f"not offered with DeepSpeed here; {_ADAMW}",
+    "galore": f"GaLore projects gradients outside DeepSpeed's optimizer; {_ADAMW}",
+    "apollo": f"APOLLO projects gradients outside DeepSpeed's optimizer; {_ADAMW}",
+    "lomo": f"LOMO fuses the update into backward, which DeepSpeed's engine owns; {_ADAMW}",
+    "adalomo": f"AdaLomo fuses the update into backward, which DeepSpeed's engine owns; {_ADAMW}",
+    "grokadamw": f"DeepSpeed has no GrokAdamW; {_ADAMW}",
+    "schedule_free": f"schedule-free optimizers need train/eval mode switches DeepSpeed does not make; {_ADAMW}",
+    "stable_adamw": f"DeepSpeed has no StableAdamW; {_ADAMW}",
+}
+REFUSED_SCHEDULERS = {
+    "reduce_lr_on_plateau": "steps on evaluation metrics, but DeepSpeed steps the scheduler after every "
+    "optimizer step; use cosine or linear",
+    "greedy": "steps on training-loss plateaus, but DeepSpeed steps the scheduler after every optimizer "
+    "step; use cosine or linear",
+}
+
+
 class TrainingArguments(_Args):
     """The HF ``TrainingArguments`` fields users reach for, with the same names and meanings."""
 
@@ -64,10 +96,12 @@ class TrainingArguments(_Args):
         False, description="Drop the last incomplete batch of each rank instead of keeping it."
     )
 
-    optim: Literal["adamw_torch", "adamw_fused", "lion", "sgd"] = Field(
+    optim: Literal["adamw_torch", "adamw_torch_fused", "adamw_fused", "lion", "lion_32bit", "sgd"] = Field(
         "adamw_torch",
-        description="Optimizer. adamw_torch is DeepSpeed's Adam with torch_adam (resumes bit-exactly); "
-        "adamw_fused is DeepSpeed's FusedAdam. CPU offload always uses DeepSpeedCPUAdam.",
+        description="Optimizer. adamw_torch (and HF's adamw_torch_fused) is DeepSpeed's Adam with torch_adam, "
+        "torch's AdamW (resumes bit-exactly); adamw_fused is DeepSpeed's FusedAdam; lion (lion_32bit) and "
+        "sgd are DeepSpeed's. CPU offload always uses DeepSpeedCPUAdam. HF's other optimizers are refused "
+        "with the reason.",
     )
     learning_rate: float = Field(5e-5, ge=0, description="Peak learning rate.")
     weight_decay: float = Field(
@@ -77,8 +111,27 @@ class TrainingArguments(_Args):
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
     adam_epsilon: float = Field(1e-8, gt=0, description="Adam epsilon.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables clipping.")
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
-        "linear", description="Learning-rate schedule after warmup."
+    lr_scheduler_type: Literal[
+        "linear",
+        "cosine",
+        "constant",
+        "constant_with_warmup",
+        "cosine_with_restarts",
+        "polynomial",
+        "inverse_sqrt",
+        "cosine_with_min_lr",
+        "cosine_warmup_with_min_lr",
+        "warmup_stable_decay",
+    ] = Field(
+        "linear",
+        description="Learning-rate schedule, with HF's names and meaning. linear, cosine, constant and "
+        "constant_with_warmup run as DeepSpeed's schedulers; the others (and any lr_scheduler_kwargs) as "
+        "transformers' get_scheduler.",
+    )
+    lr_scheduler_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra arguments of transformers' scheduler, e.g. {min_lr_rate: 0.1} for "
+        "cosine_with_min_lr or {num_decay_steps: 100} for warmup_stable_decay.",
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps; overrides warmup_ratio when > 0.")
     warmup_ratio: float = Field(0.0, ge=0, le=1, description="Warmup as a fraction of total steps.")
@@ -163,6 +216,16 @@ class TrainingArguments(_Args):
         if precision_set:
             stated = {k: v for k, v in stated.items() if k not in PRECISION_FIELDS}
         return {**stated, **data}
+
+    @field_validator("optim", "lr_scheduler_type", mode="before")
+    @classmethod
+    def _hf_names_we_refuse(cls, value: Any, info: Any) -> Any:
+        """HF's names that have no DeepSpeed counterpart here: one line saying why and what to use."""
+        refused = REFUSED_OPTIMIZERS if info.field_name == "optim" else REFUSED_SCHEDULERS
+        for prefix, reason in refused.items():
+            if isinstance(value, str) and value.startswith(prefix):
+                raise ValueError(f"{value!r}: {reason}")
+        return value
 
     @field_validator("eval_strategy", "save_strategy", mode="before")
     @classmethod

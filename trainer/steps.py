@@ -1,16 +1,21 @@
-"""How long a run is, and which global batch it keeps: planned before the engine is built, because
-the resolved DeepSpeed config (accumulation, schedule length) depends on both.
+"""How long a run is, which global batch it keeps, and the LR schedules DeepSpeed has no
+equivalent of: planned before the engine is built, because the resolved DeepSpeed config
+(accumulation, schedule length) and the engine's scheduler depend on them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
+from transformers import get_scheduler
+
 from trainer import checkpoint as ckpt
 from trainer.args import TrainingArguments
-from trainer.config import ConfigError
+from trainer.config import ConfigError, deepspeed_schedules
 from trainer.distributed import print_main
 
 
@@ -60,3 +65,25 @@ def check_resolved(ds_config: dict[str, Any], args: TrainingArguments, world_siz
              if ds_config.get(k) != v]  # fmt: skip
     if wrong:
         raise ConfigError(wrong)
+
+
+def client_scheduler(
+    args: TrainingArguments, total_steps: int
+) -> Callable[[torch.optim.Optimizer], Any] | None:
+    """transformers' ``get_scheduler`` for a schedule DeepSpeed's schedulers cannot express (None when
+    they can), as the callable ``deepspeed.initialize`` calls with the optimizer it built. DeepSpeed
+    then steps it after every optimizer step and saves its state in every checkpoint."""
+    if deepspeed_schedules(args):
+        return None
+    warmup = args.warmup_steps if args.warmup_steps > 0 else math.ceil(args.warmup_ratio * total_steps)
+
+    def build(optimizer: torch.optim.Optimizer) -> Any:
+        return get_scheduler(
+            args.lr_scheduler_type,
+            optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=total_steps,
+            scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs),
+        )
+
+    return build

@@ -57,7 +57,7 @@ from trainer.metrics import summary_table
 from trainer.modeling import enable_gradient_checkpointing
 from trainer.monitor import memory_stats
 from trainer.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag, Watchdog
-from trainer.steps import check_resolved, keep_global_batch, plan_steps
+from trainer.steps import check_resolved, client_scheduler, keep_global_batch, plan_steps
 from trainer.throughput import StepTimer, flops_per_token_for_model, non_padding_tokens
 
 
@@ -385,7 +385,7 @@ class Trainer:
                 self.model,
                 self.ds_config,
                 optimizer=self.client_optimizer,
-                lr_scheduler=self.client_scheduler,
+                lr_scheduler=self.client_scheduler or client_scheduler(self.args, total_steps),
                 weight_decay=self.args.weight_decay,
                 gradient_checkpointing=self.args.gradient_checkpointing,
             )

@@ -20,7 +20,7 @@ from trainer.config.errors import ConfigError
 from trainer.config.files import load_deepspeed_json
 from trainer.config.hardware import Hardware
 from trainer.config.presets import PRECISIONS, PRESETS, preset_config, write_presets
-from trainer.config.resolution import check, generate, resolve
+from trainer.config.resolution import check, deepspeed_schedules, generate, resolve
 from trainer.config.schema import DSConfig, batch_problems, validate
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "Hardware",
     "batch_problems",
     "check",
+    "deepspeed_schedules",
     "generate",
     "load_deepspeed_json",
     "preset_config",

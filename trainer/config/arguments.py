@@ -33,6 +33,7 @@ class TrainingArgs(Protocol):
     adam_beta2: float
     adam_epsilon: float
     lr_scheduler_type: str
+    lr_scheduler_kwargs: dict[str, Any]
     max_steps: int
     warmup_steps: int
     warmup_ratio: float

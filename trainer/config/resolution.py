@@ -34,11 +34,14 @@ from trainer.config.zero import STAGE3_KNOBS
 # TrainingArguments.optim -> (optimizer type, extra params)
 _OPTIMIZERS = {
     "adamw_torch": ("Adam", {"torch_adam": True}),
+    "adamw_torch_fused": ("Adam", {"torch_adam": True}),  # torch's AdamW; fused is its kernel choice
     "adamw_fused": ("Adam", {}),
     "lion": ("Lion", {}),
+    "lion_32bit": ("Lion", {}),
     "sgd": ("SGD", {}),
 }
-# TrainingArguments.lr_scheduler_type -> DeepSpeed scheduler type
+# TrainingArguments.lr_scheduler_type -> DeepSpeed scheduler type; any other type (or any
+# lr_scheduler_kwargs) is transformers' get_scheduler, which the Trainer passes as a client scheduler.
 _SCHEDULERS = {
     "linear": "WarmupDecayLR",
     "cosine": "WarmupCosineLR",
@@ -46,6 +49,11 @@ _SCHEDULERS = {
     "constant_with_warmup": "WarmupLR",
 }
 ARGS_NOTE = "in the training arguments"
+
+
+def deepspeed_schedules(args: TrainingArgs) -> bool:
+    """Whether DeepSpeed's own scheduler expresses the run's schedule (else transformers' does)."""
+    return args.lr_scheduler_type in _SCHEDULERS and not args.lr_scheduler_kwargs
 
 
 def _set(data: dict[str, Any], path: str, value: Any) -> None:
@@ -454,6 +462,12 @@ def resolve(
         )
     data, check = _base(args)
     r = _Resolver(args, world_size, hardware, hidden_size, total_steps, check=check, data=data)
+    if not deepspeed_schedules(args) and not client_scheduler and "scheduler" in data:
+        raise ConfigError(
+            [("scheduler", f"lr_scheduler_type={args.lr_scheduler_type} (with lr_scheduler_kwargs={args.lr_scheduler_kwargs}) "
+              "is built by transformers' get_scheduler, which DeepSpeed's schedulers cannot express; remove the section")]
+        )  # fmt: skip
+    client_scheduler = client_scheduler or not deepspeed_schedules(args)
     return _pool_stages(_run(r, client_optimizer, client_scheduler))
 
 
