@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from trainer import hf_fields
 from trainer.config.errors import ConfigError, unknown_key_message
 from trainer.config.files import STATED_ARGUMENTS, stated_arguments
 from trainer.config.reference import type_name
@@ -39,10 +40,18 @@ class _Args(BaseModel):
     def _unknown_keys(cls, data: Any) -> Any:
         if isinstance(data, dict):
             known = set(cls.model_fields)
-            for key in data:
-                if key not in known:
-                    raise ValueError(f"{key}: {unknown_key_message(key, known)}")
+            for key, value in data.items():
+                if key not in known and cls._refusal(key, value) != "":
+                    raise ValueError(f"{key}: {cls._refusal(key, value) or unknown_key_message(key, known)}")
+            # Keys accepted without a field of ours (HF's, at the value that is our behaviour) are dropped.
+            return {k: v for k, v in data.items() if k in known}
         return data
+
+    @classmethod
+    def _refusal(cls, key: str, value: Any) -> str | None:
+        """For a key that is no field: why it is refused, "" when it is accepted as it is, None when
+        it is merely unknown."""
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -95,6 +104,37 @@ class TrainingArguments(_Args):
     dataloader_drop_last: bool = Field(
         False, description="Drop the last incomplete batch of each rank instead of keeping it."
     )
+    dataloader_pin_memory: bool = Field(True, description="Pin the host memory of batches (on GPUs).")
+    dataloader_persistent_workers: bool = Field(
+        False, description="Keep DataLoader workers alive between epochs (with dataloader_num_workers > 0)."
+    )
+    dataloader_prefetch_factor: int | None = Field(
+        None,
+        ge=1,
+        description="Batches each DataLoader worker loads ahead (with dataloader_num_workers > 0).",
+    )
+    data_seed: int | None = Field(
+        None, description="Seed of the data order (the sampler's shuffle); default: seed."
+    )
+    do_train: bool = Field(
+        False, description="HF's flag for scripts (whether to train); the Trainer does not read it."
+    )
+    do_eval: bool = Field(
+        False, description="HF's flag for scripts (whether to evaluate); the Trainer does not read it."
+    )
+    do_predict: bool = Field(
+        False, description="HF's flag for scripts (whether to predict); the Trainer does not read it."
+    )
+    local_rank: int = Field(
+        -1, description="Set by launchers; ranks are read from the environment (RANK, LOCAL_RANK)."
+    )
+    ddp_timeout: int = Field(1800, ge=1, description="Timeout in seconds of the process group's collectives.")
+    tf32: bool | None = Field(
+        None, description="TF32 matmuls on Ampere and newer GPUs; None keeps torch's default."
+    )
+    full_determinism: bool = Field(
+        False, description="transformers' enable_full_determinism(seed): deterministic kernels, slower."
+    )
 
     optim: Literal["adamw_torch", "adamw_torch_fused", "adamw_fused", "lion", "lion_32bit", "sgd"] = Field(
         "adamw_torch",
@@ -137,6 +177,12 @@ class TrainingArguments(_Args):
     warmup_ratio: float = Field(0.0, ge=0, le=1, description="Warmup as a fraction of total steps.")
 
     logging_steps: int = Field(10, ge=1, description="Log metrics every N optimizer steps.")
+    logging_strategy: Strategy = Field(
+        "steps",
+        description="When to log: steps (every logging_steps), epoch, or no; the last step always logs.",
+    )
+    logging_first_step: bool = Field(False, description="Also log the first step.")
+    eval_on_start: bool = Field(False, description="Evaluate once before the first step.")
     eval_strategy: Strategy = Field("no", description="When to evaluate: no, steps or epoch.")
     eval_steps: int | None = Field(None, ge=1, description="Evaluate every N steps (default: logging_steps).")
     save_strategy: Strategy = Field("steps", description="When to checkpoint: no, steps or epoch.")
@@ -217,6 +263,12 @@ class TrainingArguments(_Args):
             stated = {k: v for k, v in stated.items() if k not in PRECISION_FIELDS}
         return {**stated, **data}
 
+    @classmethod
+    def _refusal(cls, key: str, value: Any) -> str | None:
+        if key not in hf_fields.REFUSED and key not in hf_fields.ONLY:
+            return None
+        return hf_fields.refusal(key, value) or ""
+
     @field_validator("optim", "lr_scheduler_type", mode="before")
     @classmethod
     def _hf_names_we_refuse(cls, value: Any, info: Any) -> Any:
@@ -227,7 +279,7 @@ class TrainingArguments(_Args):
                 raise ValueError(f"{value!r}: {reason}")
         return value
 
-    @field_validator("eval_strategy", "save_strategy", mode="before")
+    @field_validator("eval_strategy", "save_strategy", "logging_strategy", mode="before")
     @classmethod
     def _yaml_no(cls, value: Any) -> Any:
         # YAML 1.1 reads a bare `no` in a recipe as False.

@@ -95,7 +95,8 @@ class DefaultFlowCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):
         step = state.global_step
-        control.should_log = step % args.logging_steps == 0 or step == state.max_steps
+        every = args.logging_strategy == "steps" and step % args.logging_steps == 0
+        control.should_log = every or (args.logging_first_step and step == 1) or step == state.max_steps
         eval_every = args.eval_steps or args.logging_steps
         control.should_evaluate = args.eval_strategy == "steps" and step % eval_every == 0
         control.should_save = args.save_strategy == "steps" and step % args.save_steps == 0
@@ -105,6 +106,7 @@ class DefaultFlowCallback(TrainerCallback):
         return control
 
     def on_epoch_end(self, args, state, control, **kw):
+        control.should_log = control.should_log or args.logging_strategy == "epoch"
         control.should_evaluate = control.should_evaluate or args.eval_strategy == "epoch"
         control.should_save = control.should_save or args.save_strategy == "epoch"
         return control

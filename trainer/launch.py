@@ -41,7 +41,7 @@ def build_run(
     dataset alone counts as given, so an evaluation-only run loads no training data)."""
     args, model_args, data_args = run_config.training, run_config.model, run_config.data
     hardware = detect_hardware()
-    dist = init_distributed(hardware)
+    dist = init_distributed(hardware, timeout_s=args.ddp_timeout)
     given_data = train_dataset is not None or eval_dataset is not None
     if tokenizer is None and (not given_data or config is None):
         tokenizer = get_tokenizer(model_args, data_args)

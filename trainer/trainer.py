@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+from transformers import enable_full_determinism
 
 from trainer import checkpoint as ckpt
 from trainer.args import RunConfig, TrainingArguments, dump_run_config
@@ -103,7 +104,9 @@ class Trainer:
             raise ValueError("Trainer: model is required")
         self.args = args or TrainingArguments()
         self.hardware = detect_hardware()
-        self.dist = init_distributed(self.hardware)
+        self.dist = init_distributed(self.hardware, timeout_s=self.args.ddp_timeout)
+        if self.args.tf32 is not None and self.hardware.device == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.args.tf32
         self.model = model
         self.train_dataset = model_columns(train_dataset)
         self.eval_dataset = model_columns(eval_dataset)
@@ -151,6 +154,8 @@ class Trainer:
             self.dist.world_size,
         )
         self._fire("on_train_begin")
+        if args.eval_on_start and self.eval_dataset is not None:
+            self.evaluate()
         self.engine.train()
         self._reset_window_sums()
         # self.state is re-read every time: a rollback replaces it.
@@ -162,6 +167,8 @@ class Trainer:
                 self.state.samples_into_epoch = 0
                 self.state.epoch = float(self.state.epoch_index)
                 self._fire("on_epoch_end")
+                if self.control.should_log and self._guard_finite():  # logging_strategy="epoch"
+                    self._log_train()
                 self._maybe_evaluate_and_save()
         self._finish_save()
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
@@ -351,14 +358,17 @@ class Trainer:
         args, state = self.args, self.state
         if self.train_dataset is None:
             raise ValueError("Trainer.train: train_dataset is required")
-        set_seed(args.seed)
+        if args.full_determinism:
+            enable_full_determinism(args.seed)
+        else:
+            set_seed(args.seed)
         if checkpoint is not None:
             keep_global_batch(args, checkpoint, self.dist.world_size)
         plan = plan_steps(args, len(self.train_dataset), self.dist.world_size)
         state.steps_per_epoch, state.max_steps, state.num_train_epochs = plan
         self._ensure_engine(state.max_steps)
         return ResumableDistributedSampler(
-            len(self.train_dataset), self.dist.world_size, self.dist.rank, seed=args.seed
+            len(self.train_dataset), self.dist.world_size, self.dist.rank, seed=self._data_seed()
         )
 
     # ---- engine and data -----------------------------------------------------------------------
@@ -408,7 +418,8 @@ class Trainer:
             # A private generator: creating the iterator must not consume the global RNG, or a
             # resumed run would draw different dropout masks than the uninterrupted one.
             generator=torch.Generator().manual_seed(self.args.seed),
-            pin_memory=self.hardware.device == "cuda",
+            pin_memory=self.hardware.device == "cuda" and self.args.dataloader_pin_memory,
+            **self._worker_options(),
         )
         window: list[dict[str, torch.Tensor]] = []
         for batch in loader:
@@ -525,10 +536,10 @@ class Trainer:
             if saved.world_size != self.dist.world_size:
                 # The samples all ranks consumed, re-divided among this run's ranks.
                 sampler = ResumableDistributedSampler(
-                    len(self.train_dataset), self.dist.world_size, self.dist.rank, seed=self.args.seed
+                    len(self.train_dataset), self.dist.world_size, self.dist.rank, seed=self._data_seed()
                 )
                 sampler.load_state_dict(
-                    {"epoch": saved.epoch_index, "start": saved.samples_into_epoch, "seed": self.args.seed,
+                    {"epoch": saved.epoch_index, "start": saved.samples_into_epoch, "seed": self._data_seed(),
                      "num_replicas": saved.world_size}
                 )  # fmt: skip
                 saved.samples_into_epoch = sampler.start
@@ -544,6 +555,18 @@ class Trainer:
             self.state = saved
 
     # ---- small helpers -------------------------------------------------------------------------
+
+    def _data_seed(self) -> int:
+        return self.args.seed if self.args.data_seed is None else self.args.data_seed
+
+    def _worker_options(self) -> dict[str, Any]:
+        """DataLoader options that only exist with worker processes."""
+        if self.args.dataloader_num_workers == 0:
+            return {}
+        return {
+            "persistent_workers": self.args.dataloader_persistent_workers,
+            "prefetch_factor": self.args.dataloader_prefetch_factor,
+        }
 
     def _precision(self) -> str:
         cfg = self.ds_config or {}

@@ -36,7 +36,7 @@ def run(run_config: RunConfig) -> int:
     # Fails fast on impossible batch sizes, fp16 on CPU, bad DeepSpeed JSON: nothing is loaded yet.
     check(args, dist_info().world_size, hardware)
     _check_paths(run_config)
-    init_distributed(hardware)
+    init_distributed(hardware, timeout_s=args.ddp_timeout)
     if _nothing_to_resume(run_config):
         return 0
     callbacks = [FaultInjection(plan)] if (plan := fault_plan()) else None

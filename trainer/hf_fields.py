@@ -1,0 +1,99 @@
+"""HF ``TrainingArguments`` fields this trainer refuses, each with the reason and what to use.
+
+Every field of transformers' ``TrainingArguments`` is either a field of ours with HF's meaning or
+listed here (``tests/unit/test_hf_fields.py`` enumerates the installed transformers' fields, so a new
+release cannot add one that is silently ignored). ``REFUSED`` fields are refused whatever their value;
+``ONLY`` fields are accepted at the one value that is this trainer's behaviour (HF's default), and
+refused at any other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_DEEPSPEED_BACKEND = "DeepSpeed is the distributed backend here; use zero_stage, offload_* or --deepspeed"
+_DDP = "DeepSpeed's engine does the data-parallel reduction, not DDP; tune reduce_bucket_size in --deepspeed"
+_HUB = "nothing is uploaded; output_dir/final is an HF model directory to push with huggingface_hub"
+_NOT_WIRED = "not supported with the DeepSpeed engine here"
+
+REFUSED: dict[str, str] = {
+    "optim_args": "DeepSpeed's optimizer takes named fields (adam_beta1, adam_beta2, adam_epsilon, "
+    "weight_decay) or a --deepspeed file's optimizer.params",
+    "optim_target_modules": "only GaLore/APOLLO use it, and those optimizers are refused",
+    "label_smoothing_factor": "the loss is the token-summed cross-entropy that keeps accumulation exact; "
+    f"label smoothing is {_NOT_WIRED}",
+    "bf16_full_eval": "evaluation runs in the precision DeepSpeed trains in (bf16/fp16/precision)",
+    "fp16_full_eval": "evaluation runs in the precision DeepSpeed trains in (bf16/fp16/precision)",
+    "activation_checkpointing": "use gradient_checkpointing (the same switch here)",
+    "activation_checkpointing_kwargs": "checkpointing is always non-reentrant (what ZeRO-3 needs); "
+    "use gradient_checkpointing",
+    "gradient_checkpointing_kwargs": "checkpointing is always non-reentrant (use_reentrant=False, what "
+    "ZeRO-3 needs); no other kwargs are passed",
+    "torch_compile": f"DeepSpeed wraps the model uncompiled; torch.compile is {_NOT_WIRED}",
+    "torch_compile_backend": f"DeepSpeed wraps the model uncompiled; torch.compile is {_NOT_WIRED}",
+    "torch_compile_mode": f"DeepSpeed wraps the model uncompiled; torch.compile is {_NOT_WIRED}",
+    "use_liger_kernel": f"Liger kernels are {_NOT_WIRED}",
+    "liger_kernel_config": f"Liger kernels are {_NOT_WIRED}",
+    "use_cache": "the KV cache is off while training (packed rows need it off); generation after "
+    "training uses the model config's own use_cache",
+    "neftune_noise_alpha": f"NEFTune noise is {_NOT_WIRED}",
+    "torch_empty_cache_steps": f"emptying the CUDA cache on a schedule is {_NOT_WIRED}",
+    "auto_find_batch_size": "DeepSpeed fixes the batch when the engine is built; "
+    "`trainer plan` finds a micro-batch that fits",
+    "logging_nan_inf_filter": "non-finite losses are handled by nonfinite_policy (skip, rollback or stop)",
+    "eval_delay": f"delaying the first evaluation is {_NOT_WIRED}; set eval_steps",
+    "save_only_model": "a checkpoint always holds what an exact resume needs; the model alone is "
+    "output_dir/final (or `trainer export CHECKPOINT OUT`)",
+    "save_on_each_node": "every rank writes its own shards into the shared output_dir, rank 0 the rest",
+    "enable_jit_checkpoint": "a checkpoint on SIGTERM/SIGUSR1 is built in (preemption_grace_s)",
+    "push_to_hub": _HUB,
+    "hub_token": _HUB,
+    "hub_private_repo": _HUB,
+    "hub_model_id": _HUB,
+    "hub_strategy": _HUB,
+    "hub_always_push": _HUB,
+    "hub_revision": _HUB,
+    "ignore_data_skip": "a resume restores the sampler's position exactly: nothing is skipped or replayed",
+    "restore_callback_states_from_checkpoint": f"restoring callback states is {_NOT_WIRED}",
+    "use_cpu": "DeepSpeed picks the accelerator: set DS_ACCELERATOR=cpu",
+    "accelerator_config": _DEEPSPEED_BACKEND,
+    "parallelism_config": f"{_DEEPSPEED_BACKEND}, pipeline_parallel_size",
+    "fsdp": _DEEPSPEED_BACKEND,
+    "fsdp_config": _DEEPSPEED_BACKEND,
+    "ddp_find_unused_parameters": _DDP,
+    "ddp_bucket_cap_mb": _DDP,
+    "ddp_broadcast_buffers": _DDP,
+    "ddp_static_graph": _DDP,
+    "ddp_backend": "the launcher and DeepSpeed choose the backend (nccl on GPUs, gloo on CPUs)",
+    "dataloader_multiprocessing_context": f"{_NOT_WIRED}; the DataLoader uses the platform's default",
+    "dataloader_in_order": f"{_NOT_WIRED}; batches always come in order (resume depends on it)",
+    "train_sampling_strategy": "the sampler is a seeded, resumable permutation sharded over ranks",
+    "length_column_name": "the sampler is a seeded, resumable permutation sharded over ranks",
+    "debug": f"HF's debug modes (underflow_overflow, tpu_metrics_debug) are {_NOT_WIRED}",
+    "skip_memory_metrics": "memory figures are always in the log rows (metrics.jsonl)",
+    "include_num_input_tokens_seen": "every log row carries tokens_per_second; the token count is not "
+    f"accumulated ({_NOT_WIRED})",
+}
+
+ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "remove_unused_columns": (
+        (True,),
+        "datasets are always cut to the model's inputs (input_ids, labels, position_ids, attention_mask)",
+    ),
+    "label_names": ((None, ["labels"]), "the labels are always the `labels` column"),
+    "average_tokens_across_devices": (
+        (True,),
+        "the loss is always divided by the window's target tokens on all ranks, which is what keeps "
+        "accumulation and ranks exact",
+    ),
+}
+
+
+def refusal(name: str, value: Any) -> str | None:
+    """Why the HF field ``name`` set to ``value`` is refused; None when it is not."""
+    if name in REFUSED:
+        return f"HF's field, refused: {REFUSED[name]}"
+    if name in ONLY and value not in ONLY[name][0]:
+        accepted = " or ".join(repr(v) for v in ONLY[name][0])
+        return f"only {accepted} is supported: {ONLY[name][1]}"
+    return None
