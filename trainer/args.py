@@ -8,9 +8,12 @@ these arguments into a DeepSpeed dict.
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import json
 import logging
 import textwrap
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,8 +31,10 @@ Precision = Literal["auto", "fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Strategy = Literal["no", "steps", "epoch"]
 PRECISION_FIELDS = ("precision", "bf16", "fp16")
-# The metric sinks report_to can name. Rows always go to output_dir/metrics.jsonl as well.
-REPORT_TO = ("tensorboard",)
+# The integrations report_to can name (transformers' own callbacks drive them; trainer/reporting.py),
+# each with the module it needs, in the order HF lists them for "all". Rows always go to
+# output_dir/metrics.jsonl as well.
+REPORT_TO = {"mlflow": "mlflow", "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 
 
 class _Args(BaseModel):
@@ -199,8 +204,31 @@ class TrainingArguments(_Args):
     )
     report_to: list[str] = Field(
         default_factory=list,
-        description="Extra metric sinks besides metrics.jsonl: tensorboard, or none; 'all' means tensorboard. "
-        "Other integrations (wandb, mlflow, ...) are refused.",
+        description="Integrations that get the logs besides metrics.jsonl, through transformers' own callbacks: "
+        "tensorboard, wandb, mlflow, trackio; none, or all (those installed). Others are refused.",
+    )
+    run_name: str | None = Field(
+        None, description="A descriptor for the run: its name in wandb, mlflow and trackio."
+    )
+    logging_dir: str | None = Field(
+        None,
+        description="TensorBoard log directory (default: TENSORBOARD_LOGGING_DIR, else "
+        "output_dir/runs/DATETIME_HOSTNAME, as transformers does).",
+    )
+    project: str = Field("huggingface", description="The trackio project the run is logged to.")
+    trackio_space_id: str | None = Field(
+        None, description="Hugging Face Space for live trackio logging; None logs locally only."
+    )
+    trackio_bucket_id: str | None = Field(
+        None, description="Hugging Face Bucket for trackio with a Space; None lets trackio choose."
+    )
+    trackio_static_space_id: str | Literal[False] | None = Field(
+        None, description="Static trackio Space made after training; false for none."
+    )
+    hub_private_repo: bool | None = Field(
+        None,
+        description="Whether a trackio Space made for the run is private (None: the account's default). "
+        "Only trackio reads it: nothing is pushed to the Hub.",
     )
     load_best_model_at_end: bool = Field(False, description="Reload the best checkpoint when training ends.")
     metric_for_best_model: str | None = Field(
@@ -297,16 +325,32 @@ class TrainingArguments(_Args):
         if list(names) == ["none"]:
             return []
         if "none" in names:
-            raise ValueError(f"{list(names)}: 'none' cannot be combined with a sink")
-        names = ["tensorboard" if n == "all" else n for n in names]
-        unknown = [repr(n) for n in names if n not in REPORT_TO]
+            raise ValueError(f"{list(names)}: 'none' cannot be combined with an integration")
+        unknown = [repr(n) for n in names if n not in REPORT_TO and n != "all"]
         if unknown:
             verb = "is" if len(unknown) == 1 else "are"
             raise ValueError(
-                f"{', '.join(unknown)} {verb} not supported; supported: {', '.join(REPORT_TO)}, none "
-                "('all' means tensorboard)"
+                f"{', '.join(unknown)} {verb} not supported; supported: {', '.join(REPORT_TO)}, none, "
+                "all (those installed)"
             )
+        if "all" in names:  # as HF: every integration whose package is installed
+            installed = [n for n, module in REPORT_TO.items() if importlib.util.find_spec(module) is not None]
+            names = [n for name in names for n in (installed if name == "all" else [name])]
         return list(dict.fromkeys(names))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _best_model_defaults(cls, data: Any) -> Any:
+        """HF's defaults: load_best_model_at_end ranks by loss, and a metric not ending in "loss" is
+        one where greater is better."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("load_best_model_at_end") and data.get("metric_for_best_model") is None:
+            data = {**data, "metric_for_best_model": "loss"}
+        metric = data.get("metric_for_best_model")
+        if data.get("greater_is_better") is None and isinstance(metric, str):
+            data = {**data, "greater_is_better": not metric.endswith("loss")}
+        return data
 
     @model_validator(mode="after")
     def _precision_flags(self) -> TrainingArguments:
@@ -317,10 +361,34 @@ class TrainingArguments(_Args):
             raise ValueError(f"precision, {flag}: precision={self.precision} contradicts {flag}=true")
         return self
 
+    @model_validator(mode="after")
+    def _best_model_is_checkpointed(self) -> TrainingArguments:
+        """As HF's: the best model is reloaded from the checkpoint saved when it was evaluated, so
+        checkpoints must be saved at evaluations."""
+        if not self.load_best_model_at_end:
+            return self
+        if self.eval_strategy != self.save_strategy:
+            raise ValueError(
+                f"load_best_model_at_end, eval_strategy, save_strategy: eval_strategy={self.eval_strategy} "
+                f"and save_strategy={self.save_strategy} must match (the best model is reloaded from a "
+                "checkpoint saved when it was evaluated)"
+            )
+        eval_every = self.eval_steps or self.logging_steps
+        if self.save_strategy == "steps" and self.save_steps % eval_every:
+            raise ValueError(
+                f"load_best_model_at_end, save_steps: {self.save_steps} is not a multiple of the "
+                f"evaluation interval ({eval_every})"
+            )
+        return self
+
     @property
     def requested_precision(self) -> Precision:
         """The precision asked for: the HF-style flags win over the ``precision`` field's default."""
         return "bf16" if self.bf16 else "fp16" if self.fp16 else self.precision
+
+    def to_json_string(self) -> str:
+        """The arguments as JSON, as HF's ``to_json_string`` (TensorBoard's callback records them)."""
+        return json.dumps(self.to_dict(), indent=2)
 
 
 class ModelArguments(_Args):
@@ -423,6 +491,15 @@ def _validation_problems(err: ValidationError) -> list[tuple[str, str]]:
 _YAML11_BOOLS = {"yes", "no", "on", "off", "y", "n"}
 
 
+# Fields that take several values on the command line (``--report_to wandb mlflow``), as HF's parser.
+_LIST_FIELDS = {
+    name
+    for model in SECTIONS.values()
+    for name, field in model.model_fields.items()
+    if list in {typing.get_origin(t) for t in (field.annotation, *typing.get_args(field.annotation))}
+}
+
+
 def _parse_value(text: str) -> Any:
     """A CLI value as YAML would read it: numbers, booleans, lists, dicts; otherwise the string.
     YAML 1.1's yes/no/on/off stay strings (``--save_strategy no``)."""
@@ -461,15 +538,18 @@ def _recipe_and_flags(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
         if name == "local_rank":  # injected by the deepspeed launcher; distributed.py reads LOCAL_RANK
             i += 1 if eq else 2
             continue
+        values = [value]
         if not eq:
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if nxt is None or nxt.startswith("--"):
-                value = "true"
-            else:
-                value, i = nxt, i + 1
+            values = list(itertools.takewhile(lambda t: not t.startswith("--"), argv[i + 1 :]))
+            if len(values) > 1 and name not in _LIST_FIELDS:
+                values = values[:1]  # the next token is refused as an unexpected argument
+            i += len(values)
+            value = values[0] if values else "true"
         i += 1
         if name == "config":
             config_path = value
+        elif len(values) > 1:  # HF's nargs="+": --report_to wandb mlflow
+            flat[name] = [_parse_value(v) for v in values]
         else:
             flat[name] = _parse_value(value)
     return (load_recipe(config_path) if config_path else {}), flat
@@ -525,7 +605,7 @@ HELP_FLAGS = ("-h", "--help")
 _HELP_INTRO = """\
 Train a model. Every field below is set in a YAML recipe (--config) as `field: value` or on the
 command line as --field value (or --field=value); a bare --flag means true, and a flag wins over
-the recipe. Values are read as YAML: --report_to [tensorboard], --model_config_overrides
+the recipe. Values are read as YAML: --report_to [tensorboard, wandb], --model_config_overrides
 '{num_hidden_layers: 2}'. The defaults shown are the schema's; scripts/train.py without --config
 starts from scripts/recipes/default.yaml."""
 

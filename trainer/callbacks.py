@@ -36,9 +36,20 @@ class TrainerState:
     rollbacks: int = 0
     nonfinite_windows: int = 0
     best_metric: float | None = None
+    best_global_step: int | None = None
     best_model_checkpoint: str | None = None
     is_world_process_zero: bool = True
     world_size: int = 1
+    # HF's TrainerState fields that transformers' callbacks (reporting, early stopping) read.
+    is_local_process_zero: bool = True
+    logging_steps: int = 500
+    eval_steps: int = 500
+    save_steps: int = 500
+    train_batch_size: int | None = None
+    total_flos: float = 0.0
+    is_hyper_param_search: bool = False
+    trial_name: str | None = None
+    trial_params: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
@@ -58,6 +69,9 @@ class TrainerControl:
     should_save: bool = False
     should_evaluate: bool = False
     should_log: bool = False
+
+
+CONTROL_FLAGS = tuple(f.name for f in dataclasses.fields(TrainerControl))
 
 
 class TrainerCallback:
@@ -83,15 +97,28 @@ class CallbackHandler:
         self.callbacks.append(callback() if isinstance(callback, type) else callback)
 
     def fire(self, event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw):
+        """Run ``event`` on every callback, as HF's handler does: a callback may change the control it
+        is given, return it, return None, or return another control (transformers' own class too,
+        whose flags are taken over)."""
         for cb in self.callbacks:
             result = getattr(cb, event)(args, state, control, **kw)
             if isinstance(result, TrainerControl):
                 control = result
+            elif result is not None and all(hasattr(result, flag) for flag in CONTROL_FLAGS):
+                for flag in CONTROL_FLAGS:
+                    setattr(control, flag, bool(getattr(result, flag)))
         return control
 
 
 class DefaultFlowCallback(TrainerCallback):
     """Turns the step/epoch strategies of the arguments into log/eval/save/stop decisions."""
+
+    def on_train_begin(self, args, state, control, **kw):
+        # The intervals HF's Trainer records in its state before on_train_begin (wandb reads them).
+        state.logging_steps = args.logging_steps
+        state.eval_steps = args.eval_steps or args.logging_steps
+        state.save_steps = args.save_steps
+        state.train_batch_size = args.per_device_train_batch_size
 
     def on_step_end(self, args, state, control, **kw):
         step = state.global_step
@@ -137,17 +164,19 @@ class ProgressCallback(TrainerCallback):
 
 
 class MetricsCallback(TrainerCallback):
-    """Writes every log row to ``metrics.jsonl`` (and TensorBoard when asked) on the main rank."""
+    """Writes every log row to ``metrics.jsonl`` on the main rank, with its step (``report_to``'s
+    integrations are transformers' own callbacks: trainer/reporting.py)."""
 
     def __init__(self) -> None:
         self.writer = None
 
     def on_train_begin(self, args, state, control, **kw):
-        self.writer = MetricsWriter(args.output_dir, args.report_to, is_main=state.is_world_process_zero)
+        self.writer = MetricsWriter(args.output_dir, is_main=state.is_world_process_zero)
 
     def on_log(self, args, state, control, logs=None, **kw):
         if self.writer is not None and logs:
-            self.writer.write(logs)
+            # As HF's, the logs callbacks get carry no step; the row records the state's.
+            self.writer.write({"step": state.global_step, **logs})
 
     def on_train_end(self, args, state, control, **kw):
         if self.writer is not None:

@@ -48,7 +48,6 @@ REFUSED: dict[str, str] = {
     "enable_jit_checkpoint": "a checkpoint on SIGTERM/SIGUSR1 is built in (preemption_grace_s)",
     "push_to_hub": _HUB,
     "hub_token": _HUB,
-    "hub_private_repo": _HUB,
     "hub_model_id": _HUB,
     "hub_strategy": _HUB,
     "hub_always_push": _HUB,

@@ -1,4 +1,7 @@
-"""The metric writers (metrics.jsonl and TensorBoard), their reader, and the end-of-training summary.
+"""The metrics.jsonl writer, its reader, and the end-of-training summary.
+
+TensorBoard and the other ``report_to`` integrations are transformers' own callbacks
+(trainer/reporting.py).
 
 Only the standard library is imported here, so reading and plotting metrics never loads torch.
 """
@@ -7,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,32 +23,21 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def tensorboard_tag(key: str) -> str:
-    """HF's layout: ``eval_loss`` -> ``eval/loss``, anything else -> ``train/<key>``."""
-    return f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
-
-
 class MetricsWriter:
-    """Appends one JSON object per row to ``output_dir/metrics.jsonl`` (and TensorBoard) on the main rank.
+    """Appends one JSON object per row to ``output_dir/metrics.jsonl`` on the main rank.
 
     Each row is flushed as it is written, so a crashed run keeps every row logged before the crash.
     The file is appended to, so a resumed run continues it; readers keep the last row of each step.
     """
 
-    def __init__(self, output_dir: str, report_to: Iterable[str] = (), is_main: bool = True):
+    def __init__(self, output_dir: str, is_main: bool = True):
         self.is_main = is_main
         self.path = Path(output_dir) / "metrics.jsonl"
         self._file = None
-        self._tb = None
         if not is_main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
-        if "tensorboard" in report_to:
-            # Optional: only a run that reports to TensorBoard pays for loading it.
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "runs"))
 
     def write(self, row: dict[str, Any]) -> None:
         if self._file is None:
@@ -54,24 +45,11 @@ class MetricsWriter:
         row = {key: _plain(value) for key, value in row.items()}
         self._file.write(json.dumps(row, allow_nan=False) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            step = row.get("step")
-            for key, value in row.items():
-                if (
-                    key not in ("step", "epoch")
-                    and isinstance(value, (int, float))
-                    and not isinstance(value, bool)
-                ):
-                    self._tb.add_scalar(tensorboard_tag(key), value, global_step=step)
-            self._tb.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -57,6 +57,7 @@ from trainer.faults import fault_plan
 from trainer.metrics import summary_table
 from trainer.modeling import enable_gradient_checkpointing
 from trainer.monitor import memory_stats
+from trainer.reporting import reporting_callbacks
 from trainer.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag, Watchdog
 from trainer.steps import check_resolved, client_scheduler, keep_global_batch, plan_steps
 from trainer.throughput import StepTimer, flops_per_token_for_model, non_padding_tokens
@@ -115,15 +116,21 @@ class Trainer:
         self.compute_metrics = compute_metrics
         self.client_optimizer, self.client_scheduler = optimizers
         self.run_config = run_config
-        self.state = TrainerState(is_world_process_zero=self.dist.is_main, world_size=self.dist.world_size)
+        self.state = TrainerState(
+            is_world_process_zero=self.dist.is_main,
+            is_local_process_zero=self.dist.local_rank == 0,
+            world_size=self.dist.world_size,
+        )
         self.control = TrainerControl()
         default = [DefaultFlowCallback(), MetricsCallback(), ProgressCallback()]
+        default += reporting_callbacks(self.args)  # transformers' own, for report_to; then the user's
         self.callback_handler = CallbackHandler(default + list(callbacks or []))
         self.engine: Engine | None = None
         self.ds_config = ds_config
         self.saver: ckpt.Saver | None = None
         self.watchdog = Watchdog(self.args.output_dir, self.args.hang_timeout_s, fault_plan())
         self.preemption = PreemptionFlag()
+        self._fire("on_init_end")
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -449,14 +456,16 @@ class Trainer:
     # ---- logging, evaluation, saving -----------------------------------------------------------
 
     def _fire(self, event: str, **kwargs: Any) -> None:
-        """Run ``event`` on every callback; like HF's, they also get the model (and our engine)."""
+        """Run ``event`` on every callback; as HF's, they get the model and processing class (and our engine)."""
+        objects = {"model": self.model, "processing_class": self.processing_class, "engine": self.engine}
         self.control = self.callback_handler.fire(
-            event, self.args, self.state, self.control, model=self.model, engine=self.engine, **kwargs
+            event, self.args, self.state, self.control, **objects, **kwargs
         )
 
     def _log(self, logs: dict[str, Any]) -> None:
         self.state.log_history.append(logs)
-        self._fire("on_log", logs=logs)
+        # As HF's: the history's rows carry the step; the callbacks' logs do not (state.global_step has it).
+        self._fire("on_log", logs={k: v for k, v in logs.items() if k != "step"})
 
     def _log_train(self) -> None:
         # The one host-device sync of a logging window; the token count is already global.
@@ -482,6 +491,7 @@ class Trainer:
         ran = False
         if self.control.should_evaluate and self.eval_dataset is not None:
             self.evaluate()
+            self._update_best_metric()
             ran = True
         if self.control.should_save:
             with self.watchdog.phase("save"):
@@ -500,7 +510,8 @@ class Trainer:
         final = ckpt.final_dir(self.args.output_dir, self.state.global_step)
         if getattr(self, "_saved_step", None) == self.state.global_step:
             return  # saved already in this run (an epoch-end save on a save_steps multiple)
-        self._update_best(final)
+        if self.state.best_global_step == self.state.global_step:
+            self.state.best_model_checkpoint = str(final)
         if self.saver is None:
             config = getattr(self.model, "config", None)
             self.saver = ckpt.Saver(
@@ -519,7 +530,9 @@ class Trainer:
         if checkpoint is not None:
             self._fire("on_save", checkpoint=str(checkpoint))
 
-    def _update_best(self, final: Path) -> None:
+    def _update_best_metric(self) -> None:
+        """After each evaluation of the loop, as HF's: the best metric and its step; a checkpoint
+        saved at that step is the best checkpoint."""
         key = metric_key(self.args)
         latest = next((row[key] for row in reversed(self.state.log_history) if key in row), None)
         if latest is None:
@@ -528,7 +541,7 @@ class Trainer:
         best = self.state.best_metric
         if best is None or sign * (latest - best) > 0:
             self.state.best_metric = latest
-            self.state.best_model_checkpoint = str(final)
+            self.state.best_global_step = self.state.global_step
 
     def _load_checkpoint(self, path: Path, weights_only: bool = False) -> None:
         saved = ckpt.load(self.engine, path, self.dist, restore_rng=not weights_only)
@@ -546,6 +559,7 @@ class Trainer:
             # Where the run is comes from the checkpoint; how long it runs from these arguments.
             for plan in (
                 "is_world_process_zero",
+                "is_local_process_zero",
                 "world_size",
                 "max_steps",
                 "num_train_epochs",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+
 import pytest
 
 from trainer.args import RunConfig, TrainingArguments, parse_cli, parse_run_config
@@ -59,7 +62,7 @@ def test_conflicting_precision_flags():
 def test_hf_style_keyword_construction():
     args = TrainingArguments(output_dir="o", report_to="none", eval_strategy="steps", eval_steps=5)
     assert args.report_to == [] and args.eval_steps == 5
-    assert TrainingArguments(report_to="all").report_to == ["tensorboard"]
+    assert json.loads(args.to_json_string())["eval_steps"] == 5
     with pytest.raises(ValueError, match="max_step: unknown key; did you mean max_steps"):
         TrainingArguments(max_step=3)
 
@@ -69,31 +72,63 @@ def test_missing_recipe_file_is_named(tmp_path):
         parse_run_config(["--config", str(tmp_path / "nope.yaml")])
 
 
-def test_report_to_refuses_sinks_it_would_ignore():
+def test_report_to_refuses_integrations_it_does_not_drive():
+    supported = "supported: mlflow, tensorboard, wandb, trackio, none, all (those installed)"
     for value, bad in [
-        ("wandb", "'wandb' is"),
-        (["tensorboard", "mlflow", "comet_ml"], "'mlflow', 'comet_ml' are"),
+        ("comet_ml", "'comet_ml' is"),
+        (["tensorboard", "neptune", "wandbb"], "'neptune', 'wandbb' are"),
     ]:
         with pytest.raises(ConfigError) as err:
             RunConfig.from_flat({"report_to": value})
-        assert (
-            str(err.value)
-            == f"report_to: {bad} not supported; supported: tensorboard, none ('all' means tensorboard)"
-        )
+        assert str(err.value) == f"report_to: {bad} not supported; {supported}"
     with pytest.raises(
         ConfigError, match=r"^report_to: \['none', 'tensorboard'\]: 'none' cannot be combined"
     ):
         RunConfig.from_flat({"report_to": ["none", "tensorboard"]})
-    with pytest.raises(ValueError, match="'trackio' is not supported"):
-        TrainingArguments(report_to="trackio")  # the HF-style door refuses it too
+    with pytest.raises(ValueError, match="'clearml' is not supported"):
+        TrainingArguments(report_to="clearml")  # the HF-style door refuses it too
 
 
-def test_report_to_all_and_none_mean_what_is_supported():
-    assert TrainingArguments(report_to="all").report_to == ["tensorboard"]
-    assert TrainingArguments(report_to=["all", "tensorboard"]).report_to == ["tensorboard"]
-    assert TrainingArguments(report_to=["tensorboard"]).report_to == ["tensorboard"]
+def test_report_to_takes_hf_spellings(monkeypatch):
+    assert TrainingArguments(report_to="wandb").report_to == ["wandb"]
+    assert TrainingArguments(report_to=["tensorboard", "mlflow"]).report_to == ["tensorboard", "mlflow"]
     assert TrainingArguments(report_to="none").report_to == TrainingArguments(report_to=None).report_to == []
-    assert parse_run_config(["--report_to", "all"]).training.report_to == ["tensorboard"]
+    # As HF's parser: several values after one flag.
+    assert parse_run_config(["--report_to", "wandb", "mlflow", "--max_steps", "3"]).training.report_to == [
+        "wandb",
+        "mlflow",
+    ]
+    with pytest.raises(ConfigError, match="^4: unexpected argument"):
+        parse_run_config(["--max_steps", "3", "4"])  # a single-valued field takes one value
+    # "all": every integration whose package is installed, in HF's order.
+    installed = {"tensorboard", "wandb"}
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: find_spec(name) if name in installed else None
+    )
+    assert TrainingArguments(report_to="all").report_to == ["tensorboard", "wandb"]
+    assert TrainingArguments(report_to=["wandb", "all"]).report_to == ["wandb", "tensorboard"]
+    assert parse_run_config(["--report_to", "all"]).training.report_to == ["tensorboard", "wandb"]
+
+
+def test_best_model_arguments_take_hf_defaults():
+    assert TrainingArguments().greater_is_better is None
+    args = TrainingArguments(load_best_model_at_end=True, eval_strategy="epoch", save_strategy="epoch")
+    assert (args.metric_for_best_model, args.greater_is_better) == ("loss", False)
+    assert TrainingArguments(metric_for_best_model="accuracy").greater_is_better is True
+    assert TrainingArguments(metric_for_best_model="acc", greater_is_better=False).greater_is_better is False
+    # The best model is reloaded from a checkpoint saved when it was evaluated.
+    with pytest.raises(
+        ConfigError, match="^load_best_model_at_end, eval_strategy, save_strategy: eval_strategy=no"
+    ):
+        RunConfig.from_flat({"load_best_model_at_end": True, "save_strategy": "steps"})
+    with pytest.raises(
+        ConfigError, match=r"^load_best_model_at_end, save_steps: 30 is not a multiple of .* \(20\)"
+    ):
+        RunConfig.from_flat(
+            {"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 20, "save_steps": 30}
+        )
+    RunConfig.from_flat({"load_best_model_at_end": True, "eval_strategy": "epoch", "save_strategy": "epoch"})
 
 
 def test_a_deepspeed_config_flag_outranks_the_recipe(tmp_path):

@@ -1,4 +1,4 @@
-"""The metric writers (metrics.jsonl, TensorBoard), their reader and the end-of-training summary."""
+"""The metrics.jsonl writer, its reader and the end-of-training summary (TensorBoard: test_reporting.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import math
 
 import torch
 
-from trainer.metrics import MetricsWriter, read_metrics, summary_table, tensorboard_tag
+from trainer.metrics import MetricsWriter, read_metrics, summary_table
 
 
 def test_metrics_writer_jsonl(tmp_path):
-    writer = MetricsWriter(str(tmp_path), [], is_main=True)
+    writer = MetricsWriter(str(tmp_path), is_main=True)
     writer.write(
         {"step": 1, "epoch": 0.5, "loss": torch.tensor(2.5), "learning_rate": 1e-4, "grad_norm": math.nan}
     )
@@ -26,7 +26,7 @@ def test_metrics_writer_jsonl(tmp_path):
         {"step": 2, "epoch": 1.0, "eval_loss": 2.25},
     ]
     # A resumed run appends.
-    writer = MetricsWriter(str(tmp_path), [], is_main=True)
+    writer = MetricsWriter(str(tmp_path), is_main=True)
     writer.write({"step": 3, "loss": 2.0})
     writer.close()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
@@ -34,7 +34,7 @@ def test_metrics_writer_jsonl(tmp_path):
 
 
 def test_metrics_writer_only_on_main_rank(tmp_path):
-    writer = MetricsWriter(str(tmp_path / "out"), ["tensorboard"], is_main=False)
+    writer = MetricsWriter(str(tmp_path / "out"), is_main=False)
     writer.write({"step": 1, "loss": 1.0})
     writer.close()
     assert not (tmp_path / "out").exists()
@@ -43,27 +43,6 @@ def test_metrics_writer_only_on_main_rank(tmp_path):
 def test_read_metrics_skips_a_torn_last_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "lo')
     assert read_metrics(tmp_path) == [{"step": 1, "loss": 3.0}]
-
-
-def test_tensorboard_event_files(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    writer = MetricsWriter(str(tmp_path), ["tensorboard"], is_main=True)
-    for step in (1, 2):
-        writer.write({"step": step, "epoch": step / 2, "loss": 4.0 - step, "learning_rate": 1e-3 * step})
-    writer.write({"step": 2, "epoch": 1.0, "eval_loss": 2.5, "eval_perplexity": math.exp(2.5)})
-    writer.close()
-    events = EventAccumulator(str(tmp_path / "runs"))
-    events.Reload()
-    assert sorted(events.Tags()["scalars"]) == [
-        "eval/loss",
-        "eval/perplexity",
-        "train/learning_rate",
-        "train/loss",
-    ]
-    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 3.0), (2, 2.0)]
-    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(2, 2.5)]
-    assert tensorboard_tag("tokens_per_second") == "train/tokens_per_second"
 
 
 def test_summary_table():

@@ -19,7 +19,10 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 # The oldest version of each dependency that has every API the code uses, and why.
 NEEDED = {
-    "transformers": ("5.24", "create_causal_mask(cache=...) in trainer/engine/pipeline_layers.py; dtype= (4.56)"),
+    "transformers": (
+        "5.24",
+        "create_causal_mask(cache=...) in trainer/engine/pipeline_layers.py; dtype= (4.56)",
+    ),
     "datasets": ("4.0", "datasets.List in trainer/data/processing.py"),
     "torch": ("2.6", "transformers 5 disables torch below 2.6"),
     "accelerate": ("1.1", "transformers' HfDeepSpeedConfig requires accelerate>=1.1.0"),

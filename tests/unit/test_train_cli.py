@@ -65,10 +65,11 @@ def test_help_through_both_doors(door, flag):
 
 @pytest.mark.parametrize("door", DOORS)
 def test_unsupported_report_to_is_refused_at_the_door(door):
-    proc = launch([*DOORS[door], "--report_to", "wandb"], launcher="python", timeout=300, check=False)
+    proc = launch([*DOORS[door], "--report_to", "comet_ml"], launcher="python", timeout=300, check=False)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        "error: report_to: 'wandb' is not supported; supported: tensorboard, none ('all' means tensorboard)"
+        "error: report_to: 'comet_ml' is not supported; supported: mlflow, tensorboard, wandb, trackio, none, "
+        "all (those installed)"
     )
     assert "Traceback" not in proc.stderr
 

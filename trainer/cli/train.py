@@ -24,6 +24,7 @@ from trainer.distributed import configure_logging, detect_hardware, dist_info, i
 from trainer.faults import FaultInjection, fault_plan
 from trainer.launch import build_run
 from trainer.plots import plot_runs
+from trainer.reporting import check_report_to
 
 RAW_ARGV = True
 
@@ -36,6 +37,7 @@ def run(run_config: RunConfig) -> int:
     # Fails fast on impossible batch sizes, fp16 on CPU, bad DeepSpeed JSON: nothing is loaded yet.
     check(args, dist_info().world_size, hardware)
     _check_paths(run_config)
+    check_report_to(args)  # a report_to integration's package, MLflow's store
     init_distributed(hardware, timeout_s=args.ddp_timeout)
     if _nothing_to_resume(run_config):
         return 0
