@@ -8,11 +8,13 @@ these arguments into a DeepSpeed dict.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -20,6 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from trainer.config.errors import ConfigError, unknown_key_message
 from trainer.config.files import STATED_ARGUMENTS, stated_arguments
 from trainer.config.reference import type_name
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +211,115 @@ class TrainingArguments(_Args):
     def requested_precision(self) -> Precision:
         """The precision asked for: the HF-style flags win over the ``precision`` field's default."""
         return "bf16" if self.bf16 else "fp16" if self.fp16 else self.precision
+
+    # ---- HF's helpers for scripts. Rank facts come from trainer.distributed, imported when asked
+    # (it loads torch and DeepSpeed, which reading or validating arguments never needs).
+
+    @property
+    def process_index(self) -> int:
+        """This process's global rank."""
+        return _dist_info().rank
+
+    @property
+    def local_process_index(self) -> int:
+        """This process's rank on its node."""
+        return _dist_info().local_rank
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job (all of them: pipeline stages too)."""
+        return _dist_info().world_size
+
+    @property
+    def device(self) -> torch.device:
+        """This process's device: ``cuda:<local rank>`` on GPUs, else the CPU."""
+        from trainer.distributed import process_device
+
+        return process_device()
+
+    @property
+    def n_gpu(self) -> int:
+        """GPUs this process uses: one on GPUs (one process per GPU, as HF's distributed mode), else 0."""
+        return 1 if self.device.type == "cuda" else 0
+
+    @property
+    def parallel_mode(self) -> Any:
+        """HF's ``ParallelMode``: ``distributed`` when a launcher started several processes."""
+        from transformers.training_args import ParallelMode
+
+        return ParallelMode.DISTRIBUTED if self.world_size > 1 else ParallelMode.NOT_PARALLEL
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.per_device_eval_batch_size
+
+    @property
+    def should_log(self) -> bool:
+        """Whether this process logs: the main process of each node (HF's log_on_each_node default)."""
+        return self.local_process_index == 0
+
+    @property
+    def should_save(self) -> bool:
+        """Whether this process writes files: the main process only (HF's save_on_each_node default)."""
+        return self.process_index == 0
+
+    def get_process_log_level(self) -> int:
+        """The log level for this process, as HF's with its defaults (log_level "passive",
+        log_level_replica "warning"): transformers' current verbosity where ``should_log``, else WARNING."""
+        from transformers.utils import logging as hf_logging
+
+        return hf_logging.get_verbosity() if self.should_log else logging.WARNING
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:
+        """The main process (of each node with ``local``, of the job otherwise) runs the block first;
+        the others wait at a barrier and run it after, e.g. to reuse a ``datasets.map`` cache. Under
+        a launcher it joins the process group if nothing has yet (HF's arguments do too); a world
+        of one runs the block at once."""
+        from trainer.distributed import barrier, join_process_group
+
+        info = _dist_info()
+        if info.world_size <= 1:
+            yield
+            return
+        join_process_group()
+        is_main = info.local_rank == 0 if local else info.is_main
+        try:
+            if not is_main:
+                logger.debug("%d: waiting for the main process to perform %s", info.rank, desc)
+                barrier(f"main_process_first: {desc}")
+            yield
+        finally:
+            if is_main:
+                logger.debug("%d: main process completed %s, releasing the others", info.rank, desc)
+                barrier(f"main_process_first: {desc}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as JSON-ready values; any ``*_token`` field masked (``<HUB_TOKEN>``), as HF."""
+        return {k: f"<{k.upper()}>" if k.endswith("_token") else v for k, v in super().to_dict().items()}
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_sanitized_dict(self) -> dict[str, Any]:
+        """``to_dict`` plus the batch sizes, with values other than bool/int/float/str as strings
+        (TensorBoard's hparams), as HF's."""
+        d = {
+            **self.to_dict(),
+            "train_batch_size": self.train_batch_size,
+            "eval_batch_size": self.eval_batch_size,
+        }
+        return {k: v if type(v) in (bool, int, float, str) else str(v) for k, v in d.items()}
+
+
+def _dist_info() -> Any:
+    from trainer.distributed import dist_info
+
+    return dist_info()
 
 
 class ModelArguments(_Args):
