@@ -9,14 +9,23 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+# HF's own result types: what code written against transformers' Trainer expects back.
+from transformers.trainer_utils import (
+    EvalLoopOutput,
+    EvalPrediction,
+    PredictionOutput,
+    TrainOutput,
+    speed_metrics,
+)
 
 from trainer import checkpoint as ckpt
 from trainer.args import RunConfig, TrainingArguments, dump_run_config
@@ -32,16 +41,8 @@ from trainer.callbacks import (
     metric_key,
 )
 from trainer.config import resolve
-from trainer.data import (
-    IGNORE_INDEX,
-    MODEL_INPUTS,
-    ResumableDistributedSampler,
-    default_collator,
-    model_columns,
-    pad_stack,
-)
+from trainer.data import MODEL_INPUTS, ResumableDistributedSampler, default_collator, model_columns
 from trainer.distributed import (
-    all_gather_object,
     all_reduce_sum,
     barrier,
     detect_hardware,
@@ -51,25 +52,16 @@ from trainer.distributed import (
     warn,
 )
 from trainer.engine import Engine, build_engine
+from trainer.evaluation import eval_batches, evaluation_loop
 from trainer.export import export_hf
 from trainer.faults import fault_plan
 from trainer.metrics import summary_table
 from trainer.modeling import enable_gradient_checkpointing
 from trainer.monitor import memory_stats
 from trainer.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag, Watchdog
+from trainer.results import TrainTotals, format_metrics, save_metrics, save_state, train_metrics
 from trainer.steps import check_resolved, keep_global_batch, plan_steps
 from trainer.throughput import StepTimer, flops_per_token_for_model, non_padding_tokens
-
-
-@dataclass
-class PredictionOutput:
-    predictions: np.ndarray
-    label_ids: np.ndarray | None
-    metrics: dict[str, float]
-
-
-class EvalPrediction(PredictionOutput):
-    pass
 
 
 def set_seed(seed: int) -> None:
@@ -93,6 +85,7 @@ class Trainer:
         compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
         run_config: RunConfig | None = None,
         ds_config: dict[str, Any] | None = None,
     ):
@@ -110,6 +103,7 @@ class Trainer:
         self.processing_class = processing_class or tokenizer
         self.data_collator = data_collator or default_collator(self.processing_class)
         self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.client_optimizer, self.client_scheduler = optimizers
         self.run_config = run_config
         self.state = TrainerState(is_world_process_zero=self.dist.is_main, world_size=self.dist.world_size)
@@ -127,10 +121,15 @@ class Trainer:
     def is_world_process_zero(self) -> bool:
         return self.dist.is_main
 
+    def is_local_process_zero(self) -> bool:
+        return self.dist.local_rank == 0
+
     def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         self.callback_handler.add(callback)
 
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainerState:
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        """Train to ``max_steps``; returns HF's ``TrainOutput(global_step, training_loss, metrics)``
+        (trainer/results.py says what each metric means). ``self.state`` holds the log history."""
         args = self.args
         spec = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         # The checkpoint is found before the engine is built: its global batch is part of the config.
@@ -140,9 +139,10 @@ class Trainer:
             with self.watchdog.phase("load"):
                 self._load_checkpoint(checkpoint)
             print_main(f"Resumed from {checkpoint} at step {self.state.global_step}.")
+        self._run = TrainTotals()
         if self.state.global_step >= self.state.max_steps:  # a finished run, resumed: not one step more
             print_main(f"Step {self.state.max_steps} was reached already: nothing to train.")
-            return self.state
+            return self._train_output()
         self.timer = StepTimer(
             self._flops_per_token(),
             self.hardware.name,
@@ -164,11 +164,23 @@ class Trainer:
                 self._fire("on_epoch_end")
                 self._maybe_evaluate_and_save()
         self._finish_save()
+        output = self._train_output()
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             self._load_checkpoint(Path(self.state.best_model_checkpoint), weights_only=True)
         self._fire("on_train_end")
         print_main(summary_table(self.state.log_history))
-        return self.state
+        return output
+
+    def _train_output(self) -> TrainOutput:
+        """HF's end of training: the call's metrics, logged as one row, and the TrainOutput."""
+        if getattr(self, "_token_sum", 0.0) > 0:  # steps since the last logging step (collective)
+            self._run.add_window(all_reduce_sum(self._loss_sum.clone()).item(), self._token_sum)
+            self._loss_sum.zero_()
+            self._token_sum = 0.0
+        flops = (self._flops_per_token() or 0.0) * self.state.num_input_tokens_seen
+        metrics = train_metrics(self._run, flops, self.state.epoch)
+        self._log({**metrics, "step": self.state.global_step})
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def _train_epoch(self, sampler: ResumableDistributedSampler) -> bool:
         """Optimizer steps until the epoch ends (True) or the run stops or rolls back (False)."""
@@ -191,15 +203,24 @@ class Trainer:
     def _vote(self, window: list[dict[str, torch.Tensor]]) -> float:
         """One host-only all-reduce per step carries the window's target tokens, the preemption flag
         and, while an asynchronous save is in flight, each rank's "my files are written", so every
-        rank stops, commits and divides the loss alike. Returns the window's tokens on all ranks."""
-        local = [self.engine.local_targets(window), 1.0 if self.preemption.received else 0.0]
+        rank stops, commits and divides the loss alike. It also counts the window's samples and
+        non-padding input tokens on all ranks (HF's ``num_input_tokens_seen``, and the run's FLOPs).
+        Returns the window's target tokens on all ranks."""
+        local = [
+            self.engine.local_targets(window),
+            1.0 if self.preemption.received else 0.0,
+            float(sum(len(b["input_ids"]) for b in window)),
+            float(sum(int(non_padding_tokens(b)) for b in window)),
+        ]
         if self.saver is not None and self.saver.pending:
             local.append(float(self.saver.written()))
-        window_tokens, preempted, *written = host_all_reduce(local)
+        window_tokens, preempted, samples, input_tokens, *written = host_all_reduce(local)
         if written:
             self._committed(self.saver.commit_if_written(written[0]))
         if preempted:
-            self._save_and_exit_on_preemption()
+            self._save_and_exit_on_preemption()  # before the counts: this window is not trained
+        self.state.num_input_tokens_seen += int(input_tokens)
+        self._run.samples += samples
         return max(window_tokens, 1.0)
 
     def _accumulate(self, window: list[dict[str, torch.Tensor]], loss: torch.Tensor, tokens: float) -> None:
@@ -215,6 +236,7 @@ class Trainer:
         self.timer.step_end(tokens=sum(int(non_padding_tokens(b)) for b in window), samples=samples)
         state = self.state
         state.global_step += 1
+        self._run.steps += 1
         state.samples_into_epoch += samples
         state.epoch = state.epoch_index + state.samples_into_epoch / max(
             len(self.train_dataset) / self.dist.world_size, 1
@@ -289,51 +311,67 @@ class Trainer:
         raise SystemExit(EXIT_NONFINITE)
 
     def evaluate(
-        self, eval_dataset: Dataset | None = None, metric_key_prefix: str = "eval"
+        self,
+        eval_dataset: Dataset | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
     ) -> dict[str, float]:
+        """HF's evaluate: ``{prefix}_loss``, ``{prefix}_perplexity``, the ``compute_metrics`` results,
+        ``{prefix}_runtime``/``_samples_per_second``/``_steps_per_second`` and ``epoch``, on every
+        rank; logged as a row. ``ignore_keys`` is accepted for HF's signature: only logits are kept."""
         dataset = model_columns(eval_dataset) if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer.evaluate: no eval_dataset")
-        self._ensure_engine(max(self.state.max_steps, 1))
-        self.engine.train(False)
-        loss_total = torch.zeros((), device=self.engine.device)
-        count_total = torch.zeros((), device=self.engine.device)
-        for batch in self._eval_batches(dataset):
-            loss, count = self.engine.eval_loss_sum(batch)
-            loss_total += loss
-            count_total += count
-        self.engine.train(True)
-        with self.watchdog.phase("eval"):
-            totals = all_reduce_sum(torch.stack([loss_total, count_total]).float()).tolist()
-        eval_loss = totals[0] / max(totals[1], 1.0)
-        metrics = {
-            f"{metric_key_prefix}_loss": eval_loss,
-            f"{metric_key_prefix}_perplexity": _safe_exp(eval_loss),
-        }
-        if self.compute_metrics is not None:
-            pred = self.predict(dataset)
-            extra = self.compute_metrics(EvalPrediction(pred.predictions, pred.label_ids, {}))
-            metrics.update({f"{metric_key_prefix}_{k}": v for k, v in extra.items()})
-        self._log({**metrics, "step": self.state.global_step, "epoch": self.state.epoch})
+        output = self._evaluation_loop(dataset, metric_key_prefix, self.compute_metrics is not None)
+        metrics = {**output.metrics, "epoch": self.state.epoch}
+        self._log({**metrics, "step": self.state.global_step})
         self._fire("on_evaluate", metrics=metrics)
         return metrics
 
-    def predict(self, test_dataset: Dataset) -> PredictionOutput:
-        """Logits and labels of every sample, in dataset order, on every rank."""
-        dataset = model_columns(test_dataset)
-        self._ensure_engine(max(self.state.max_steps, 1))
-        self.engine.train(False)
-        rows: list[tuple[int, np.ndarray, np.ndarray]] = []
-        for batch, indices in self._eval_batches(dataset, with_indices=True):
-            logits = self.engine.logits(batch).float().cpu().numpy()  # no_grad inside the engine
-            rows += [(i, logits[j], batch["labels"][j].numpy()) for j, i in enumerate(indices) if i >= 0]
-        self.engine.train(True)
-        merged = sorted((r for part in all_gather_object(rows) for r in part), key=lambda r: r[0])
+    def predict(
+        self, test_dataset: Dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"
+    ) -> PredictionOutput:
+        """HF's predict: the predictions (logits, or what ``preprocess_logits_for_metrics`` makes of
+        them) and labels of every sample in dataset order, padded with -100, and the metrics
+        (``{prefix}_loss``, ...), on every rank."""
+        output = self._evaluation_loop(model_columns(test_dataset), metric_key_prefix, True)
         return PredictionOutput(
-            predictions=pad_stack([r[1] for r in merged], 0.0),
-            label_ids=pad_stack([r[2] for r in merged], IGNORE_INDEX),
-            metrics={},
+            predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics
         )
+
+    def _evaluation_loop(self, dataset: Dataset, prefix: str, with_predictions: bool) -> EvalLoopOutput:
+        self._ensure_engine(max(self.state.max_steps, 1))
+        start, bs, world = time.time(), self.args.per_device_eval_batch_size, self.dist.world_size
+        output = evaluation_loop(
+            self.engine,
+            eval_batches(dataset, self.data_collator, bs, self.dist.rank, world),
+            len(dataset),
+            prefix,
+            with_predictions,
+            self.preprocess_logits_for_metrics,
+            self.compute_metrics if with_predictions else None,
+            collectives=lambda: self.watchdog.phase("eval"),
+        )
+        steps = math.ceil(len(dataset) / (bs * world))
+        output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
+        return output
+
+    def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
+        """HF's metrics block (``***** train metrics *****``, then ``key = value`` lines), printed
+        by the main process only."""
+        if self.is_world_process_zero():
+            print(format_metrics(split, metrics), flush=True)
+
+    def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
+        """``{output_dir}/{split}_results.json`` and, with ``combined``, the keys merged into
+        ``all_results.json``; written by the main process only."""
+        if self.is_world_process_zero():
+            save_metrics(self.args.output_dir, split, metrics, combined)
+
+    def save_state(self) -> None:
+        """``{output_dir}/trainer_state.json`` (the TrainerState), written by the main process only."""
+        if self.is_world_process_zero():
+            save_state(self.args.output_dir, self.state)
 
     def save_model(self, output_dir: str | None = None) -> Path | None:
         """An HF export (config, safetensors, tokenizer) of the current weights; default: output_dir."""
@@ -419,22 +457,6 @@ class Trainer:
         if window:
             yield window
 
-    def _eval_batches(self, dataset: Dataset, with_indices: bool = False) -> Iterator[Any]:
-        """This rank's share of ``dataset``; short shards are padded with fully masked rows so all
-        ranks run the same number of forwards (ZeRO-3 gathers weights collectively)."""
-        n, world, rank = len(dataset), self.dist.world_size, self.dist.rank
-        per_rank = math.ceil(n / world)
-        indices = list(range(rank, n, world))
-        indices += [-1] * (per_rank - len(indices))
-        bs = self.args.per_device_eval_batch_size
-        for start in range(0, len(indices), bs):
-            chunk = indices[start : start + bs]
-            batch = self.data_collator([dataset[i if i >= 0 else 0] for i in chunk])
-            batch = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
-            pad_rows = torch.tensor([i < 0 for i in chunk])
-            batch["labels"] = batch["labels"].masked_fill(pad_rows[:, None], IGNORE_INDEX)
-            yield (batch, chunk) if with_indices else batch
-
     # ---- logging, evaluation, saving -----------------------------------------------------------
 
     def _fire(self, event: str, **kwargs: Any) -> None:
@@ -449,7 +471,9 @@ class Trainer:
 
     def _log_train(self) -> None:
         # The one host-device sync of a logging window; the token count is already global.
-        loss = all_reduce_sum(self._loss_sum.clone()).item() / max(self._token_sum, 1.0)
+        loss_sum = all_reduce_sum(self._loss_sum.clone()).item()
+        self._run.add_window(loss_sum, self._token_sum)
+        loss = loss_sum / max(self._token_sum, 1.0)
         logs = {
             "step": self.state.global_step,
             "epoch": round(self.state.epoch, 4),
@@ -558,7 +582,3 @@ class Trainer:
 def _hidden_size(model: torch.nn.Module) -> int | None:
     config = getattr(model, "config", None)
     return getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
-
-
-def _safe_exp(x: float) -> float:
-    return math.exp(x) if x < 700 else float("inf")
