@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer import hf_fields
+from trainer.args_hf import HFArgumentHelpers
 from trainer.config.errors import ConfigError, unknown_key_message
 from trainer.config.files import STATED_ARGUMENTS, stated_arguments
 from trainer.config.reference import type_name
@@ -62,39 +63,7 @@ class _Args(BaseModel):
         return self.model_dump(mode="json")
 
 
-# HF optimizer names (by prefix) with no DeepSpeed optimizer behind them, and what to use instead.
-_ADAMW = "use adamw_torch (or adamw_fused)"
-REFUSED_OPTIMIZERS = {
-    "adamw_torch_xla": f"needs torch_xla, not DeepSpeed; {_ADAMW}",
-    "adamw_torch_npu": f"needs an Ascend NPU, not DeepSpeed; {_ADAMW}",
-    "adamw_torch_4bit": f"a torchao low-bit optimizer, which DeepSpeed's ZeRO does not partition; {_ADAMW}",
-    "adamw_torch_8bit": f"a torchao low-bit optimizer, which DeepSpeed's ZeRO does not partition; {_ADAMW}",
-    "adamw_anyprecision": f"a torchdistx optimizer DeepSpeed does not drive; {_ADAMW}",
-    "adafactor": f"DeepSpeed has no Adafactor; {_ADAMW}",
-    "ademamix": f"DeepSpeed has no AdEMAMix; {_ADAMW}",
-    "adamw_bnb": f"bitsandbytes optimizers are not supported with DeepSpeed's ZeRO here; {_ADAMW}",
-    "adamw_8bit": f"bitsandbytes optimizers are not supported with DeepSpeed's ZeRO here; {_ADAMW}",
-    "paged_": f"bitsandbytes paged optimizers are not supported with DeepSpeed here; {_ADAMW}",
-    "lion_8bit": "bitsandbytes optimizers are not supported with DeepSpeed's ZeRO here; use lion",
-    "rmsprop": f"DeepSpeed has no RMSprop; {_ADAMW}",
-    "adagrad": f"not offered with DeepSpeed here; {_ADAMW}",
-    "galore": f"GaLore projects gradients outside DeepSpeed's optimizer; {_ADAMW}",
-    "apollo": f"APOLLO projects gradients outside DeepSpeed's optimizer; {_ADAMW}",
-    "lomo": f"LOMO fuses the update into backward, which DeepSpeed's engine owns; {_ADAMW}",
-    "adalomo": f"AdaLomo fuses the update into backward, which DeepSpeed's engine owns; {_ADAMW}",
-    "grokadamw": f"DeepSpeed has no GrokAdamW; {_ADAMW}",
-    "schedule_free": f"schedule-free optimizers need train/eval mode switches DeepSpeed does not make; {_ADAMW}",
-    "stable_adamw": f"DeepSpeed has no StableAdamW; {_ADAMW}",
-}
-REFUSED_SCHEDULERS = {
-    "reduce_lr_on_plateau": "steps on evaluation metrics, but DeepSpeed steps the scheduler after every "
-    "optimizer step; use cosine or linear",
-    "greedy": "steps on training-loss plateaus, but DeepSpeed steps the scheduler after every optimizer "
-    "step; use cosine or linear",
-}
-
-
-class TrainingArguments(_Args):
+class TrainingArguments(HFArgumentHelpers, _Args):
     """The HF ``TrainingArguments`` fields users reach for, with the same names and meanings."""
 
     output_dir: str = Field("output", description="Where metrics, checkpoints and the final export go.")
@@ -301,7 +270,7 @@ class TrainingArguments(_Args):
     @classmethod
     def _hf_names_we_refuse(cls, value: Any, info: Any) -> Any:
         """HF's names that have no DeepSpeed counterpart here: one line saying why and what to use."""
-        refused = REFUSED_OPTIMIZERS if info.field_name == "optim" else REFUSED_SCHEDULERS
+        refused = hf_fields.REFUSED_OPTIMIZERS if info.field_name == "optim" else hf_fields.REFUSED_SCHEDULERS
         for prefix, reason in refused.items():
             if isinstance(value, str) and value.startswith(prefix):
                 raise ValueError(f"{value!r}: {reason}")
@@ -385,10 +354,6 @@ class TrainingArguments(_Args):
     def requested_precision(self) -> Precision:
         """The precision asked for: the HF-style flags win over the ``precision`` field's default."""
         return "bf16" if self.bf16 else "fp16" if self.fp16 else self.precision
-
-    def to_json_string(self) -> str:
-        """The arguments as JSON, as HF's ``to_json_string`` (TensorBoard's callback records them)."""
-        return json.dumps(self.to_dict(), indent=2)
 
 
 class ModelArguments(_Args):

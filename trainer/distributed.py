@@ -60,6 +60,20 @@ def detect_hardware() -> Hardware:
     return Hardware.cpu()
 
 
+def process_device() -> torch.device:
+    """This process's device: ``cuda:LOCAL_RANK`` on GPUs, else the CPU."""
+    if detect_hardware().device == "cuda":
+        return torch.device("cuda", dist_info().local_rank)
+    return torch.device("cpu")
+
+
+def join_process_group() -> None:
+    """Join the process group where a launcher started several processes (idempotent); a world
+    of one is left without one. What HF's ``TrainingArguments`` does when first asked for the world."""
+    if dist_info().world_size > 1 and not dist.is_initialized():
+        init_distributed(detect_hardware())
+
+
 LOG_HANDLER = "trainer"  # the name of the handler configure_logging adds to the root logger
 
 

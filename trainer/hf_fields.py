@@ -96,3 +96,35 @@ def refusal(name: str, value: Any) -> str | None:
         accepted = " or ".join(repr(v) for v in ONLY[name][0])
         return f"only {accepted} is supported: {ONLY[name][1]}"
     return None
+
+
+# HF optimizer names (by prefix) with no DeepSpeed optimizer behind them, and what to use instead.
+_ADAMW = "use adamw_torch (or adamw_fused)"
+REFUSED_OPTIMIZERS = {
+    "adamw_torch_xla": f"needs torch_xla, not DeepSpeed; {_ADAMW}",
+    "adamw_torch_npu": f"needs an Ascend NPU, not DeepSpeed; {_ADAMW}",
+    "adamw_torch_4bit": f"a torchao low-bit optimizer, which DeepSpeed's ZeRO does not partition; {_ADAMW}",
+    "adamw_torch_8bit": f"a torchao low-bit optimizer, which DeepSpeed's ZeRO does not partition; {_ADAMW}",
+    "adamw_anyprecision": f"a torchdistx optimizer DeepSpeed does not drive; {_ADAMW}",
+    "adafactor": f"DeepSpeed has no Adafactor; {_ADAMW}",
+    "ademamix": f"DeepSpeed has no AdEMAMix; {_ADAMW}",
+    "adamw_bnb": f"bitsandbytes optimizers are not supported with DeepSpeed's ZeRO here; {_ADAMW}",
+    "adamw_8bit": f"bitsandbytes optimizers are not supported with DeepSpeed's ZeRO here; {_ADAMW}",
+    "paged_": f"bitsandbytes paged optimizers are not supported with DeepSpeed here; {_ADAMW}",
+    "lion_8bit": "bitsandbytes optimizers are not supported with DeepSpeed's ZeRO here; use lion",
+    "rmsprop": f"DeepSpeed has no RMSprop; {_ADAMW}",
+    "adagrad": f"not offered with DeepSpeed here; {_ADAMW}",
+    "galore": f"GaLore projects gradients outside DeepSpeed's optimizer; {_ADAMW}",
+    "apollo": f"APOLLO projects gradients outside DeepSpeed's optimizer; {_ADAMW}",
+    "lomo": f"LOMO fuses the update into backward, which DeepSpeed's engine owns; {_ADAMW}",
+    "adalomo": f"AdaLomo fuses the update into backward, which DeepSpeed's engine owns; {_ADAMW}",
+    "grokadamw": f"DeepSpeed has no GrokAdamW; {_ADAMW}",
+    "schedule_free": f"schedule-free optimizers need train/eval mode switches DeepSpeed does not make; {_ADAMW}",
+    "stable_adamw": f"DeepSpeed has no StableAdamW; {_ADAMW}",
+}
+REFUSED_SCHEDULERS = {
+    "reduce_lr_on_plateau": "steps on evaluation metrics, but DeepSpeed steps the scheduler after every "
+    "optimizer step; use cosine or linear",
+    "greedy": "steps on training-loss plateaus, but DeepSpeed steps the scheduler after every optimizer "
+    "step; use cosine or linear",
+}

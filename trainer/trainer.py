@@ -9,15 +9,24 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from transformers import enable_full_determinism
+
+# HF's own result types: what code written against transformers' Trainer expects back.
+from transformers.trainer_utils import (
+    EvalLoopOutput,
+    EvalPrediction,
+    PredictionOutput,
+    TrainOutput,
+    speed_metrics,
+)
 
 from trainer import checkpoint as ckpt
 from trainer.args import RunConfig, TrainingArguments, dump_run_config
@@ -33,16 +42,9 @@ from trainer.callbacks import (
     metric_key,
 )
 from trainer.config import resolve
-from trainer.data import (
-    IGNORE_INDEX,
-    MODEL_INPUTS,
-    ResumableDistributedSampler,
-    default_collator,
-    model_columns,
-    pad_stack,
-)
+from trainer.data import ResumableDistributedSampler, default_collator, model_columns
+from trainer.data.loader import accumulation_windows, data_seed
 from trainer.distributed import (
-    all_gather_object,
     all_reduce_sum,
     barrier,
     detect_hardware,
@@ -52,6 +54,7 @@ from trainer.distributed import (
     warn,
 )
 from trainer.engine import Engine, build_engine
+from trainer.evaluation import eval_batches, evaluation_loop
 from trainer.export import export_hf
 from trainer.faults import fault_plan
 from trainer.metrics import summary_table
@@ -59,19 +62,9 @@ from trainer.modeling import enable_gradient_checkpointing
 from trainer.monitor import memory_stats
 from trainer.reporting import reporting_callbacks
 from trainer.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag, Watchdog
+from trainer.results import TrainTotals, format_metrics, save_metrics, save_state, train_metrics
 from trainer.steps import check_resolved, client_scheduler, keep_global_batch, plan_steps
 from trainer.throughput import StepTimer, flops_per_token_for_model, non_padding_tokens
-
-
-@dataclass
-class PredictionOutput:
-    predictions: np.ndarray
-    label_ids: np.ndarray | None
-    metrics: dict[str, float]
-
-
-class EvalPrediction(PredictionOutput):
-    pass
 
 
 def set_seed(seed: int) -> None:
@@ -95,6 +88,7 @@ class Trainer:
         compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
         run_config: RunConfig | None = None,
         ds_config: dict[str, Any] | None = None,
     ):
@@ -114,6 +108,7 @@ class Trainer:
         self.processing_class = processing_class or tokenizer
         self.data_collator = data_collator or default_collator(self.processing_class)
         self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.client_optimizer, self.client_scheduler = optimizers
         self.run_config = run_config
         self.state = TrainerState(
@@ -137,10 +132,15 @@ class Trainer:
     def is_world_process_zero(self) -> bool:
         return self.dist.is_main
 
+    def is_local_process_zero(self) -> bool:
+        return self.dist.local_rank == 0
+
     def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         self.callback_handler.add(callback)
 
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainerState:
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        """Train to ``max_steps``; returns HF's ``TrainOutput(global_step, training_loss, metrics)``
+        (trainer/results.py says what each metric means). ``self.state`` holds the log history."""
         args = self.args
         spec = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         # The checkpoint is found before the engine is built: its global batch is part of the config.
@@ -150,9 +150,10 @@ class Trainer:
             with self.watchdog.phase("load"):
                 self._load_checkpoint(checkpoint)
             print_main(f"Resumed from {checkpoint} at step {self.state.global_step}.")
+        self._run = TrainTotals()
         if self.state.global_step >= self.state.max_steps:  # a finished run, resumed: not one step more
             print_main(f"Step {self.state.max_steps} was reached already: nothing to train.")
-            return self.state
+            return self._train_output()
         self.timer = StepTimer(
             self._flops_per_token(),
             self.hardware.name,
@@ -178,15 +179,33 @@ class Trainer:
                     self._log_train()
                 self._maybe_evaluate_and_save()
         self._finish_save()
+        output = self._train_output()
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             self._load_checkpoint(Path(self.state.best_model_checkpoint), weights_only=True)
         self._fire("on_train_end")
         print_main(summary_table(self.state.log_history))
-        return self.state
+        return output
+
+    def _train_output(self) -> TrainOutput:
+        """HF's end of training: the call's metrics, logged as one row, and the TrainOutput."""
+        if getattr(self, "_token_sum", 0.0) > 0:  # steps since the last logging step (collective)
+            self._run.add_window(all_reduce_sum(self._loss_sum.clone()).item(), self._token_sum)
+            self._loss_sum.zero_()
+            self._token_sum = 0.0
+        flops = (self._flops_per_token() or 0.0) * self.state.num_input_tokens_seen
+        metrics = train_metrics(self._run, flops, self.state.epoch)
+        self._log({**metrics, "step": self.state.global_step})
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def _train_epoch(self, sampler: ResumableDistributedSampler) -> bool:
         """Optimizer steps until the epoch ends (True) or the run stops or rolls back (False)."""
-        for window in self._windows(sampler):
+        for window in accumulation_windows(
+            self.train_dataset,
+            sampler,
+            self.data_collator,
+            self.args,
+            pin_memory=self.hardware.device == "cuda",
+        ):
             window_tokens = self._vote(window)
             self._fire("on_step_begin")
             window_loss = self.engine.train_window(window, window_tokens)
@@ -205,15 +224,24 @@ class Trainer:
     def _vote(self, window: list[dict[str, torch.Tensor]]) -> float:
         """One host-only all-reduce per step carries the window's target tokens, the preemption flag
         and, while an asynchronous save is in flight, each rank's "my files are written", so every
-        rank stops, commits and divides the loss alike. Returns the window's tokens on all ranks."""
-        local = [self.engine.local_targets(window), 1.0 if self.preemption.received else 0.0]
+        rank stops, commits and divides the loss alike. It also counts the window's samples and
+        non-padding input tokens on all ranks (HF's ``num_input_tokens_seen``, and the run's FLOPs).
+        Returns the window's target tokens on all ranks."""
+        local = [
+            self.engine.local_targets(window),
+            1.0 if self.preemption.received else 0.0,
+            float(sum(len(b["input_ids"]) for b in window)),
+            float(sum(int(non_padding_tokens(b)) for b in window)),
+        ]
         if self.saver is not None and self.saver.pending:
             local.append(float(self.saver.written()))
-        window_tokens, preempted, *written = host_all_reduce(local)
+        window_tokens, preempted, samples, input_tokens, *written = host_all_reduce(local)
         if written:
             self._committed(self.saver.commit_if_written(written[0]))
         if preempted:
-            self._save_and_exit_on_preemption()
+            self._save_and_exit_on_preemption()  # before the counts: this window is not trained
+        self.state.num_input_tokens_seen += int(input_tokens)
+        self._run.samples += samples
         return max(window_tokens, 1.0)
 
     def _accumulate(self, window: list[dict[str, torch.Tensor]], loss: torch.Tensor, tokens: float) -> None:
@@ -229,6 +257,7 @@ class Trainer:
         self.timer.step_end(tokens=sum(int(non_padding_tokens(b)) for b in window), samples=samples)
         state = self.state
         state.global_step += 1
+        self._run.steps += 1
         state.samples_into_epoch += samples
         state.epoch = state.epoch_index + state.samples_into_epoch / max(
             len(self.train_dataset) / self.dist.world_size, 1
@@ -303,51 +332,67 @@ class Trainer:
         raise SystemExit(EXIT_NONFINITE)
 
     def evaluate(
-        self, eval_dataset: Dataset | None = None, metric_key_prefix: str = "eval"
+        self,
+        eval_dataset: Dataset | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
     ) -> dict[str, float]:
+        """HF's evaluate: ``{prefix}_loss``, ``{prefix}_perplexity``, the ``compute_metrics`` results,
+        ``{prefix}_runtime``/``_samples_per_second``/``_steps_per_second`` and ``epoch``, on every
+        rank; logged as a row. ``ignore_keys`` is accepted for HF's signature: only logits are kept."""
         dataset = model_columns(eval_dataset) if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer.evaluate: no eval_dataset")
-        self._ensure_engine(max(self.state.max_steps, 1))
-        self.engine.train(False)
-        loss_total = torch.zeros((), device=self.engine.device)
-        count_total = torch.zeros((), device=self.engine.device)
-        for batch in self._eval_batches(dataset):
-            loss, count = self.engine.eval_loss_sum(batch)
-            loss_total += loss
-            count_total += count
-        self.engine.train(True)
-        with self.watchdog.phase("eval"):
-            totals = all_reduce_sum(torch.stack([loss_total, count_total]).float()).tolist()
-        eval_loss = totals[0] / max(totals[1], 1.0)
-        metrics = {
-            f"{metric_key_prefix}_loss": eval_loss,
-            f"{metric_key_prefix}_perplexity": _safe_exp(eval_loss),
-        }
-        if self.compute_metrics is not None:
-            pred = self.predict(dataset)
-            extra = self.compute_metrics(EvalPrediction(pred.predictions, pred.label_ids, {}))
-            metrics.update({f"{metric_key_prefix}_{k}": v for k, v in extra.items()})
-        self._log({**metrics, "step": self.state.global_step, "epoch": self.state.epoch})
+        output = self._evaluation_loop(dataset, metric_key_prefix, self.compute_metrics is not None)
+        metrics = {**output.metrics, "epoch": self.state.epoch}
+        self._log({**metrics, "step": self.state.global_step})
         self._fire("on_evaluate", metrics=metrics)
         return metrics
 
-    def predict(self, test_dataset: Dataset) -> PredictionOutput:
-        """Logits and labels of every sample, in dataset order, on every rank."""
-        dataset = model_columns(test_dataset)
-        self._ensure_engine(max(self.state.max_steps, 1))
-        self.engine.train(False)
-        rows: list[tuple[int, np.ndarray, np.ndarray]] = []
-        for batch, indices in self._eval_batches(dataset, with_indices=True):
-            logits = self.engine.logits(batch).float().cpu().numpy()  # no_grad inside the engine
-            rows += [(i, logits[j], batch["labels"][j].numpy()) for j, i in enumerate(indices) if i >= 0]
-        self.engine.train(True)
-        merged = sorted((r for part in all_gather_object(rows) for r in part), key=lambda r: r[0])
+    def predict(
+        self, test_dataset: Dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"
+    ) -> PredictionOutput:
+        """HF's predict: the predictions (logits, or what ``preprocess_logits_for_metrics`` makes of
+        them) and labels of every sample in dataset order, padded with -100, and the metrics
+        (``{prefix}_loss``, ...), on every rank."""
+        output = self._evaluation_loop(model_columns(test_dataset), metric_key_prefix, True)
         return PredictionOutput(
-            predictions=pad_stack([r[1] for r in merged], 0.0),
-            label_ids=pad_stack([r[2] for r in merged], IGNORE_INDEX),
-            metrics={},
+            predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics
         )
+
+    def _evaluation_loop(self, dataset: Dataset, prefix: str, with_predictions: bool) -> EvalLoopOutput:
+        self._ensure_engine(max(self.state.max_steps, 1))
+        start, bs, world = time.time(), self.args.per_device_eval_batch_size, self.dist.world_size
+        output = evaluation_loop(
+            self.engine,
+            eval_batches(dataset, self.data_collator, bs, self.dist.rank, world),
+            len(dataset),
+            prefix,
+            with_predictions,
+            self.preprocess_logits_for_metrics,
+            self.compute_metrics if with_predictions else None,
+            collectives=lambda: self.watchdog.phase("eval"),
+        )
+        steps = math.ceil(len(dataset) / (bs * world))
+        output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
+        return output
+
+    def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
+        """HF's metrics block (``***** train metrics *****``, then ``key = value`` lines), printed
+        by the main process only."""
+        if self.is_world_process_zero():
+            print(format_metrics(split, metrics), flush=True)
+
+    def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
+        """``{output_dir}/{split}_results.json`` and, with ``combined``, the keys merged into
+        ``all_results.json``; written by the main process only."""
+        if self.is_world_process_zero():
+            save_metrics(self.args.output_dir, split, metrics, combined)
+
+    def save_state(self) -> None:
+        """``{output_dir}/trainer_state.json`` (the TrainerState), written by the main process only."""
+        if self.is_world_process_zero():
+            save_state(self.args.output_dir, self.state)
 
     def save_model(self, output_dir: str | None = None) -> Path | None:
         """An HF export (config, safetensors, tokenizer) of the current weights; default: output_dir."""
@@ -375,7 +420,7 @@ class Trainer:
         state.steps_per_epoch, state.max_steps, state.num_train_epochs = plan
         self._ensure_engine(state.max_steps)
         return ResumableDistributedSampler(
-            len(self.train_dataset), self.dist.world_size, self.dist.rank, seed=self._data_seed()
+            len(self.train_dataset), self.dist.world_size, self.dist.rank, seed=data_seed(self.args)
         )
 
     # ---- engine and data -----------------------------------------------------------------------
@@ -413,46 +458,6 @@ class Trainer:
             if self.run_config is not None:
                 dump_run_config(self.run_config, out / "run_config.yaml")
 
-    def _windows(self, sampler: ResumableDistributedSampler) -> Iterator[list[dict[str, torch.Tensor]]]:
-        """Accumulation windows of micro-batches; the epoch's last window may be shorter."""
-        loader = DataLoader(
-            self.train_dataset,
-            batch_size=self.args.per_device_train_batch_size,
-            sampler=sampler,
-            collate_fn=self.data_collator,
-            num_workers=self.args.dataloader_num_workers,
-            drop_last=self.args.dataloader_drop_last,
-            # A private generator: creating the iterator must not consume the global RNG, or a
-            # resumed run would draw different dropout masks than the uninterrupted one.
-            generator=torch.Generator().manual_seed(self.args.seed),
-            pin_memory=self.hardware.device == "cuda" and self.args.dataloader_pin_memory,
-            **self._worker_options(),
-        )
-        window: list[dict[str, torch.Tensor]] = []
-        for batch in loader:
-            window.append({k: v for k, v in batch.items() if k in MODEL_INPUTS})
-            if len(window) == self.args.gradient_accumulation_steps:
-                yield window
-                window = []
-        if window:
-            yield window
-
-    def _eval_batches(self, dataset: Dataset, with_indices: bool = False) -> Iterator[Any]:
-        """This rank's share of ``dataset``; short shards are padded with fully masked rows so all
-        ranks run the same number of forwards (ZeRO-3 gathers weights collectively)."""
-        n, world, rank = len(dataset), self.dist.world_size, self.dist.rank
-        per_rank = math.ceil(n / world)
-        indices = list(range(rank, n, world))
-        indices += [-1] * (per_rank - len(indices))
-        bs = self.args.per_device_eval_batch_size
-        for start in range(0, len(indices), bs):
-            chunk = indices[start : start + bs]
-            batch = self.data_collator([dataset[i if i >= 0 else 0] for i in chunk])
-            batch = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
-            pad_rows = torch.tensor([i < 0 for i in chunk])
-            batch["labels"] = batch["labels"].masked_fill(pad_rows[:, None], IGNORE_INDEX)
-            yield (batch, chunk) if with_indices else batch
-
     # ---- logging, evaluation, saving -----------------------------------------------------------
 
     def _fire(self, event: str, **kwargs: Any) -> None:
@@ -469,7 +474,9 @@ class Trainer:
 
     def _log_train(self) -> None:
         # The one host-device sync of a logging window; the token count is already global.
-        loss = all_reduce_sum(self._loss_sum.clone()).item() / max(self._token_sum, 1.0)
+        loss_sum = all_reduce_sum(self._loss_sum.clone()).item()
+        self._run.add_window(loss_sum, self._token_sum)
+        loss = loss_sum / max(self._token_sum, 1.0)
         logs = {
             "step": self.state.global_step,
             "epoch": round(self.state.epoch, 4),
@@ -549,10 +556,10 @@ class Trainer:
             if saved.world_size != self.dist.world_size:
                 # The samples all ranks consumed, re-divided among this run's ranks.
                 sampler = ResumableDistributedSampler(
-                    len(self.train_dataset), self.dist.world_size, self.dist.rank, seed=self._data_seed()
+                    len(self.train_dataset), self.dist.world_size, self.dist.rank, seed=data_seed(self.args)
                 )
                 sampler.load_state_dict(
-                    {"epoch": saved.epoch_index, "start": saved.samples_into_epoch, "seed": self._data_seed(),
+                    {"epoch": saved.epoch_index, "start": saved.samples_into_epoch, "seed": data_seed(self.args),
                      "num_replicas": saved.world_size}
                 )  # fmt: skip
                 saved.samples_into_epoch = sampler.start
@@ -570,18 +577,6 @@ class Trainer:
 
     # ---- small helpers -------------------------------------------------------------------------
 
-    def _data_seed(self) -> int:
-        return self.args.seed if self.args.data_seed is None else self.args.data_seed
-
-    def _worker_options(self) -> dict[str, Any]:
-        """DataLoader options that only exist with worker processes."""
-        if self.args.dataloader_num_workers == 0:
-            return {}
-        return {
-            "persistent_workers": self.args.dataloader_persistent_workers,
-            "prefetch_factor": self.args.dataloader_prefetch_factor,
-        }
-
     def _precision(self) -> str:
         cfg = self.ds_config or {}
         return next((p for p in ("bf16", "fp16") if cfg.get(p, {}).get("enabled")), "fp32")
@@ -595,7 +590,3 @@ class Trainer:
 def _hidden_size(model: torch.nn.Module) -> int | None:
     config = getattr(model, "config", None)
     return getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
-
-
-def _safe_exp(x: float) -> float:
-    return math.exp(x) if x < 700 else float("inf")

@@ -43,7 +43,8 @@ def run(run_config: RunConfig) -> int:
         return 0
     callbacks = [FaultInjection(plan)] if (plan := fault_plan()) else None
     trainer = build_run(run_config, callbacks=callbacks)
-    state = trainer.train()
+    trainer.train()
+    state = trainer.state
     eval_ds = trainer.eval_dataset
     evals = [row for row in state.log_history if "eval_loss" in row]
     if eval_ds is not None and len(eval_ds) and not (evals and evals[-1]["step"] == state.global_step):

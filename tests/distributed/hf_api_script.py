@@ -1,0 +1,160 @@
+"""HF's result API on 2 ranks, written as a user writes it: ``from trainer import Trainer,
+TrainingArguments``, then ``main_process_first``, ``train()``'s TrainOutput, ``log_metrics``,
+``save_metrics``, ``save_state``, ``evaluate``/``predict`` with ``preprocess_logits_for_metrics`` and a
+finished run resumed. Each rank writes what it saw to ``OUT/rank<r>.json``; the test compares.
+Usage: ``deepspeed --num_gpus 2 tests/distributed/hf_api_script.py OUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput
+
+import trainer.evaluation
+from trainer import Trainer, TrainingArguments
+from trainer.data import CausalLMCollator
+from trainer.throughput import flops_per_token_for_model
+
+out = Path([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])
+args = TrainingArguments(
+    output_dir=str(out / "run"),
+    max_steps=4,
+    per_device_train_batch_size=2,
+    per_device_eval_batch_size=4,
+    logging_steps=1,
+    learning_rate=1e-3,
+    lr_scheduler_type="constant",
+    save_strategy="steps",
+    save_steps=4,
+    disable_tqdm=True,
+    seed=0,
+)
+rank = args.process_index
+
+# Before any Trainer exists: the arguments join the process group and rank 0 goes first.
+with args.main_process_first(desc="prepare data"):
+    with (out / "order.txt").open("a") as f:
+        f.write(f"enter {rank}\n")
+    if rank == 0:
+        time.sleep(1.0)  # without the barrier, rank 1 would enter meanwhile
+    with (out / "order.txt").open("a") as f:
+        f.write(f"exit {rank}\n")
+
+# 32 rows of 24 tokens (every step has the same number of target tokens); 13 rows of 8-32 tokens
+# to predict (rank 1's shard is padded with a masked row, batches have different widths).
+train = datasets.Dataset.from_dict({"input_ids": [[(i + k) % 16 + 1 for k in range(24)] for i in range(32)]})
+g = torch.Generator().manual_seed(4)
+lengths = [int(n) for n in torch.randint(8, 33, (13,), generator=g)]
+test = datasets.Dataset.from_dict(
+    {"input_ids": [torch.randint(1, 256, (n,), generator=g).tolist() for n in lengths]}
+)
+
+torch.manual_seed(0)
+config = LlamaConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=4, max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False,
+)  # fmt: skip
+model = LlamaForCausalLM(config)
+
+seen: list[dict] = []  # what preprocess_logits_for_metrics got, on this rank
+metric_inputs: list[str] = []
+
+
+def argmax(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    seen.append({"logits": list(logits.shape), "labels": list(labels.shape), "dtype": str(logits.dtype)})
+    return logits.argmax(-1)
+
+
+def accuracy(p: EvalPrediction) -> dict:
+    metric_inputs.append(f"{type(p).__module__}.{type(p).__name__}")
+    preds, labels = p.predictions[:, :-1], p.label_ids[:, 1:]
+    mask = labels != -100
+    return {"accuracy": np.float32((preds[mask] == labels[mask]).mean())}
+
+
+gathered: list[list[str]] = []  # (shape, dtype) of the predictions this rank sent to the gather
+_gather = trainer.evaluation.all_gather_object
+
+
+def recording_gather(rows):
+    gathered.append([f"{np.shape(r[1])}:{np.asarray(r[1]).dtype}" for r in rows])
+    return _gather(rows)
+
+
+trainer.evaluation.all_gather_object = recording_gather
+
+hf = Trainer(
+    model=model,
+    args=args,
+    train_dataset=train,
+    eval_dataset=test,
+    data_collator=CausalLMCollator(0),
+    compute_metrics=accuracy,
+    preprocess_logits_for_metrics=argmax,
+)
+result = hf.train()
+hf.log_metrics("train", result.metrics)
+hf.save_metrics("train", result.metrics)
+eval_metrics = hf.evaluate()
+hf.log_metrics("eval", eval_metrics)
+hf.save_metrics("eval", eval_metrics)
+hf.save_state()
+hf.save_metrics("probe", {"rank": rank}, combined=False)  # only rank 0's may land
+seen_by_evaluate = list(seen)
+pred = hf.predict(test)
+state_log = list(hf.state.log_history)
+
+# The reference: each row alone through the trained model (ZeRO-0: every rank holds it whole).
+hf.model.eval()
+ref_loss, ref_targets, ref_preds = 0.0, 0, []
+with torch.no_grad():
+    for row in test["input_ids"]:
+        ids = torch.tensor([row])
+        logits = hf.model(input_ids=ids).logits[0]
+        ref_loss += torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum").item()
+        ref_targets += len(row) - 1
+        ref_preds.append(logits.argmax(-1).tolist())
+
+resumed = hf.train(resume_from_checkpoint=True)  # checkpoint-4 ends the run: nothing to train
+
+report = {
+    "is_train_output": isinstance(result, TrainOutput),
+    "train_output": [result.global_step, result.training_loss, result.metrics],
+    "state_global_step": hf.state.global_step,
+    "state_epoch": hf.state.epoch,
+    "log_history": state_log,
+    "flops_per_token": flops_per_token_for_model(hf.model, 24),
+    "eval_metrics": eval_metrics,
+    "is_prediction_output": isinstance(pred, PredictionOutput),
+    "predictions": pred.predictions.tolist(),
+    "predictions_dtype": str(pred.predictions.dtype),
+    "label_ids": pred.label_ids.tolist(),
+    "predict_metrics": pred.metrics,
+    "preprocess_seen": seen,
+    "preprocess_calls_in_evaluate": len(seen_by_evaluate),
+    "gathered": gathered,
+    "metric_inputs": metric_inputs,
+    "reference": {"loss": ref_loss / ref_targets, "predictions": ref_preds, "rows": list(test["input_ids"])},
+    "resumed": {"is_train_output": isinstance(resumed, TrainOutput), "output": list(resumed)},
+    "is_world_process_zero": hf.is_world_process_zero(),
+    "is_local_process_zero": hf.is_local_process_zero(),
+    "args": {
+        "process_index": args.process_index,
+        "local_process_index": args.local_process_index,
+        "world_size": args.world_size,
+        "should_log": args.should_log,
+        "should_save": args.should_save,
+        "n_gpu": args.n_gpu,
+        "device": str(args.device),
+        "parallel_mode": args.parallel_mode.value,
+    },
+}
+(out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))

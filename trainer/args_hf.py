@@ -1,0 +1,138 @@
+"""HF's helpers on ``TrainingArguments`` that example scripts call: process facts, logging and
+saving roles, ``main_process_first``, and the dict/JSON views.
+
+Rank facts come from ``trainer.distributed``, imported when asked: it loads torch and DeepSpeed, which
+reading or validating arguments (``trainer ds-config``) never needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+class HFArgumentHelpers:
+    """Mixed into ``TrainingArguments``; reads its batch-size fields."""
+
+    per_device_train_batch_size: int
+    per_device_eval_batch_size: int
+
+    @property
+    def process_index(self) -> int:
+        """This process's global rank."""
+        return _dist_info().rank
+
+    @property
+    def local_process_index(self) -> int:
+        """This process's rank on its node."""
+        return _dist_info().local_rank
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job (all of them: pipeline stages too)."""
+        return _dist_info().world_size
+
+    @property
+    def device(self) -> torch.device:
+        """This process's device: ``cuda:<local rank>`` on GPUs, else the CPU."""
+        from trainer.distributed import process_device
+
+        return process_device()
+
+    @property
+    def n_gpu(self) -> int:
+        """GPUs this process uses: one on GPUs (one process per GPU, as HF's distributed mode), else 0."""
+        return 1 if self.device.type == "cuda" else 0
+
+    @property
+    def parallel_mode(self) -> Any:
+        """HF's ``ParallelMode``: ``distributed`` when a launcher started several processes."""
+        from transformers.training_args import ParallelMode
+
+        return ParallelMode.DISTRIBUTED if self.world_size > 1 else ParallelMode.NOT_PARALLEL
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.per_device_eval_batch_size
+
+    @property
+    def should_log(self) -> bool:
+        """Whether this process logs: the main process of each node (HF's log_on_each_node default)."""
+        return self.local_process_index == 0
+
+    @property
+    def should_save(self) -> bool:
+        """Whether this process writes files: the main process only (HF's save_on_each_node default)."""
+        return self.process_index == 0
+
+    def get_process_log_level(self) -> int:
+        """The log level for this process, as HF's with its defaults (log_level "passive",
+        log_level_replica "warning"): transformers' current verbosity where ``should_log``, else WARNING."""
+        from transformers.utils import logging as hf_logging
+
+        return hf_logging.get_verbosity() if self.should_log else logging.WARNING
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:
+        """The main process (of each node with ``local``, of the job otherwise) runs the block first;
+        the others wait at a barrier and run it after, e.g. to reuse a ``datasets.map`` cache. Under
+        a launcher it joins the process group if nothing has yet (HF's arguments do too); a world
+        of one runs the block at once."""
+        from trainer.distributed import barrier, join_process_group
+
+        info = _dist_info()
+        if info.world_size <= 1:
+            yield
+            return
+        join_process_group()
+        is_main = info.local_rank == 0 if local else info.is_main
+        try:
+            if not is_main:
+                logger.debug("%d: waiting for the main process to perform %s", info.rank, desc)
+                barrier(f"main_process_first: {desc}")
+            yield
+        finally:
+            if is_main:
+                logger.debug("%d: main process completed %s, releasing the others", info.rank, desc)
+                barrier(f"main_process_first: {desc}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as JSON-ready values; any ``*_token`` field masked (``<HUB_TOKEN>``), as HF."""
+        return {k: f"<{k.upper()}>" if k.endswith("_token") else v for k, v in super().to_dict().items()}
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_sanitized_dict(self) -> dict[str, Any]:
+        """``to_dict`` plus the batch sizes, with values other than bool/int/float/str as strings
+        (TensorBoard's hparams), as HF's."""
+        d = {
+            **self.to_dict(),
+            "train_batch_size": self.train_batch_size,
+            "eval_batch_size": self.eval_batch_size,
+        }
+        return {k: v if type(v) in (bool, int, float, str) else str(v) for k, v in d.items()}
+
+
+def _dist_info() -> Any:
+    from trainer.distributed import dist_info
+
+    return dist_info()
+
+
+def _dist_info() -> Any:
+    from trainer.distributed import dist_info
+
+    return dist_info()

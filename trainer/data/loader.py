@@ -1,0 +1,49 @@
+"""Accumulation windows of micro-batches for one rank, in the sampler's (resumable) order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from trainer.data.collator import MODEL_INPUTS
+from trainer.data.sampler import ResumableDistributedSampler
+
+Batch = dict[str, torch.Tensor]
+
+
+def data_seed(args: Any) -> int:
+    """The seed of the data order: HF's ``data_seed``, else ``seed``."""
+    return args.seed if args.data_seed is None else args.data_seed
+
+
+def accumulation_windows(
+    dataset: Dataset, sampler: ResumableDistributedSampler, collate_fn: Callable, args: Any, pin_memory: bool
+) -> Iterator[list[Batch]]:
+    """Windows of ``gradient_accumulation_steps`` micro-batches; the epoch's last may be shorter."""
+    workers = args.dataloader_num_workers
+    loader = DataLoader(
+        dataset,
+        batch_size=args.per_device_train_batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        num_workers=workers,
+        drop_last=args.dataloader_drop_last,
+        # A private generator: creating the iterator must not consume the global RNG, or a
+        # resumed run would draw different dropout masks than the uninterrupted one.
+        generator=torch.Generator().manual_seed(args.seed),
+        pin_memory=pin_memory and args.dataloader_pin_memory,
+        # Options that only exist with worker processes.
+        persistent_workers=workers > 0 and args.dataloader_persistent_workers,
+        prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+    )
+    window: list[Batch] = []
+    for batch in loader:
+        window.append({k: v for k, v in batch.items() if k in MODEL_INPUTS})
+        if len(window) == args.gradient_accumulation_steps:
+            yield window
+            window = []
+    if window:
+        yield window

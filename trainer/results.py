@@ -1,0 +1,104 @@
+"""What a run reports as HF's Trainer does: the metrics of a ``train()`` call, and the result files.
+
+``train()`` returns HF's ``TrainOutput(global_step, training_loss, metrics)`` with HF's keys:
+
+- ``train_runtime``: seconds of this ``train()`` call, from after the engine is built and any
+  checkpoint loaded, to the end of training (evaluations and saves inside the loop included, as HF);
+- ``train_samples_per_second``, ``train_steps_per_second``: the samples (all ranks) and optimizer
+  steps this call actually ran, over ``train_runtime``;
+- ``total_flos``: model FLOPs of the whole run so far, resumed sessions included: the
+  ``6·N + 12·L·h·s`` FLOPs per token of ``trainer.throughput`` times ``state.num_input_tokens_seen``
+  (the non-padding tokens trained on all ranks, saved in every checkpoint); 0 for a model without
+  an HF config;
+- ``train_loss``: the token-weighted mean loss of this call's steps (the sum of every target
+  token's loss over the number of target tokens, as each logged ``loss`` is); a logging window whose
+  loss is not finite is left out, and a finished run resumed, which trains no step, reports 0.0;
+- ``epoch``: ``state.epoch`` at the end.
+
+``log_metrics``, ``save_metrics`` and ``save_state`` write what HF's do, on the main process only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from transformers.trainer_pt_utils import metrics_format
+from transformers.trainer_utils import speed_metrics
+
+if TYPE_CHECKING:
+    from trainer.callbacks import TrainerState
+
+TRAINER_STATE_NAME = "trainer_state.json"
+ALL_RESULTS_NAME = "all_results.json"
+
+
+@dataclass
+class TrainTotals:
+    """What one ``train()`` call did: its start, steps, samples, and its logged loss sums."""
+
+    start_time: float = field(default_factory=time.time)
+    steps: int = 0
+    samples: float = 0.0
+    loss_sum: float = 0.0
+    tokens: float = 0.0
+
+    def add_window(self, loss_sum: float, tokens: float) -> None:
+        """A logging window's summed loss and target tokens, both over all ranks."""
+        if math.isfinite(loss_sum):
+            self.loss_sum += loss_sum
+            self.tokens += tokens
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.tokens if self.tokens > 0 else 0.0
+
+
+def train_metrics(totals: TrainTotals, total_flos: float, epoch: float) -> dict[str, float]:
+    """HF's metrics of a ``train()`` call (see the module docstring for what each one means)."""
+    metrics = speed_metrics("train", totals.start_time, num_samples=totals.samples, num_steps=totals.steps)
+    metrics["total_flos"] = float(total_flos)
+    metrics["train_loss"] = totals.mean_loss
+    metrics["epoch"] = epoch
+    return metrics
+
+
+def format_metrics(split: str, metrics: dict[str, Any]) -> str:
+    """HF's ``log_metrics`` block: a header, then one ``key = value`` line per metric, sorted,
+    formatted as HF formats them (runtimes as h:mm:ss, total_flos in GF, floats to 4 places)."""
+    formatted = metrics_format(metrics)
+    lines = [f"***** {split} metrics *****"]
+    if formatted:
+        k_width = max(len(str(k)) for k in formatted)
+        v_width = max(len(str(v)) for v in formatted.values())
+        lines += [f"  {k: <{k_width}} = {formatted[k]:>{v_width}}" for k in sorted(formatted)]
+    return "\n".join(lines)
+
+
+def save_metrics(output_dir: str | Path, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+    """``{split}_results.json``, and with ``combined`` the same keys merged into ``all_results.json``
+    (a later split's value of a key replaces an earlier one's)."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / f"{split}_results.json", metrics)
+    if combined:
+        path = out / ALL_RESULTS_NAME
+        merged = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        merged.update(metrics)
+        _write_json(path, merged)
+
+
+def save_state(output_dir: str | Path, state: TrainerState) -> Path:
+    """``trainer_state.json`` in ``output_dir``: the state a checkpoint holds, as HF's ``save_state``."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state.save_to_json(out / TRAINER_STATE_NAME)
+    return out / TRAINER_STATE_NAME
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=4, sort_keys=True), encoding="utf-8")
