@@ -9,28 +9,22 @@ these arguments into a DeepSpeed dict.
 from __future__ import annotations
 
 import importlib.util
-import itertools
-import json
 import logging
-import textwrap
-import typing
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer import hf_fields
 from trainer.args_hf import HFArgumentHelpers
 from trainer.config.errors import ConfigError, unknown_key_message
 from trainer.config.files import STATED_ARGUMENTS, stated_arguments
-from trainer.config.reference import type_name
 
 logger = logging.getLogger(__name__)
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Strategy = Literal["no", "steps", "epoch"]
+LogLevel = Literal["passive", "debug", "info", "warning", "error", "critical"]
 PRECISION_FIELDS = ("precision", "bf16", "fp16")
 # The integrations report_to can name (transformers' own callbacks drive them; trainer/reporting.py),
 # each with the module it needs, in the order HF lists them for "all". Rows always go to
@@ -156,6 +150,19 @@ class TrainingArguments(HFArgumentHelpers, _Args):
         description="When to log: steps (every logging_steps), epoch, or no; the last step always logs.",
     )
     logging_first_step: bool = Field(False, description="Also log the first step.")
+    log_level: LogLevel = Field(
+        "passive",
+        description="transformers' log level on the logging process; passive keeps its current one.",
+    )
+    log_level_replica: LogLevel = Field(
+        "warning", description="transformers' log level on the other processes."
+    )
+    log_on_each_node: bool = Field(
+        True, description="Log on the main process of each node, not only of the job."
+    )
+    prediction_loss_only: bool = Field(
+        False, description="evaluate() computes the loss only: no predictions gathered, no compute_metrics."
+    )
     eval_on_start: bool = Field(False, description="Evaluate once before the first step.")
     eval_strategy: Strategy = Field("no", description="When to evaluate: no, steps or epoch.")
     eval_steps: int | None = Field(None, ge=1, description="Evaluate every N steps (default: logging_steps).")
@@ -255,7 +262,7 @@ class TrainingArguments(HFArgumentHelpers, _Args):
         precision_set = any(k in data for k in PRECISION_FIELDS)
         if precision_set and all(k in data for k in STATED_ARGUMENTS):
             return data  # nothing left unset (an assignment validates every field): no file to read
-        stated = _stated_arguments(data["deepspeed"])
+        stated = stated_by_deepspeed(data["deepspeed"])
         if precision_set:
             stated = {k: v for k, v in stated.items() if k not in PRECISION_FIELDS}
         return {**stated, **data}
@@ -431,7 +438,7 @@ class RunConfig(BaseModel):
         try:
             return cls(**grouped)
         except ValidationError as err:
-            raise ConfigError(_validation_problems(err)) from None
+            raise ConfigError(validation_problems(err)) from None
 
     def to_flat(self) -> dict[str, Any]:
         return {
@@ -439,7 +446,15 @@ class RunConfig(BaseModel):
         }
 
 
-def _validation_problems(err: ValidationError) -> list[tuple[str, str]]:
+def stated_by_deepspeed(source: Any) -> dict[str, Any]:
+    """What a DeepSpeed config states of the training arguments; precision also rules the flags."""
+    stated = stated_arguments(source) if isinstance(source, str | dict) else {}
+    if "precision" in stated:
+        stated.update(bf16=stated["precision"] == "bf16", fp16=stated["precision"] == "fp16")
+    return stated
+
+
+def validation_problems(err: ValidationError) -> list[tuple[str, str]]:
     problems = []
     for e in err.errors():
         loc = [str(p) for p in e["loc"] if str(p) not in SECTIONS]
@@ -451,147 +466,3 @@ def _validation_problems(err: ValidationError) -> list[tuple[str, str]]:
         else:
             problems.append((".".join(loc), msg))
     return problems
-
-
-_YAML11_BOOLS = {"yes", "no", "on", "off", "y", "n"}
-
-
-# Fields that take several values on the command line (``--report_to wandb mlflow``), as HF's parser.
-_LIST_FIELDS = {
-    name
-    for model in SECTIONS.values()
-    for name, field in model.model_fields.items()
-    if list in {typing.get_origin(t) for t in (field.annotation, *typing.get_args(field.annotation))}
-}
-
-
-def _parse_value(text: str) -> Any:
-    """A CLI value as YAML would read it: numbers, booleans, lists, dicts; otherwise the string.
-    YAML 1.1's yes/no/on/off stay strings (``--save_strategy no``)."""
-    if text.lower() in _YAML11_BOOLS:
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)  # YAML 1.1 reads 3e-4 (no dot) as a string
-    except ValueError:
-        pass
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def parse_cli(argv: list[str]) -> dict[str, Any]:
-    """``--config FILE`` plus ``--field value`` / ``--field=value`` / bare ``--flag`` pairs."""
-    recipe, flags = _recipe_and_flags(argv)
-    return {**recipe, **flags}
-
-
-def _recipe_and_flags(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    flat: dict[str, Any] = {}
-    config_path = None
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if not token.startswith("--"):
-            raise ConfigError([(token, "unexpected argument; fields are given as --field value")])
-        name, eq, value = token[2:].partition("=")
-        name = name.replace("-", "_")
-        if name == "local_rank":  # injected by the deepspeed launcher; distributed.py reads LOCAL_RANK
-            i += 1 if eq else 2
-            continue
-        values = [value]
-        if not eq:
-            values = list(itertools.takewhile(lambda t: not t.startswith("--"), argv[i + 1 :]))
-            if len(values) > 1 and name not in _LIST_FIELDS:
-                values = values[:1]  # the next token is refused as an unexpected argument
-            i += len(values)
-            value = values[0] if values else "true"
-        i += 1
-        if name == "config":
-            config_path = value
-        elif len(values) > 1:  # HF's nargs="+": --report_to wandb mlflow
-            flat[name] = [_parse_value(v) for v in values]
-        else:
-            flat[name] = _parse_value(value)
-    return (load_recipe(config_path) if config_path else {}), flat
-
-
-def load_recipe(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError([("config", f"recipe file not found: {path}")])
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError([(str(path), f"invalid YAML: {err}")]) from None
-    if not isinstance(data, dict):
-        raise ConfigError([(str(path), "a recipe must be a mapping of field: value")])
-    if isinstance(data.get("deepspeed"), str) and data["deepspeed"].endswith(".json"):
-        # Relative DeepSpeed paths in a recipe are relative to the recipe itself.
-        ds = Path(data["deepspeed"])
-        if not ds.is_absolute() and not ds.exists() and (path.parent / ds).exists():
-            data["deepspeed"] = str(path.parent / ds)
-    return data
-
-
-def parse_run_config(argv: list[str]) -> RunConfig:
-    """The run from a recipe and flags. Flags win over the recipe, and a DeepSpeed config given as
-    a flag wins over the recipe's values for what it states (``--deepspeed zero3.json`` on a ZeRO-2
-    recipe runs ZeRO-3); a flag that contradicts it is still an error."""
-    recipe, flags = _recipe_and_flags(argv)
-    if flags.get("deepspeed") is not None:
-        stated = _stated_arguments(flags["deepspeed"])
-        for name in [k for k in recipe if k in stated and k not in flags]:
-            if recipe[name] != stated[name]:
-                logger.info(
-                    "%s: %s from the DeepSpeed config replaces the recipe's %s",
-                    name,
-                    stated[name],
-                    recipe[name],
-                )
-            del recipe[name]
-    return RunConfig.from_flat({**recipe, **flags})
-
-
-def _stated_arguments(source: Any) -> dict[str, Any]:
-    """What a DeepSpeed config states of the training arguments; precision also rules the flags."""
-    stated = stated_arguments(source) if isinstance(source, str | dict) else {}
-    if "precision" in stated:
-        stated.update(bf16=stated["precision"] == "bf16", fp16=stated["precision"] == "fp16")
-    return stated
-
-
-HELP_FLAGS = ("-h", "--help")
-
-_HELP_INTRO = """\
-Train a model. Every field below is set in a YAML recipe (--config) as `field: value` or on the
-command line as --field value (or --field=value); a bare --flag means true, and a flag wins over
-the recipe. Values are read as YAML: --report_to [tensorboard, wandb], --model_config_overrides
-'{num_hidden_layers: 2}'. The defaults shown are the schema's; scripts/train.py without --config
-starts from scripts/recipes/default.yaml."""
-
-
-def _default_text(field: Any) -> str:
-    value = field.default_factory() if field.default_factory is not None else field.default
-    return json.dumps(value)
-
-
-def run_help(prog: str = "scripts/train.py") -> str:
-    """The ``--help`` text: every run field with its type, default and description, from the schema."""
-    lines = [f"usage: {prog} [--config RECIPE.yaml] [--field value ...]", "", _HELP_INTRO]
-    for section, model in SECTIONS.items():
-        lines += ["", f"{section} arguments ({model.__name__}):"]
-        for name, field in model.model_fields.items():
-            lines.append(f"  --{name} {type_name(field.annotation, ' | ')} (default: {_default_text(field)})")
-            lines += textwrap.wrap(
-                field.description or "", width=100, initial_indent=" " * 6, subsequent_indent=" " * 6
-            )
-    return "\n".join(lines)
-
-
-def dump_run_config(run: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(run.to_flat(), sort_keys=False))

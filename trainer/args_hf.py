@@ -20,10 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 class HFArgumentHelpers:
-    """Mixed into ``TrainingArguments``; reads its batch-size fields."""
-
-    per_device_train_batch_size: int
-    per_device_eval_batch_size: int
+    """Mixed into ``TrainingArguments``; reads its batch-size and logging fields. (No annotations of
+    those fields here: pydantic would take them for fields of this base, declared first.)"""
 
     @property
     def process_index(self) -> int:
@@ -69,8 +67,8 @@ class HFArgumentHelpers:
 
     @property
     def should_log(self) -> bool:
-        """Whether this process logs: the main process of each node (HF's log_on_each_node default)."""
-        return self.local_process_index == 0
+        """Whether this process logs: the main process of each node (``log_on_each_node``) or of the job."""
+        return self.local_process_index == 0 if self.log_on_each_node else self.process_index == 0
 
     @property
     def should_save(self) -> bool:
@@ -78,11 +76,12 @@ class HFArgumentHelpers:
         return self.process_index == 0
 
     def get_process_log_level(self) -> int:
-        """The log level for this process, as HF's with its defaults (log_level "passive",
-        log_level_replica "warning"): transformers' current verbosity where ``should_log``, else WARNING."""
+        """This process's log level, as HF's: ``log_level`` where ``should_log``, ``log_level_replica``
+        elsewhere; "passive" keeps transformers' current verbosity."""
         from transformers.utils import logging as hf_logging
 
-        return hf_logging.get_verbosity() if self.should_log else logging.WARNING
+        name = self.log_level if self.should_log else self.log_level_replica
+        return hf_logging.get_verbosity() if name == "passive" else logging.getLevelName(name.upper())
 
     @contextlib.contextmanager
     def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:

@@ -41,10 +41,11 @@ import torch
 import yaml
 from deepspeed.checkpoint import ds_to_universal
 
-from trainer.args import DataArguments, ModelArguments, RunConfig, TrainingArguments, dump_run_config
+from trainer.args import DataArguments, ModelArguments, RunConfig, TrainingArguments
 from trainer.callbacks import TrainerState
 from trainer.checkpoint_writer import FileWriter, file_entry
 from trainer.distributed import DistInfo, all_gather_object, barrier, warn
+from trainer.recipe import dump_run_config
 
 PREFIX = "checkpoint-"
 MARKER = "COMPLETE"

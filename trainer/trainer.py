@@ -27,9 +27,10 @@ from transformers.trainer_utils import (
     TrainOutput,
     speed_metrics,
 )
+from transformers.utils import logging as hf_logging
 
 from trainer import checkpoint as ckpt
-from trainer.args import RunConfig, TrainingArguments, dump_run_config
+from trainer.args import RunConfig, TrainingArguments
 from trainer.callbacks import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -60,6 +61,7 @@ from trainer.faults import fault_plan
 from trainer.metrics import summary_table
 from trainer.modeling import enable_gradient_checkpointing
 from trainer.monitor import memory_stats
+from trainer.recipe import dump_run_config
 from trainer.reporting import reporting_callbacks
 from trainer.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag, Watchdog
 from trainer.results import TrainTotals, format_metrics, save_metrics, save_state, train_metrics
@@ -100,6 +102,7 @@ class Trainer:
         self.args = args or TrainingArguments()
         self.hardware = detect_hardware()
         self.dist = init_distributed(self.hardware, timeout_s=self.args.ddp_timeout)
+        hf_logging.set_verbosity(self.args.get_process_log_level())
         if self.args.tf32 is not None and self.hardware.device == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.args.tf32
         self.model = model
@@ -343,7 +346,8 @@ class Trainer:
         dataset = model_columns(eval_dataset) if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer.evaluate: no eval_dataset")
-        output = self._evaluation_loop(dataset, metric_key_prefix, self.compute_metrics is not None)
+        predictions = self.compute_metrics is not None and not self.args.prediction_loss_only
+        output = self._evaluation_loop(dataset, metric_key_prefix, predictions)
         metrics = {**output.metrics, "epoch": self.state.epoch}
         self._log({**metrics, "step": self.state.global_step})
         self._fire("on_evaluate", metrics=metrics)

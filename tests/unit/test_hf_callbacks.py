@@ -79,6 +79,7 @@ def test_transformers_callbacks_run_unchanged_on_our_trainer(tmp_path):
     assert (step2, best2, step4, best4) == (2, None, 4, loss2)
     # Events as HF fires them; the model comes with them; logs carry no step (HF's don't).
     assert recorder["events"] == ["init_end", "train_begin LlamaForCausalLM", "train_end"]
-    assert len(recorder["step_in_logs"]) == 6 and not any(recorder["step_in_logs"])  # 4 train + 2 eval rows
+    # 4 train rows, 2 eval rows and, as HF logs it, the train summary row (train_runtime, ...)
+    assert len(recorder["step_in_logs"]) == 7 and not any(recorder["step_in_logs"])
     # A callback that returns a new transformers.TrainerControl is obeyed.
     assert results["new_control"] == 3

@@ -17,13 +17,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from trainer import checkpoint as ckpt
-from trainer.args import HELP_FLAGS, RunConfig, parse_run_config, run_help
+from trainer.args import RunConfig
 from trainer.config import check
 from trainer.config.errors import ConfigError
 from trainer.distributed import configure_logging, detect_hardware, dist_info, init_distributed, print_main
 from trainer.faults import FaultInjection, fault_plan
 from trainer.launch import build_run
 from trainer.plots import plot_runs
+from trainer.recipe import HELP_FLAGS, parse_run_config, run_help
 from trainer.reporting import check_report_to
 
 RAW_ARGV = True
