@@ -1,6 +1,6 @@
 """HF's result API (TrainOutput, log/save_metrics, save_state, main_process_first, predict with
 preprocess_logits_for_metrics) on 2 ranks, through the public API under the deepspeed launcher:
-one launch of tests/distributed/hf_api_script.py."""
+one launch of tests/helpers/hf_api_scenario.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tests.conftest import launch
+from tests.helpers.launch import launch
 
 pytestmark = pytest.mark.distributed
 
@@ -28,7 +28,7 @@ TRAIN_KEYS = {
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_api")
-    proc = launch(["tests/distributed/hf_api_script.py", str(out)])
+    proc = launch(["tests/helpers/hf_api_scenario.py", str(out)])
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     return out, ranks, proc.stdout
 

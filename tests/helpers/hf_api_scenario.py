@@ -2,7 +2,7 @@
 TrainingArguments``, then ``main_process_first``, ``train()``'s TrainOutput, ``log_metrics``,
 ``save_metrics``, ``save_state``, ``evaluate``/``predict`` with ``preprocess_logits_for_metrics`` and a
 finished run resumed. Each rank writes what it saw to ``OUT/rank<r>.json``; the test compares.
-Usage: ``deepspeed --num_gpus 2 tests/distributed/hf_api_script.py OUT``.
+Usage: ``deepspeed --num_gpus 2 tests/helpers/hf_api_scenario.py OUT``.
 """
 
 from __future__ import annotations
