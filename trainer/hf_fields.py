@@ -70,8 +70,8 @@ REFUSED: dict[str, str] = {
     "length_column_name": "the sampler is a seeded, resumable permutation sharded over ranks",
     "debug": f"HF's debug modes (underflow_overflow, tpu_metrics_debug) are {_NOT_WIRED}",
     "skip_memory_metrics": "memory figures are always in the log rows (metrics.jsonl)",
-    "include_num_input_tokens_seen": "every log row carries tokens_per_second; the token count is not "
-    f"accumulated ({_NOT_WIRED})",
+    "include_num_input_tokens_seen": "every log row carries tokens_per_second, and trainer_state.json "
+    "num_input_tokens_seen; a per-row count is not logged",
 }
 
 ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
