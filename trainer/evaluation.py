@@ -88,18 +88,19 @@ def _forward(
     preprocess: Callable[[torch.Tensor, torch.Tensor], Any] | None,
 ) -> tuple[torch.Tensor, list[Row]]:
     """([summed loss, target tokens] of this rank on the device, this rank's prediction rows)."""
-    sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    # In the loss's own fp32, summed batch by batch as training sums its windows.
+    sums = torch.zeros(2, device=engine.device)
     rows: list[Row] = []
     engine.train(False)
     try:
         for batch, indices in batches:
             if not with_predictions:
                 loss, count = engine.eval_loss_sum(batch)
-                sums += torch.stack([loss.double(), count.double()])
+                sums += torch.stack([loss, count])
                 continue
             logits = engine.logits(batch)
             labels = batch["labels"].to(logits.device)
-            sums[0] += engine.loss_fn(logits, labels).double()
+            sums[0] += engine.loss_fn(logits, labels)
             sums[1] += count_targets(batch)
             kept = preprocess(logits, labels) if preprocess is not None else logits
             kept, host_labels = _numpy(kept), batch["labels"].numpy()
