@@ -192,9 +192,7 @@ class Trainer:
     def _train_output(self) -> TrainOutput:
         """HF's end of training: the call's metrics, logged as one row, and the TrainOutput."""
         if getattr(self, "_token_sum", 0.0) > 0:  # steps since the last logging step (collective)
-            self._run.add_window(all_reduce_sum(self._loss_sum.clone()).item(), self._token_sum)
-            self._loss_sum.zero_()
-            self._token_sum = 0.0
+            self._take_window_loss()
         flops = (self._flops_per_token() or 0.0) * self.state.num_input_tokens_seen
         metrics = train_metrics(self._run, flops, self.state.epoch)
         self._log({**metrics, "step": self.state.global_step})
@@ -209,10 +207,10 @@ class Trainer:
             self.args,
             pin_memory=self.hardware.device == "cuda",
         ):
-            window_tokens = self._vote(window)
+            window_tokens, counts = self._vote(window)
             self._fire("on_step_begin")
             window_loss = self.engine.train_window(window, window_tokens)
-            self._accumulate(window, window_loss, window_tokens)
+            self._accumulate(window_loss, window_tokens, counts)
             self._fire("on_step_end")
             if (self.control.should_log or self.control.should_save) and not self._guard_finite():
                 return False  # rolled back: the epoch restarts from the checkpoint's position
@@ -224,17 +222,17 @@ class Trainer:
                 return False
         return True
 
-    def _vote(self, window: list[dict[str, torch.Tensor]]) -> float:
+    def _vote(self, window: list[dict[str, torch.Tensor]]) -> tuple[float, tuple[int, int]]:
         """One host-only all-reduce per step carries the window's target tokens, the preemption flag
         and, while an asynchronous save is in flight, each rank's "my files are written", so every
         rank stops, commits and divides the loss alike. It also counts the window's samples and
         non-padding input tokens on all ranks (HF's ``num_input_tokens_seen``, and the run's FLOPs).
-        Returns the window's target tokens on all ranks."""
+        Returns the window's target tokens on all ranks, and its (samples, input tokens) on this one."""
+        counts = (sum(len(b["input_ids"]) for b in window), sum(int(non_padding_tokens(b)) for b in window))
         local = [
             self.engine.local_targets(window),
             1.0 if self.preemption.received else 0.0,
-            float(sum(len(b["input_ids"]) for b in window)),
-            float(sum(int(non_padding_tokens(b)) for b in window)),
+            *map(float, counts),
         ]
         if self.saver is not None and self.saver.pending:
             local.append(float(self.saver.written()))
@@ -245,19 +243,19 @@ class Trainer:
             self._save_and_exit_on_preemption()  # before the counts: this window is not trained
         self.state.num_input_tokens_seen += int(input_tokens)
         self._run.samples += samples
-        return max(window_tokens, 1.0)
+        return max(window_tokens, 1.0), counts
 
-    def _accumulate(self, window: list[dict[str, torch.Tensor]], loss: torch.Tensor, tokens: float) -> None:
+    def _accumulate(self, loss: torch.Tensor, tokens: float, counts: tuple[int, int]) -> None:
         """Add a step to the logging window's sums (on the device until a logging step reads them)
         and advance the state's step, sample and epoch counters."""
         self._loss_sum += loss
         self._token_sum += tokens
         self._nonfinite |= ~torch.isfinite(loss)
-        self._advance(window)
+        self._advance(*counts)
 
-    def _advance(self, window: list[dict[str, torch.Tensor]]) -> None:
-        samples = sum(len(b["input_ids"]) for b in window)
-        self.timer.step_end(tokens=sum(int(non_padding_tokens(b)) for b in window), samples=samples)
+    def _advance(self, samples: int, input_tokens: int) -> None:
+        """One step more in the state and the step timer (this rank's samples and input tokens)."""
+        self.timer.step_end(tokens=input_tokens, samples=samples)
         state = self.state
         state.global_step += 1
         self._run.steps += 1
@@ -476,11 +474,19 @@ class Trainer:
         # As HF's: the history's rows carry the step; the callbacks' logs do not (state.global_step has it).
         self._fire("on_log", logs={k: v for k, v in logs.items() if k != "step"})
 
+    def _take_window_loss(self) -> tuple[float, float]:
+        """The logging window's summed loss and target tokens on all ranks (the window's one
+        host-device sync; the token count is already global), added to the call's totals; the
+        window starts again."""
+        loss_sum, tokens = all_reduce_sum(self._loss_sum.clone()).item(), self._token_sum
+        self._run.add_window(loss_sum, tokens)
+        self._loss_sum.zero_()
+        self._token_sum = 0.0
+        return loss_sum, tokens
+
     def _log_train(self) -> None:
-        # The one host-device sync of a logging window; the token count is already global.
-        loss_sum = all_reduce_sum(self._loss_sum.clone()).item()
-        self._run.add_window(loss_sum, self._token_sum)
-        loss = loss_sum / max(self._token_sum, 1.0)
+        loss_sum, tokens = self._take_window_loss()
+        loss = loss_sum / max(tokens, 1.0)
         logs = {
             "step": self.state.global_step,
             "epoch": round(self.state.epoch, 4),
@@ -494,8 +500,6 @@ class Trainer:
         logs.update(self.timer.flush(sync_fn=self._sync, all_reduce_sum=host_all_reduce))
         logs.update(memory_stats(self.engine.device))
         self._log(logs)
-        self._loss_sum.zero_()
-        self._token_sum = 0.0
 
     def _maybe_evaluate_and_save(self) -> bool:
         """Evaluate and/or save as the control flags ask; True if anything ran."""
