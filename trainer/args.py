@@ -9,13 +9,14 @@ these arguments into a DeepSpeed dict.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer import hf_fields
-from trainer.args_hf import HFArgumentHelpers
+from trainer.args_hf import HFArgumentHelpers, Unstated, dataclass_fields
 from trainer.config.errors import ConfigError, unknown_key_message
 from trainer.config.files import STATED_ARGUMENTS, stated_arguments
 
@@ -34,6 +35,18 @@ REPORT_TO = {"mlflow": "mlflow", "tensorboard": "tensorboard", "wandb": "wandb",
 
 class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def __init__(self, /, **data: Any) -> None:
+        # HfArgumentParser hands over every field: those its user left out come as Unstated, and stay unset.
+        try:
+            super().__init__(**{k: v for k, v in data.items() if not isinstance(v, Unstated)})
+        except ValidationError as err:
+            raise ConfigError(validation_problems(err)) from None  # one line per problem, naming the key
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls.__dataclass_fields__ = dataclass_fields(cls)  # a dataclass to HfArgumentParser
 
     @model_validator(mode="before")
     @classmethod
@@ -136,7 +149,7 @@ class TrainingArguments(HFArgumentHelpers, _Args):
         "constant_with_warmup run as DeepSpeed's schedulers; the others (and any lr_scheduler_kwargs) as "
         "transformers' get_scheduler.",
     )
-    lr_scheduler_kwargs: dict[str, Any] = Field(
+    lr_scheduler_kwargs: dict[str, Any] | str | None = Field(  # str: JSON (HF's typing, for its parser)
         default_factory=dict,
         description="Extra arguments of transformers' scheduler, e.g. {min_lr_rate: 0.1} for "
         "cosine_with_min_lr or {num_decay_steps: 100} for warmup_stable_decay.",
@@ -198,7 +211,7 @@ class TrainingArguments(HFArgumentHelpers, _Args):
     trackio_bucket_id: str | None = Field(
         None, description="Hugging Face Bucket for trackio with a Space; None lets trackio choose."
     )
-    trackio_static_space_id: str | Literal[False] | None = Field(
+    trackio_static_space_id: str | None | Literal[False] = Field(
         None, description="Static trackio Space made after training; false for none."
     )
     hub_private_repo: bool | None = Field(
@@ -223,11 +236,12 @@ class TrainingArguments(HFArgumentHelpers, _Args):
         False, description="Recompute activations in backward to save memory."
     )
 
-    deepspeed: str | dict[str, Any] | None = Field(
+    deepspeed: dict[str, Any] | str | None = Field(
         None, description="A DeepSpeed JSON path, a dict, or a preset name (zero2, zero3_offload, ...)."
     )
-    resume_from_checkpoint: str | bool | None = Field(
-        None, description="A checkpoint dir, 'auto' (newest complete one in output_dir), or None."
+    resume_from_checkpoint: str | None = Field(
+        None,
+        description="A checkpoint dir, 'auto' (newest complete one in output_dir; also true), or None (also false).",
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage when no DeepSpeed config is given.")
     offload_optimizer: OffloadDevice = Field("none", description="Offload optimizer states to cpu or nvme.")
@@ -282,6 +296,18 @@ class TrainingArguments(HFArgumentHelpers, _Args):
             if isinstance(value, str) and value.startswith(prefix):
                 raise ValueError(f"{value!r}: {reason}")
         return value
+
+    @field_validator("lr_scheduler_kwargs", mode="before")
+    @classmethod
+    def _kwargs_json(cls, value: Any) -> Any:
+        return json_object(value)
+
+    @field_validator("resume_from_checkpoint", mode="before")
+    @classmethod
+    def _resume_switch(cls, value: Any) -> Any:
+        # true means the newest complete checkpoint, false none: as a bool (a recipe) or a word (HF's parser).
+        switch = {"true": "auto", "false": None}.get(str(value).lower(), value)
+        return switch if isinstance(value, bool | str) else value
 
     @field_validator("eval_strategy", "save_strategy", "logging_strategy", mode="before")
     @classmethod
@@ -369,7 +395,7 @@ class ModelArguments(_Args):
         description="A local HF model directory (or hub name) to fine-tune; None builds from model_config.",
     )
     model_type: Literal["llama", "gpt2"] = Field("llama", description="Architecture built from model_config.")
-    model_config_overrides: dict[str, Any] = Field(
+    model_config_overrides: dict[str, Any] | str | None = Field(  # str: JSON, for HF's parser
         default_factory=dict, description="Config fields for a model built from scratch (hidden_size, ...)."
     )
     tokenizer_name_or_path: str | None = Field(
@@ -379,6 +405,11 @@ class ModelArguments(_Args):
     vocab_size: int = Field(4096, ge=256, description="Vocabulary size of a tokenizer trained on the corpus.")
     trust_remote_code: bool = Field(False, description="Allow model code from the model directory to run.")
 
+
+    @field_validator("model_config_overrides", mode="before")
+    @classmethod
+    def _overrides_json(cls, value: Any) -> Any:
+        return json_object(value)
 
 class DataArguments(_Args):
     dataset: str = Field(
@@ -444,6 +475,21 @@ class RunConfig(BaseModel):
         return {
             k: v for section in (self.training, self.model, self.data) for k, v in section.to_dict().items()
         }
+
+
+def json_object(value: Any) -> Any:
+    """A mapping field's value: a dict as it is, None as empty, a string as a JSON object (what HF's
+    parser hands over for ``--lr_scheduler_kwargs '{"min_lr_rate": 0.1}'``)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"not a JSON object: {err}") from None
+        if not isinstance(value, dict):
+            raise ValueError("must be a JSON object, like '{\"key\": 1}'")
+    return value
 
 
 def stated_by_deepspeed(source: Any) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """HF's helpers on ``TrainingArguments`` that example scripts call: process facts, logging and
-saving roles, ``main_process_first``, and the dict/JSON views.
+saving roles, ``main_process_first``, and the dict/JSON views; and the dataclass face the argument
+models show ``HfArgumentParser``.
 
 Rank facts come from ``trainer.distributed``, imported when asked: it loads torch and DeepSpeed, which
 reading or validating arguments (``trainer ds-config``) never needs.
@@ -8,13 +9,15 @@ reading or validating arguments (``trainer ds-config``) never needs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_origin
 
 if TYPE_CHECKING:
     import torch
+    from pydantic import BaseModel
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +134,33 @@ def _dist_info() -> Any:
     return dist_info()
 
 
-def _dist_info() -> Any:
-    from trainer.distributed import dist_info
+class Unstated:
+    """The default ``HfArgumentParser`` gives a flag: a flag left out arrives as one, and the argument
+    model drops it, so the field stays unset (a ``--deepspeed`` file's concrete values then fill it),
+    as with our own flags. ``--help`` shows the real default."""
 
-    return dist_info()
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+def dataclass_fields(model: type[BaseModel]) -> dict[str, dataclasses.Field]:
+    """The ``__dataclass_fields__`` that make an argument model a dataclass to ``HfArgumentParser``
+    (and to ``dataclasses.fields``/``asdict``): one field per model field, its description as the
+    flag's help. A bool defaulting to True keeps its default, so the parser adds ``--no_<field>``;
+    HF's parser reads a list field's default from its factory."""
+    specs = []
+    for name, info in model.model_fields.items():
+        default = info.get_default(call_default_factory=True)
+        shown: dict[str, Any] = {"default": default} if default is True else {"default": Unstated(default)}
+        if get_origin(info.annotation) is list:
+            shown = {"default_factory": lambda default=default: Unstated(default)}
+        specs.append((name, info.annotation, dataclasses.field(**shown, metadata={"help": info.description})))
+    return dataclasses.make_dataclass(model.__name__, specs).__dataclass_fields__

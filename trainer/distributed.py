@@ -149,6 +149,15 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
     return info
 
 
+def leave_process_group() -> None:
+    """End of a successful run: every rank waits for the others, then the group is torn down.
+    Left to interpreter exit, a rank that finishes first tears down its gloo threads while its
+    peers still talk to it, and can abort ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 # ---- DeepSpeed's CPU all-reduce buffers ---------------------------------------------------------
 
 SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer_"

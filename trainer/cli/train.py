@@ -20,7 +20,14 @@ from trainer import checkpoint as ckpt
 from trainer.args import RunConfig
 from trainer.config import check
 from trainer.config.errors import ConfigError
-from trainer.distributed import configure_logging, detect_hardware, dist_info, init_distributed, print_main
+from trainer.distributed import (
+    configure_logging,
+    detect_hardware,
+    dist_info,
+    init_distributed,
+    leave_process_group,
+    print_main,
+)
 from trainer.faults import FaultInjection, fault_plan
 from trainer.launch import build_run
 from trainer.plots import plot_runs
@@ -41,6 +48,7 @@ def run(run_config: RunConfig) -> int:
     check_report_to(args)  # a report_to integration's package, MLflow's store
     init_distributed(hardware, timeout_s=args.ddp_timeout)
     if _nothing_to_resume(run_config):
+        leave_process_group()
         return 0
     callbacks = [FaultInjection(plan)] if (plan := fault_plan()) else None
     trainer = build_run(run_config, callbacks=callbacks)
@@ -57,6 +65,7 @@ def run(run_config: RunConfig) -> int:
         plot_runs([args.output_dir])
         print_main(f"Exported the model to {final}")
         print_main(_sample(final, torch.device("cpu")))
+    leave_process_group()
     return 0
 
 
