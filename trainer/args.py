@@ -405,11 +405,11 @@ class ModelArguments(_Args):
     vocab_size: int = Field(4096, ge=256, description="Vocabulary size of a tokenizer trained on the corpus.")
     trust_remote_code: bool = Field(False, description="Allow model code from the model directory to run.")
 
-
     @field_validator("model_config_overrides", mode="before")
     @classmethod
     def _overrides_json(cls, value: Any) -> Any:
         return json_object(value)
+
 
 class DataArguments(_Args):
     dataset: str = Field(

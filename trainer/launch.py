@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset
+from transformers import set_seed
 
 from trainer import checkpoint as ckpt
 from trainer.args import RunConfig
@@ -23,7 +24,7 @@ from trainer.data import build_datasets, get_tokenizer
 from trainer.distributed import detect_hardware, init_distributed
 from trainer.modeling import build_model, hidden_size_of, model_config
 from trainer.steps import keep_global_batch, plan_steps
-from trainer.trainer import Trainer, set_seed
+from trainer.trainer import Trainer
 
 
 def build_run(

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset
-from transformers import enable_full_determinism
+from transformers import enable_full_determinism, set_seed
 
 # HF's own result types: what code written against transformers' Trainer expects back.
 from transformers.trainer_utils import (
@@ -54,7 +52,8 @@ from trainer.distributed import (
     print_main,
     warn,
 )
-from trainer.engine import Engine, build_engine
+from trainer.engine import Engine, build_engine, causal_lm_loss_sum
+from trainer.engine.loss import target_count
 from trainer.evaluation import eval_batches, evaluation_loop
 from trainer.export import export_hf
 from trainer.faults import fault_plan
@@ -67,14 +66,6 @@ from trainer.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag, W
 from trainer.results import TrainTotals, format_metrics, save_metrics, save_state, train_metrics
 from trainer.steps import check_resolved, client_scheduler, keep_global_batch, plan_steps
 from trainer.throughput import StepTimer, flops_per_token_for_model, non_padding_tokens
-
-
-def set_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
 
 
 class Trainer:
@@ -379,6 +370,17 @@ class Trainer:
         output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
         return output
 
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """HF's override point: one micro-batch's loss over ``num_items_in_batch``, the target tokens of
+        its accumulation window on all ranks (of the batch, in evaluation), so a window's micro-batches
+        on all ranks add up to its token mean. Only an override runs in the loop (this is its super)."""
+        labels = (inputs := dict(inputs)).pop("labels")
+        outputs = model(**inputs)
+        loss = causal_lm_loss_sum(outputs.logits, labels) / (num_items_in_batch or target_count(labels))
+        return (loss, outputs) if return_outputs else loss
+
     def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
         """HF's metrics block (``***** train metrics *****``, then ``key = value`` lines), printed
         by the main process only."""
@@ -452,6 +454,9 @@ class Trainer:
                 lr_scheduler=self.client_scheduler or client_scheduler(self.args, total_steps),
                 weight_decay=self.args.weight_decay,
                 gradient_checkpointing=self.args.gradient_checkpointing,
+                compute_loss=self.compute_loss
+                if type(self).compute_loss is not Trainer.compute_loss
+                else None,
             )
         if self.dist.is_main:
             out = Path(self.args.output_dir)

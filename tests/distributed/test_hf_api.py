@@ -163,3 +163,23 @@ def test_predict_and_evaluate_metrics(run):
         assert evals["eval_accuracy"] == test["test_accuracy"]
         assert isinstance(test["test_accuracy"], float) and 0 <= test["test_accuracy"] <= 1
         assert evals["epoch"] == 0.5
+
+
+def test_a_compute_loss_override_trains_what_the_builtin_loss_trains(run):
+    _, ranks, _ = run
+    for res in ranks:
+        runs = res["compute_loss"]
+        base = runs["builtin"]
+        assert len(base["losses"]) == 2 and base["losses"][0] != base["losses"][1]
+        for name in ("hand", "super"):
+            assert runs[name]["losses"] == pytest.approx(base["losses"], rel=1e-6)
+            assert runs[name]["eval_loss"] == pytest.approx(base["eval_loss"], rel=1e-6)
+            assert runs[name]["weights"] == pytest.approx(base["weights"], rel=1e-5, abs=1e-7)
+    # num_items_in_batch is the window's target tokens on both ranks, for each of its micro-batches;
+    # in evaluation, the batch's own.
+    items = [res["compute_loss"]["hand_items"] for res in ranks]
+    for w in (0, 1):
+        calls = [c for rank_items in items for c in rank_items[2 * w : 2 * w + 2]]
+        assert {n for n, _ in calls} == {sum(own for _, own in calls)}
+    for rank_items in items:
+        assert [n for n, own in rank_items[4:]] == [own for n, own in rank_items[4:]] != []

@@ -125,7 +125,55 @@ with torch.no_grad():
 
 resumed = hf.train(resume_from_checkpoint=True)  # checkpoint-4 ends the run: nothing to train
 
+
+
+# compute_loss overrides with HF's signature, on uneven rows (padding) with accumulation: the loss
+# written by hand over num_items_in_batch, and one through super(). Each must train what the
+# built-in loss trains.
+class HandLoss(Trainer):
+    items: list[list[float]] = []  # (num_items_in_batch, this batch's targets) of each call
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        logits = outputs.logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        self.items.append([float(num_items_in_batch), float((labels[:, 1:] != -100).sum())])
+        loss = loss / num_items_in_batch
+        return (loss, outputs) if return_outputs else loss
+
+
+class SuperLoss(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        assert outputs.logits.shape[:2] == inputs["input_ids"].shape
+        return (loss, outputs) if return_outputs else loss
+
+
+def loss_run(cls, name):
+    torch.manual_seed(0)
+    run_args = TrainingArguments(
+        output_dir=str(out / name), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        logging_steps=1, learning_rate=1e-2, lr_scheduler_type="constant", save_strategy="no",
+        disable_tqdm=True, seed=0, report_to="none",
+    )  # fmt: skip
+    t = cls(model=LlamaForCausalLM(config), args=run_args, train_dataset=uneven, eval_dataset=test,
+            data_collator=CausalLMCollator(0))  # fmt: skip
+    t.train()
+    losses = [r["loss"] for r in t.state.log_history if "loss" in r]
+    weights = torch.cat([p.detach().flatten() for p in t.model.parameters()]).tolist()[::97]
+    return {"losses": losses, "eval_loss": t.evaluate()["eval_loss"], "weights": weights}
+
+
+uneven = test.select(list(range(13)) * 2)  # 26 rows of 8-32 tokens: 2 windows of 2 x 2 rows per rank
+compute_loss_runs = {name: loss_run(cls, name) for name, cls in
+                     [("builtin", Trainer), ("hand", HandLoss), ("super", SuperLoss)]}  # fmt: skip
+compute_loss_runs["hand_items"] = HandLoss.items
+
 report = {
+    "compute_loss": compute_loss_runs,
     "is_train_output": isinstance(result, TrainOutput),
     "train_output": [result.global_step, result.training_loss, result.metrics],
     "state_global_step": hf.state.global_step,

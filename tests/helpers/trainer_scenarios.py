@@ -18,7 +18,7 @@ from pathlib import Path
 import datasets
 import deepspeed
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, set_seed
 
 from trainer import Trainer, TrainingArguments
 from trainer.args import RunConfig
@@ -31,7 +31,6 @@ from trainer.faults import FaultInjection
 from trainer.launch import build_run
 from trainer.modeling import init_weights
 from trainer.resilience import EXIT_NONFINITE
-from trainer.trainer import set_seed
 
 VOCAB = 256
 TINY = dict(

@@ -70,7 +70,12 @@ def test_a_deepspeed_file_fills_the_flags_left_out(tmp_path):
 
 
 def test_json_and_yaml_files(tmp_path):
-    values = {"output_dir": "o", "max_steps": 9, "lr_scheduler_kwargs": {"min_lr": 1e-5}, "config_overrides": "x=1"}
+    values = {
+        "output_dir": "o",
+        "max_steps": 9,
+        "lr_scheduler_kwargs": {"min_lr": 1e-5},
+        "config_overrides": "x=1",
+    }
     (tmp_path / "a.json").write_text(json.dumps(values))
     (tmp_path / "a.yaml").write_text(yaml.safe_dump(values))
     parser = HfArgumentParser((ScriptModelArguments, TrainingArguments))
@@ -85,7 +90,15 @@ def test_our_three_argument_models_parse_together():
     model_args, data_args, args = HfArgumentParser(
         (ModelArguments, DataArguments, TrainingArguments)
     ).parse_args_into_dataclasses(
-        ["--model_config_overrides", '{"hidden_size": 64}', "--block_size", "32", "--no_packing", "--max_steps", "3"]
+        [
+            "--model_config_overrides",
+            '{"hidden_size": 64}',
+            "--block_size",
+            "32",
+            "--no_packing",
+            "--max_steps",
+            "3",
+        ]
     )
     run = RunConfig(model=model_args, data=data_args, training=args)
     assert run.model.model_config_overrides == {"hidden_size": 64}

@@ -269,3 +269,11 @@ def test_tuple_outputs_of_preprocess_are_gathered_element_by_element():
     )
     ids, means = out.predictions
     assert ids.shape == (7, 15) and means.shape == (7,)
+
+
+def test_a_compute_loss_override_is_refused_under_the_pipeline_before_the_engine_is_built():
+    from trainer.config.errors import ConfigError
+    from trainer.engine import build_engine
+
+    with pytest.raises(ConfigError, match="^compute_loss: .*pipeline_parallel_size > 1"):
+        build_engine(torch.nn.Linear(2, 2), {"pipeline": {"stages": 2}}, compute_loss=lambda *a, **k: 0)

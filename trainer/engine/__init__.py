@@ -10,13 +10,15 @@ from typing import Any
 
 import torch
 
+from trainer.config.errors import ConfigError
 from trainer.engine.core import Batch, Engine, LossFn, weight_decay_groups
-from trainer.engine.deepspeed_engine import DeepSpeedEngine
+from trainer.engine.deepspeed_engine import ComputeLoss, DeepSpeedEngine
 from trainer.engine.loss import causal_lm_loss_sum, count_targets
 from trainer.engine.pipeline_engine import PipelineEngine
 
 __all__ = [
     "Batch",
+    "ComputeLoss",
     "DeepSpeedEngine",
     "Engine",
     "LossFn",
@@ -35,9 +37,18 @@ def build_engine(
     lr_scheduler: Any = None,
     weight_decay: float = 0.0,
     gradient_checkpointing: bool = False,
+    compute_loss: ComputeLoss | None = None,
 ) -> Engine:
-    """The engine for ``ds_config``: a pipeline when it has two or more stages."""
+    """The engine for ``ds_config``: a pipeline when it has two or more stages. ``compute_loss``: a
+    Trainer subclass's override, which a pipeline cannot run (no stage holds the whole model)."""
     if int((ds_config.get("pipeline") or {}).get("stages") or 1) > 1:
+        if compute_loss is not None:
+            raise ConfigError(
+                "a Trainer subclass's compute_loss needs the whole model on each rank; with "
+                "pipeline_parallel_size > 1 the last stage computes the causal-LM loss. Drop the override "
+                "or the pipeline.",
+                path="compute_loss",
+            )
         return PipelineEngine(
             model,
             ds_config,
@@ -46,4 +57,4 @@ def build_engine(
             weight_decay,
             gradient_checkpointing=gradient_checkpointing,
         )
-    return DeepSpeedEngine(model, ds_config, optimizer, lr_scheduler, weight_decay)
+    return DeepSpeedEngine(model, ds_config, optimizer, lr_scheduler, weight_decay, compute_loss)

@@ -8,6 +8,7 @@ size, so the update equals one big batch however it is split into micro-batches 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import deepspeed
@@ -15,7 +16,11 @@ import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
 from trainer.engine.core import Batch, Engine, weight_decay_groups
-from trainer.engine.loss import target_count
+from trainer.engine.loss import count_targets, target_count
+
+# A Trainer subclass's compute_loss, bound: (model, inputs with labels, num_items_in_batch=N) -> one
+# micro-batch's loss divided by N.
+ComputeLoss = Callable[..., torch.Tensor]
 
 
 class DeepSpeedEngine(Engine):
@@ -28,7 +33,9 @@ class DeepSpeedEngine(Engine):
         optimizer: torch.optim.Optimizer | None = None,
         lr_scheduler: Any = None,
         weight_decay: float = 0.0,
+        compute_loss: ComputeLoss | None = None,
     ):
+        self.compute_loss = compute_loss
         if "activation_checkpointing" in ds_config:
             # Custom models that call deepspeed.checkpointing.checkpoint read these settings.
             deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
@@ -51,18 +58,29 @@ class DeepSpeedEngine(Engine):
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(window):
             self.ds.set_gradient_accumulation_boundary(i == len(window) - 1)
-            labels, inputs = self.model_inputs(batch)
-            loss = self.loss_fn(self.ds(**inputs).logits, labels)
+            loss = self.loss_sum(batch, window_tokens)
             self.ds.backward(loss * scale, scale_wrt_gas=False)
             loss_sum += loss.detach()
         self.ds.step()
         self._apply_lr_scale()
         return loss_sum
 
+    def loss_sum(self, batch: Batch, items: float) -> torch.Tensor:
+        """One micro-batch's summed loss. ``items``: the target tokens a ``compute_loss`` override
+        divides by (its window's on all ranks, or the batch's own in evaluation), multiplied back."""
+        labels, inputs = self.model_inputs(batch)
+        if self.compute_loss is None:
+            return self.loss_fn(self.ds(**inputs).logits, labels)
+        items = max(items, 1.0)  # a fully padded batch: its loss is 0 either way
+        return self.compute_loss(self.ds, {**inputs, "labels": labels}, num_items_in_batch=items) * items
+
     @torch.no_grad()
     def eval_loss_sum(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        labels, inputs = self.model_inputs(batch)
-        return self.loss_fn(self.ds(**inputs).logits, labels), target_count(labels)
+        if self.compute_loss is None:
+            labels, inputs = self.model_inputs(batch)
+            return self.loss_fn(self.ds(**inputs).logits, labels), target_count(labels)
+        items = float(count_targets(batch))
+        return self.loss_sum(batch, items), torch.tensor(items, device=self.device)
 
     @torch.no_grad()
     def logits(self, batch: Batch) -> torch.Tensor:
