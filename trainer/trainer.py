@@ -60,6 +60,7 @@ from trainer.faults import fault_plan
 from trainer.metrics import summary_table
 from trainer.modeling import enable_gradient_checkpointing
 from trainer.monitor import memory_stats
+from trainer.ownership import claim_output_dir
 from trainer.recipe import dump_run_config
 from trainer.reporting import reporting_callbacks
 from trainer.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag, Watchdog
@@ -136,6 +137,9 @@ class Trainer:
         """Train to ``max_steps``; returns HF's ``TrainOutput(global_step, training_loss, metrics)``
         (trainer/results.py says what each metric means). ``self.state`` holds the log history."""
         args = self.args
+        claim_output_dir(
+            args.output_dir, wait_s=args.preemption_grace_s
+        )  # held already under `trainer train`
         spec = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         # The checkpoint is found before the engine is built: its global batch is part of the config.
         checkpoint = ckpt.find_resumable(spec, args.output_dir, self.dist)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from tests.helpers.launch import ROOT, launch
 
@@ -164,7 +165,17 @@ def test_hf_trainer_script_runs_with_our_import(tmp_path):
     proc = launch([str(ported), str(tmp_path / "out")])
     metrics = json.loads(proc.stdout.split("METRICS", 1)[1].strip().splitlines()[0])
     assert metrics["eval_loss"] > 0 and metrics["eval_perplexity"] > 1
-    assert (tmp_path / "out" / "model.safetensors").is_file()
-    assert (tmp_path / "out" / "config.json").is_file()
-    rows = read_metrics(tmp_path / "out")
+    out = tmp_path / "out"
+    rows = read_metrics(out)
     assert [r["step"] for r in rows if "loss" in r] == [4, 8, 12]
+    # Under ZeRO-3, in HF's layout: the gathered weights (not empty shards) and the results files.
+    weights = load_file(out / "model.safetensors")
+    assert weights["model.embed_tokens.weight"].shape[1] == 64
+    assert all(t.numel() > 0 for t in weights.values())
+    assert (out / "config.json").is_file()
+    train = json.loads((out / "train_results.json").read_text())
+    assert train["train_loss"] > 0 and {"train_runtime", "total_flos"} <= set(train)
+    assert json.loads((out / "eval_results.json").read_text()) == metrics
+    assert json.loads((out / "all_results.json").read_text()) == {**train, **metrics}
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 12
+    assert json.loads((out / "ds_config.json").read_text())["zero_optimization"]["stage"] == 3

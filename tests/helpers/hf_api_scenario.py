@@ -126,7 +126,6 @@ with torch.no_grad():
 resumed = hf.train(resume_from_checkpoint=True)  # checkpoint-4 ends the run: nothing to train
 
 
-
 # compute_loss overrides with HF's signature, on uneven rows (padding) with accumulation: the loss
 # written by hand over num_items_in_batch, and one through super(). Each must train what the
 # built-in loss trains.

@@ -57,7 +57,12 @@ ds_config = {
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
     "bf16": {"enabled": "auto"},
-    "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True},
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
     "optimizer": {
         "type": "AdamW",
         "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
@@ -96,9 +101,14 @@ trainer = Trainer(
     data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
     processing_class=tokenizer,
 )
-trainer.train()
-metrics = trainer.evaluate()
+train_result = trainer.train()
 trainer.save_model()
+trainer.log_metrics("train", train_result.metrics)
+trainer.save_metrics("train", train_result.metrics)
+trainer.save_state()
+metrics = trainer.evaluate()
+trainer.log_metrics("eval", metrics)
+trainer.save_metrics("eval", metrics)
 if trainer.is_world_process_zero():
     with tempfile.NamedTemporaryFile("w", dir=output_dir, suffix=".json", delete=False) as f:
         json.dump(metrics, f)

@@ -115,5 +115,5 @@ def test_bad_values_keep_our_messages():
     for key in ("learning_rat", "torch_compile"):
         with pytest.raises(ValueError, match=f"not used by the HfArgumentParser: \\['{key}'\\]"):
             HfArgumentParser(TrainingArguments).parse_dict({key: True})
-    with pytest.raises(ValueError, match="^learning_rat: unknown key; did you mean learning_rate\?"):
+    with pytest.raises(ValueError, match=r"^learning_rat: unknown key; did you mean learning_rate\?"):
         TrainingArguments(learning_rat=1.0)

@@ -30,6 +30,7 @@ from trainer.distributed import (
 )
 from trainer.faults import FaultInjection, fault_plan
 from trainer.launch import build_run
+from trainer.ownership import claim_output_dir
 from trainer.plots import plot_runs
 from trainer.recipe import HELP_FLAGS, parse_run_config, run_help
 from trainer.reporting import check_report_to
@@ -47,6 +48,7 @@ def run(run_config: RunConfig) -> int:
     _check_paths(run_config)
     check_report_to(args)  # a report_to integration's package, MLflow's store
     init_distributed(hardware, timeout_s=args.ddp_timeout)
+    claim_output_dir(args.output_dir, wait_s=args.preemption_grace_s)  # one run per output_dir
     if _nothing_to_resume(run_config):
         leave_process_group()
         return 0

@@ -1,0 +1,58 @@
+"""Two runs in one output_dir, through ``scripts/train.py``: the second is refused with one line
+naming the holder, on every rank, before it loads anything; once the holder is killed -9, the next
+run takes the directory over."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers.launch import ROOT, launch, run_env
+
+pytestmark = pytest.mark.distributed
+
+TINY = ["--logging_steps", "1", "--save_steps", "1000", "--eval_steps", "1000",
+        "--max_train_samples", "400", "--max_eval_samples", "8", "--block_size", "64",
+        "--model_config_overrides", '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}']  # fmt: skip
+
+
+def test_a_second_run_is_refused_and_a_killed_holder_is_taken_over(tmp_path):
+    out = tmp_path / "run"
+    lock = out / ".trainer.lock"
+    first = subprocess.Popen(
+        [sys.executable, "scripts/train.py", "--output_dir", str(out), *TINY, "--max_steps", "100000"],
+        cwd=ROOT, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (lock.exists() and lock.read_text().strip()):
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        holder = json.loads(lock.read_text())
+        assert holder["pid"] == first.pid
+        second = launch(
+            ["scripts/train.py", "--output_dir", str(out), *TINY, "--max_steps", "2"], check=False
+        )
+        text = second.stdout + second.stderr
+        assert second.returncode == 2, text
+        refusals = [line for line in text.splitlines() if line.startswith("error:")]
+        assert refusals == [
+            f"error: output_dir: {out} is in use by another run (pid {first.pid} on {holder['host']}, "
+            f"started {holder['started']}). Wait for it to end or stop it, or choose another --output_dir."
+        ]
+        assert "Traceback" not in text and "tokeni" not in text  # refused before any data loaded
+        assert first.poll() is None  # the holder trains on
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    third = launch(
+        ["scripts/train.py", "--output_dir", str(out), *TINY, "--max_steps", "2"], launcher="python"
+    )
+    assert "No complete checkpoint" in third.stdout + third.stderr
+    assert json.loads(lock.read_text())["pid"] != first.pid
