@@ -265,6 +265,11 @@ class TrainingArguments(HFArgumentHelpers, _Args):
     )
     nonfinite_lr_factor: float = Field(0.5, gt=0, le=1, description="Learning-rate factor on each rollback.")
     nonfinite_max_rollbacks: int = Field(3, ge=0, description="Rollbacks allowed before the run stops.")
+    save_failure_policy: Literal["stop", "continue"] = Field(
+        "stop",
+        description="When a checkpoint cannot be written (a full disk, a rank's write error; its partial files "
+        "are removed, complete checkpoints kept): stop (exit code 74) or continue training and try the next save.",
+    )
 
     @model_validator(mode="before")
     @classmethod

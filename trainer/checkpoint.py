@@ -41,6 +41,7 @@ import torch
 import yaml
 from deepspeed.checkpoint import ds_to_universal
 
+from trainer import disk
 from trainer.args import DataArguments, ModelArguments, RunConfig, TrainingArguments
 from trainer.callbacks import TrainerState
 from trainer.checkpoint_writer import FileWriter, file_entry
@@ -51,6 +52,7 @@ PREFIX = "checkpoint-"
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
 STAGING = ".staging-"
+DISK_FULL_BYTES = 1 << 20  # free space below this when a write failed: the disk was full
 DS_TAG = "ds"
 UNIVERSAL = "universal"
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
@@ -335,6 +337,7 @@ class Saver:
         # `trainer export` can rebuild the model from the checkpoint alone.
         self.hf_files = [x for x in (model_config, tokenizer) if hasattr(x, "save_pretrained")]
         self._pending: tuple[FileWriter, Path, Path, dict[str, Any], set[Path]] | None = None
+        self._expected: tuple[int, str] = (0, "")  # the pending save's expected size, and its source
 
     @property
     def pending(self) -> bool:
@@ -355,6 +358,10 @@ class Saver:
             staging_dir(args.output_dir, state.global_step),
             final_dir(args.output_dir, state.global_step),
         )
+        self._expected = self._expected_size(engine)
+        room = disk.free_bytes(args.output_dir) >= self._expected[0] if dist.is_main else True
+        if not all(all_gather_object(room)):  # every rank learns rank 0's answer
+            raise CheckpointWriteError(f"{final.name} not saved: {self._full_disk()}")
         if dist.is_main:
             remove_stale_staging(args.output_dir)
             staging.mkdir(parents=True)
@@ -404,21 +411,49 @@ class Saver:
         writer, staging, final, meta, best = self._pending
         self._pending = None
         try:
-            entries = writer.wait()
-            entries = entries if writer.failed is None else None
+            vote = writer.wait()
+            if writer.failed is not None:
+                vote = f"rank {self.dist.rank}: {writer.failed}"
         except Exception as err:  # any failure is a "no" vote; raising here would hang the others
             warn(f"{staging}: could not write checkpoint ({err})")
-            entries = None
-        gathered = all_gather_object(entries)
-        # Every rank votes with its file records: one missing vote and nothing is committed.
-        if any(part is None for part in gathered):
-            raise CheckpointWriteError(f"{staging}: a rank failed to write its part; not committed")
+            vote = f"rank {self.dist.rank}: {err}"
+        gathered = all_gather_object(vote)
+        # Every rank votes with its file records: one failure and nothing is committed.
+        failures = [part for part in gathered if isinstance(part, str)]
+        if failures:
+            self._abort(staging, final, failures[0])
         if self.dist.is_main:
             known = {name: entry for part in gathered for name, entry in part.items()}
             commit(staging, final, meta, known)
             rotate(self.args.output_dir, self.args.save_total_limit, keep=best)
         barrier("save:commit")
         return final
+
+    def _abort(self, staging: Path, final: Path, failure: str) -> None:
+        """A failed save: rank 0 removes the staging directory (complete checkpoints are untouched),
+        then every rank raises. A filesystem with (almost) nothing left when it failed was full."""
+        full = False
+        if self.dist.is_main:
+            full = disk.free_bytes(staging) < DISK_FULL_BYTES
+            shutil.rmtree(staging, ignore_errors=True)
+        barrier("save:abort")
+        reason = self._full_disk() if full else failure
+        raise CheckpointWriteError(f"{final.name} not saved: {reason}; its partial files were removed")
+
+    def _expected_size(self, engine: Any) -> tuple[int, str]:
+        """Bytes the next checkpoint takes, and where that figure comes from."""
+        done = complete_checkpoints(self.args.output_dir)
+        if done:
+            with contextlib.suppress(CheckpointError):
+                files = read_manifest(done[-1])["files"].values()
+                return sum(entry["size"] for entry in files), f"the size of {done[-1].name}"
+        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+        precision = next((p for p in ("bf16", "fp16") if self.ds_config.get(p, {}).get("enabled")), "fp32")
+        return disk.estimated_checkpoint_bytes(n_params, precision), "estimated: weights and optimizer states"
+
+    def _full_disk(self) -> str:
+        needed, source = self._expected
+        return disk.full_disk(needed, source, disk.free_bytes(self.args.output_dir))
 
 
 # ---- resume (collective) -------------------------------------------------------------------------

@@ -21,12 +21,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainer.distributed import barrier, dist_info
+from trainer.distributed import barrier, dist_info, print_main
 
 # ---- exit codes ---------------------------------------------------------------------------------
 # Distinct codes, so a supervisor (SLURM requeue, torchrun restarts) can tell a stop to resume from
 # a failure to look at.
 
+EXIT_SAVE_FAILED = 74  # a checkpoint could not be written (a full disk...) with save_failure_policy=stop
 EXIT_PREEMPTED = 75  # saved a checkpoint on SIGTERM/SIGUSR1 and stopped; restart to continue
 EXIT_HANG = 76  # a labelled phase timed out; stack dumps are in output_dir/hang-<rank>.txt
 EXIT_NONFINITE = 77  # non-finite loss or gradient norm with nonfinite_policy=stop
@@ -120,3 +121,12 @@ def _store() -> Any:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return None
     return dist.distributed_c10d._get_default_store()
+
+
+def save_failed(err: Exception, policy: str) -> None:
+    """A checkpoint that could not be written (its partial files removed): ``stop`` exits with
+    EXIT_SAVE_FAILED, ``continue`` warns and training goes on. One line either way, on rank 0."""
+    if policy == "stop":
+        print_main(f"error: {err}. Rerun once that is fixed: it resumes from the newest complete checkpoint.")
+        raise SystemExit(EXIT_SAVE_FAILED)
+    print_main(f"warning: {err}. Training goes on; the next save is tried as planned.")

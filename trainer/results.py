@@ -102,3 +102,23 @@ def save_state(output_dir: str | Path, state: TrainerState) -> Path:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=4, sort_keys=True), encoding="utf-8")
+
+
+class ResultsAPI:
+    """HF's result methods, mixed into the Trainer (which has ``args``, ``state`` and
+    ``is_world_process_zero``): each writes or prints on the main process only."""
+
+    def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
+        """HF's metrics block: ``***** train metrics *****``, then ``key = value`` lines."""
+        if self.is_world_process_zero():
+            print(format_metrics(split, metrics), flush=True)
+
+    def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
+        """``{output_dir}/{split}_results.json`` and, with ``combined``, the keys merged into ``all_results.json``."""
+        if self.is_world_process_zero():
+            save_metrics(self.args.output_dir, split, metrics, combined)
+
+    def save_state(self) -> None:
+        """``{output_dir}/trainer_state.json`` (the TrainerState)."""
+        if self.is_world_process_zero():
+            save_state(self.args.output_dir, self.state)

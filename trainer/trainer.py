@@ -63,13 +63,13 @@ from trainer.monitor import memory_stats
 from trainer.ownership import claim_output_dir
 from trainer.recipe import dump_run_config
 from trainer.reporting import reporting_callbacks
-from trainer.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag, Watchdog
-from trainer.results import TrainTotals, format_metrics, save_metrics, save_state, train_metrics
+from trainer.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag, Watchdog, save_failed
+from trainer.results import ResultsAPI, TrainTotals, train_metrics
 from trainer.steps import check_resolved, client_scheduler, keep_global_batch, plan_steps
 from trainer.throughput import StepTimer, flops_per_token_for_model, non_padding_tokens
 
 
-class Trainer:
+class Trainer(ResultsAPI):
     def __init__(
         self,
         model: torch.nn.Module | None = None,
@@ -233,7 +233,7 @@ class Trainer:
             local.append(float(self.saver.written()))
         window_tokens, preempted, samples, input_tokens, *written = host_all_reduce(local)
         if written:
-            self._committed(self.saver.commit_if_written(written[0]))
+            self._committed(lambda: self.saver.commit_if_written(written[0]))
         if preempted:
             self._save_and_exit_on_preemption()  # before the counts: this window is not trained
         self.state.num_input_tokens_seen += int(input_tokens)
@@ -271,7 +271,7 @@ class Trainer:
         if self._guard_finite(allow_rollback=False):
             with self.watchdog.phase("save", self.args.preemption_grace_s):
                 self._save_checkpoint()
-                self._committed(self.saver.finish())
+                self._committed(self.saver.finish)
             print_main(
                 f"Preempted: saved checkpoint-{self.state.global_step}; exiting with {EXIT_PREEMPTED}."
             )
@@ -384,23 +384,6 @@ class Trainer:
         outputs = model(**inputs)
         loss = causal_lm_loss_sum(outputs.logits, labels) / (num_items_in_batch or target_count(labels))
         return (loss, outputs) if return_outputs else loss
-
-    def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
-        """HF's metrics block (``***** train metrics *****``, then ``key = value`` lines), printed
-        by the main process only."""
-        if self.is_world_process_zero():
-            print(format_metrics(split, metrics), flush=True)
-
-    def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
-        """``{output_dir}/{split}_results.json`` and, with ``combined``, the keys merged into
-        ``all_results.json``; written by the main process only."""
-        if self.is_world_process_zero():
-            save_metrics(self.args.output_dir, split, metrics, combined)
-
-    def save_state(self) -> None:
-        """``{output_dir}/trainer_state.json`` (the TrainerState), written by the main process only."""
-        if self.is_world_process_zero():
-            save_state(self.args.output_dir, self.state)
 
     def save_model(self, output_dir: str | None = None) -> Path | None:
         """An HF export (config, safetensors, tokenizer) of the current weights; default: output_dir."""
@@ -542,15 +525,21 @@ class Trainer:
                 self.args, self.dist, self.ds_config, self.run_config, config, self.processing_class
             )
         self._saved_step = self.state.global_step
-        self._committed(self.saver.save(self.engine, self.state))
+        self._committed(lambda: self.saver.save(self.engine, self.state))
 
     def _finish_save(self) -> None:
         """Commit a pending asynchronous save (collective); a no-op when none is pending."""
         if self.saver is not None and self.saver.pending:
             with self.watchdog.phase("save"):
-                self._committed(self.saver.finish())
+                self._committed(self.saver.finish)
 
-    def _committed(self, checkpoint: Path | None) -> None:
+    def _committed(self, save: Callable[[], Path | None]) -> None:
+        """One step of saving; on_save fires once a checkpoint is committed. A checkpoint that cannot
+        be written (its partial files are gone by now) follows save_failure_policy."""
+        try:
+            checkpoint = save()
+        except ckpt.CheckpointWriteError as err:
+            return save_failed(err, self.args.save_failure_policy)
         if checkpoint is not None:
             self._fire("on_save", checkpoint=str(checkpoint))
 
