@@ -188,7 +188,7 @@ class Trainer(ResultsAPI):
         """HF's end of training: the call's metrics, logged as one row, and the TrainOutput."""
         if getattr(self, "_token_sum", 0.0) > 0:  # steps since the last logging step (collective)
             self._take_window_loss()
-        flops = (self._flops_per_token() or 0.0) * self.state.num_input_tokens_seen
+        flops = self.state.total_flos = (self._flops_per_token() or 0.0) * self.state.num_input_tokens_seen
         metrics = train_metrics(self._run, flops, self.state.epoch)
         self._log({**metrics, "step": self.state.global_step})
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
