@@ -379,7 +379,7 @@ class Saver:
                     dump_run_config(self.run_config, staging / "run_config.yaml")
                 for item in self.hf_files:
                     item.save_pretrained(staging)
-        except (OSError, RuntimeError) as err:  # torch.save reports a missing directory as RuntimeError
+        except Exception as err:  # torch.save and tokenizers raise RuntimeError/Exception for OS errors
             warn(f"{staging}: could not write checkpoint ({err})")
             writer.failed = err
         if on_written is not None:

@@ -97,7 +97,7 @@ class FileWriter:
         )
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
         self._jobs: list[Future] = []
-        self.failed: OSError | None = None  # set by the caller when a synchronous part failed
+        self.failed: Exception | None = None  # set by the caller when a synchronous part failed
 
     def save(self, obj: Any, path: str | Path, zipfile: bool = True) -> None:
         """``torch.save`` of ``obj``; when asynchronous, of a host copy taken now."""

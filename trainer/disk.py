@@ -29,10 +29,14 @@ def estimated_checkpoint_bytes(n_params: int, precision: str) -> int:
 
 def full_disk(needed: int, source: str, free: int) -> str:
     """The one line for a full disk: the expected size, where it comes from, what is free, what is short."""
-    short = f": {size(needed - free)} short" if free < needed else ""
+    if free >= needed:  # it filled up during a save bigger than expected
+        return (
+            f"the disk is full: the checkpoint did not fit in the {size(free)} free on the filesystem of "
+            f"output_dir (about {size(needed)} expected, {source})"
+        )
     return (
         f"the disk is full: a checkpoint needs about {size(needed)} ({source}), and the filesystem of "
-        f"output_dir has {size(free)} free{short}"
+        f"output_dir has {size(free)} free: {size(needed - free)} short"
     )
 
 
