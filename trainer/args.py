@@ -11,12 +11,21 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+from contextvars import ContextVar
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from trainer import hf_fields
-from trainer.args_hf import HFArgumentHelpers, Unstated, dataclass_fields
+from trainer.args_hf import HFArgumentHelpers, Unstated, dataclass_fields, zero3_init
 from trainer.config.errors import ConfigError, unknown_key_message
 from trainer.config.files import STATED_ARGUMENTS, stated_arguments
 
@@ -30,6 +39,8 @@ PRECISION_FIELDS = ("precision", "bf16", "fp16")
 # The integrations report_to can name (transformers' own callbacks drive them; trainer/reporting.py),
 # each with the module it needs, in the order HF lists them for "all". Rows always go to
 # output_dir/metrics.jsonl as well.
+# Set while a RunConfig validates its sections (pydantic calls their __init__ then too).
+_IN_RUN_CONFIG: ContextVar[bool] = ContextVar("in_run_config", default=False)
 REPORT_TO = {"mlflow": "mlflow", "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 
 
@@ -72,6 +83,15 @@ class _Args(BaseModel):
 
 class TrainingArguments(HFArgumentHelpers, _Args):
     """The HF ``TrainingArguments`` fields users reach for, with the same names and meanings."""
+
+    _hf_deepspeed: Any = PrivateAttr(None)
+
+    def __init__(self, /, **data: Any) -> None:
+        """Built in code or by HfArgumentParser, under ZeRO-3 a script's model is then built
+        partitioned, as with HF's. Not as part of a ``RunConfig``: a run builds its model itself."""
+        super().__init__(**data)
+        if not _IN_RUN_CONFIG.get():
+            self._hf_deepspeed = zero3_init(self)
 
     output_dir: str = Field("output", description="Where metrics, checkpoints and the final export go.")
     num_train_epochs: float = Field(1.0, gt=0, description="Epochs to train when max_steps is -1.")
@@ -457,6 +477,15 @@ class RunConfig(BaseModel):
     training: TrainingArguments = Field(default_factory=TrainingArguments)
     model: ModelArguments = Field(default_factory=ModelArguments)
     data: DataArguments = Field(default_factory=DataArguments)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _as_sections(cls, data: Any, handler: Any) -> Any:
+        token = _IN_RUN_CONFIG.set(True)
+        try:
+            return handler(data)
+        finally:
+            _IN_RUN_CONFIG.reset(token)
 
     @classmethod
     def from_flat(cls, flat: dict[str, Any]) -> RunConfig:

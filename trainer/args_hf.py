@@ -12,8 +12,12 @@ import contextlib
 import dataclasses
 import json
 import logging
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, get_origin
+
+from trainer.config import ConfigError, resolve
+from trainer.config.files import load_source
 
 if TYPE_CHECKING:
     import torch
@@ -164,3 +168,43 @@ def dataclass_fields(model: type[BaseModel]) -> dict[str, dataclasses.Field]:
             shown = {"default_factory": lambda default=default: Unstated(default)}
         specs.append((name, info.annotation, dataclasses.field(**shown, metadata={"help": info.description})))
     return dataclasses.make_dataclass(model.__name__, specs).__dataclass_fields__
+
+
+# ZeRO knobs sized from the model's hidden size, unknown until the model exists.
+HIDDEN_SIZE_KNOBS = [
+    f"{prefix}{knob}"
+    for knob in ("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold")
+    for prefix in ("", "stage3_")
+]
+
+
+def zero3_init(args: Any) -> Any:
+    """What HF's ``TrainingArguments`` does when given a ZeRO-3 DeepSpeed config: register it with
+    transformers (``HfDeepSpeedConfig``), so the script's ``from_pretrained``/``from_config`` build the
+    model already partitioned over the ranks (``deepspeed.zero.Init``), never whole on each. Returns
+    the object to keep alive (transformers holds a weak reference), or None below stage 3.
+
+    The config is resolved as the run's will be, except for the sizes that need the model's hidden
+    size: an ``"auto"`` one is left to DeepSpeed's default while the model is built (the Trainer's
+    engine then gets the resolved sizes). Nothing happens where transformers is not loaded (no model
+    can be built through it yet, and a config tool stays free of torch), or when the config does not
+    resolve: the Trainer reports that, naming the keys, before it builds its engine."""
+    if (args.deepspeed is None and args.zero_stage != 3) or "transformers" not in sys.modules:
+        return None
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from trainer.distributed import detect_hardware
+
+    steps = args.max_steps if args.max_steps > 0 else args.warmup_steps + 1  # the length is not known yet
+    try:
+        source = load_source(args.deepspeed) if args.deepspeed is not None else None
+        for knob in HIDDEN_SIZE_KNOBS:
+            if source is not None and (source.get("zero_optimization") or {}).get(knob) == "auto":
+                del source["zero_optimization"][knob]
+        run = args.model_copy(update={"deepspeed": source})
+        config = resolve(run, _dist_info().world_size, detect_hardware(), total_steps=steps)
+    except ConfigError:
+        return None
+    if config.get("zero_optimization", {}).get("stage") != 3:
+        return None
+    return HfDeepSpeedConfig(config)

@@ -74,7 +74,7 @@ def evaluation_loop(
     if compute_metrics is not None and with_predictions:
         metrics = denumpify_detensorize(compute_metrics(EvalPrediction(predictions, label_ids)))
     loss = loss_sum / max(targets, 1.0)
-    metrics.update(loss=loss, perplexity=safe_exp(loss))
+    metrics["loss"] = loss
     prefix = f"{metric_key_prefix}_"
     metrics = {k if k.startswith(prefix) else prefix + k: v for k, v in metrics.items()}
     return EvalLoopOutput(predictions, label_ids, metrics, num_samples)

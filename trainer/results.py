@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from transformers import TrainerState as HFTrainerState
 from transformers.trainer_pt_utils import metrics_format
 from transformers.trainer_utils import speed_metrics
 
@@ -93,10 +95,14 @@ def save_metrics(output_dir: str | Path, split: str, metrics: dict[str, Any], co
 
 
 def save_state(output_dir: str | Path, state: TrainerState) -> Path:
-    """``trainer_state.json`` in ``output_dir``: the state a checkpoint holds, as HF's ``save_state``."""
+    """``trainer_state.json`` in ``output_dir``, in HF's shape: the fields of transformers'
+    ``TrainerState`` (its ``load_from_json`` reads the file), ours where they are the same. A
+    checkpoint's own copy also holds what an exact resume needs (the data position, the guard's counters)."""
+    hf = dataclasses.asdict(HFTrainerState())
+    hf.update({k: v for k, v in dataclasses.asdict(state).items() if k in hf})
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state.save_to_json(out / TRAINER_STATE_NAME)
+    (out / TRAINER_STATE_NAME).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return out / TRAINER_STATE_NAME
 
 

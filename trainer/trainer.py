@@ -333,7 +333,7 @@ class Trainer(ResultsAPI):
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
     ) -> dict[str, float]:
-        """HF's evaluate: ``{prefix}_loss``, ``{prefix}_perplexity``, the ``compute_metrics`` results,
+        """HF's evaluate: ``{prefix}_loss``, the ``compute_metrics`` results,
         ``{prefix}_runtime``/``_samples_per_second``/``_steps_per_second`` and ``epoch``, on every
         rank; logged as a row. ``ignore_keys`` is accepted for HF's signature: only logits are kept."""
         dataset = model_columns(eval_dataset) if eval_dataset is not None else self.eval_dataset
@@ -392,6 +392,7 @@ class Trainer(ResultsAPI):
         if self.dist.is_main:
             module = self.engine.module if self.engine else self.model
             export_hf(module, state_dict, self.processing_class, target)
+            torch.save(self.args, target / "training_args.bin")  # as HF's save_model
         barrier("save_model")
         return target
 

@@ -206,10 +206,7 @@ def test_cpu_offload_trains(results, stage):
 
 
 def test_evaluate_under_zero3_is_exact_on_every_rank(results):
-    import math
-
     _, res = results
     ev = res["evaluate_zero3"]
     assert len(ev["per_rank"]) == 2 and ev["per_rank"][0] == ev["per_rank"][1]
     assert abs(ev["per_rank"][0] - ev["reference"]) <= 1e-5 * ev["reference"]
-    assert abs(ev["perplexity"] - math.exp(ev["reference"])) <= 1e-4 * ev["perplexity"]

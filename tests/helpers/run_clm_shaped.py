@@ -120,6 +120,7 @@ def build_model(model_args, tokenizer):
     # Under ZeRO-3's zero.Init a parameter holds only its shard: ds_numel is its full size.
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     logger.info(f"Training a new model from scratch: {n_params / 2**20:.3f}M parameters")
+    logger.warning(f"Built partitioned by ZeRO-3: {hasattr(next(model.parameters()), 'ds_id')}")
     return model
 
 

@@ -487,7 +487,7 @@ def evaluate_zero3(out: Path) -> dict:
             b = CausalLMCollator(0)([row])
             total += causal_lm_loss_sum(model(input_ids=b["input_ids"]).logits, b["labels"]).item()
             count += count_targets(b)
-    return {"per_rank": per_rank, "reference": total / count, "perplexity": metrics["eval_perplexity"]}
+    return {"per_rank": per_rank, "reference": total / count}
 
 
 def nonfinite(out: Path) -> dict:

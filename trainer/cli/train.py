@@ -28,6 +28,7 @@ from trainer.distributed import (
     leave_process_group,
     print_main,
 )
+from trainer.evaluation import safe_exp
 from trainer.faults import FaultInjection, fault_plan
 from trainer.launch import build_run
 from trainer.ownership import claim_output_dir
@@ -61,7 +62,8 @@ def run(run_config: RunConfig) -> int:
     if eval_ds is not None and len(eval_ds) and not (evals and evals[-1]["step"] == state.global_step):
         evals.append(trainer.evaluate())
     if evals:
-        print_main(f"eval_loss {evals[-1]['eval_loss']:.4f}  perplexity {evals[-1]['eval_perplexity']:.2f}")
+        loss = evals[-1]["eval_loss"]
+        print_main(f"eval_loss {loss:.4f}  perplexity {safe_exp(loss):.2f}")
     final = trainer.save_model(str(Path(args.output_dir) / "final"))
     if dist_info().is_main:
         plot_runs([args.output_dir])
