@@ -429,11 +429,47 @@ class ModelArguments(_Args):
     )
     vocab_size: int = Field(4096, ge=256, description="Vocabulary size of a tokenizer trained on the corpus.")
     trust_remote_code: bool = Field(False, description="Allow model code from the model directory to run.")
+    # LoRA through peft (TRL's names): docs/finetuning.md.
+    use_peft: bool = Field(
+        False, description="Fine-tune LoRA adapters on the frozen model_name_or_path (peft)."
+    )
+    lora_r: int = Field(16, ge=1, description="LoRA rank.")
+    lora_alpha: int = Field(
+        32, ge=1, description="LoRA scaling numerator (alpha / r, or / sqrt(r) with rslora)."
+    )
+    lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    lora_target_modules: list[str] | None = Field(
+        None,
+        description="Modules that get adapters: names, or all-linear; None: peft's default for the model.",
+    )
+    lora_modules_to_save: list[str] | None = Field(
+        None, description="Modules trained in full and saved with the adapter (e.g. lm_head, embed_tokens)."
+    )
+    use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by alpha / sqrt(r).")
+    use_dora: bool = Field(False, description="DoRA: weight-decomposed LoRA.")
+    load_in_4bit: bool = Field(
+        False, description="QLoRA: the frozen base in 4-bit NF4 through bitsandbytes (CUDA GPUs only)."
+    )
 
     @field_validator("model_config_overrides", mode="before")
     @classmethod
     def _overrides_json(cls, value: Any) -> Any:
         return json_object(value)
+
+    @field_validator("lora_target_modules", "lora_modules_to_save", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value  # a recipe's `all-linear`
+
+    @model_validator(mode="after")
+    def _lora_needs_a_base(self) -> ModelArguments:
+        if self.use_peft and not self.model_name_or_path:
+            raise ValueError(
+                "use_peft: LoRA adapts an existing model; set model_name_or_path to its directory"
+            )
+        if self.load_in_4bit and not self.use_peft:
+            raise ValueError("load_in_4bit: a 4-bit base cannot be trained in full; add use_peft (QLoRA)")
+        return self
 
 
 class DataArguments(_Args):
@@ -477,6 +513,15 @@ class RunConfig(BaseModel):
     training: TrainingArguments = Field(default_factory=TrainingArguments)
     model: ModelArguments = Field(default_factory=ModelArguments)
     data: DataArguments = Field(default_factory=DataArguments)
+
+    @model_validator(mode="after")
+    def _lora_without_the_pipeline(self) -> RunConfig:
+        if self.model.use_peft and self.training.pipeline_parallel_size > 1:
+            raise ValueError(
+                "use_peft: LoRA runs with ZeRO 0-3 and data parallelism, not with pipeline_parallel_size > 1 "
+                "(the pipeline rebuilds the model from its layers, without peft's wrappers)"
+            )
+        return self
 
     @model_validator(mode="wrap")
     @classmethod

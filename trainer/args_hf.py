@@ -193,7 +193,7 @@ def zero3_init(args: Any) -> Any:
         return None
     from transformers.integrations import HfDeepSpeedConfig
 
-    from trainer.distributed import detect_hardware
+    from trainer.distributed import detect_hardware, join_process_group
 
     steps = args.max_steps if args.max_steps > 0 else args.warmup_steps + 1  # the length is not known yet
     try:
@@ -207,4 +207,5 @@ def zero3_init(args: Any) -> Any:
         return None
     if config.get("zero_optimization", {}).get("stage") != 3:
         return None
+    join_process_group()  # zero.Init partitions over the group, as HF's arguments set it up first
     return HfDeepSpeedConfig(config)

@@ -45,6 +45,7 @@ from trainer import disk
 from trainer.args import DataArguments, ModelArguments, RunConfig, TrainingArguments
 from trainer.callbacks import TrainerState
 from trainer.checkpoint_writer import FileWriter, file_entry
+from trainer.config.files import precision_of
 from trainer.distributed import DistInfo, all_gather_object, barrier, warn
 from trainer.recipe import dump_run_config
 
@@ -448,8 +449,8 @@ class Saver:
                 files = read_manifest(done[-1])["files"].values()
                 return sum(entry["size"] for entry in files), f"the size of {done[-1].name}"
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
-        precision = next((p for p in ("bf16", "fp16") if self.ds_config.get(p, {}).get("enabled")), "fp32")
-        return disk.estimated_checkpoint_bytes(n_params, precision), "estimated: weights and optimizer states"
+        estimate = disk.estimated_checkpoint_bytes(n_params, precision_of(self.ds_config))
+        return estimate, "estimated: weights and optimizer states"
 
     def _full_disk(self) -> str:
         needed, source = self._expected

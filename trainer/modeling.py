@@ -13,7 +13,14 @@ from typing import Any
 
 import deepspeed
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    BitsAndBytesConfig,
+    GPT2Config,
+    LlamaConfig,
+    PretrainedConfig,
+)
 from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -77,16 +84,50 @@ def build_model(
         model = AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path,
             config=config,
-            dtype=torch.float32,
+            dtype=torch.bfloat16 if model_args.load_in_4bit else torch.float32,
             trust_remote_code=model_args.trust_remote_code,
+            quantization_config=quantization(model_args),
         )
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         init_weights(model, seed, zero3)
+    if model_args.use_peft:
+        from trainer.lora import apply_lora  # peft is an optional extra
+
+        model = apply_lora(model, model_args)
     model._trainer_hf_ds_config = hf_ds
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model
+
+
+def is_adapter(model: Any) -> bool:
+    """A peft model (LoRA): its export is the adapter, not the whole model."""
+    return isinstance(getattr(model, "peft_config", None), dict)
+
+
+def param_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters; a ZeRO-3 partition counts its full size."""
+    trainable = total = 0
+    for param in model.parameters():
+        n = getattr(param, "ds_numel", param.numel())
+        total += n
+        trainable += n if param.requires_grad else 0
+    return trainable, total
+
+
+def quantization(model_args: ModelArguments) -> Any:
+    """QLoRA's 4-bit base: NF4 with double quantisation, bf16 compute, and bf16 storage so that
+    ZeRO-3 can shard the packed weights like any bf16 tensor."""
+    if not model_args.load_in_4bit:
+        return None
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=torch.bfloat16,
+    )
 
 
 def init_weights(model: torch.nn.Module, seed: int, zero3: bool = False) -> None:

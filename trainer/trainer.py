@@ -41,6 +41,7 @@ from trainer.callbacks import (
     metric_key,
 )
 from trainer.config import resolve
+from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator, model_columns
 from trainer.data.loader import accumulation_windows, data_seed
 from trainer.distributed import (
@@ -58,7 +59,7 @@ from trainer.evaluation import eval_batches, evaluation_loop
 from trainer.export import export_hf
 from trainer.faults import fault_plan
 from trainer.metrics import summary_table
-from trainer.modeling import enable_gradient_checkpointing
+from trainer.modeling import enable_gradient_checkpointing, is_adapter, param_counts
 from trainer.monitor import memory_stats
 from trainer.ownership import claim_output_dir
 from trainer.recipe import dump_run_config
@@ -149,13 +150,17 @@ class Trainer(ResultsAPI):
                 self._load_checkpoint(checkpoint)
             print_main(f"Resumed from {checkpoint} at step {self.state.global_step}.")
         self._run = TrainTotals()
+        trainable, total = param_counts(self.model)
+        print_main(
+            f"Parameters: {trainable:,} trainable of {total:,} ({100 * trainable / max(total, 1):.2f}%)."
+        )
         if self.state.global_step >= self.state.max_steps:  # a finished run, resumed: not one step more
             print_main(f"Step {self.state.max_steps} was reached already: nothing to train.")
             return self._train_output()
         self.timer = StepTimer(
             self._flops_per_token(),
             self.hardware.name,
-            self._precision(),
+            precision_of(self.ds_config),
             args.peak_tflops,
             self.dist.world_size,
         )
@@ -388,7 +393,12 @@ class Trainer(ResultsAPI):
     def save_model(self, output_dir: str | None = None) -> Path | None:
         """An HF export (config, safetensors, tokenizer) of the current weights; default: output_dir."""
         target = Path(output_dir or self.args.output_dir)
-        state_dict = self.engine.full_state_dict() if self.engine else self.model.state_dict()
+        adapter = is_adapter(self.model)  # a LoRA run exports its adapter: the weights that train
+        if self.engine:
+            state_dict = self.engine.full_state_dict(trainable_only=adapter)
+        else:
+            trained = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
+            state_dict = trained if adapter else self.model.state_dict()
         if self.dist.is_main:
             module = self.engine.module if self.engine else self.model
             export_hf(module, state_dict, self.processing_class, target)
@@ -492,6 +502,7 @@ class Trainer(ResultsAPI):
             logs.update(loss_scale=scale, skipped_steps=self.engine.skipped_steps)
         logs.update(self.timer.flush(sync_fn=self._sync, all_reduce_sum=host_all_reduce))
         logs.update(memory_stats(self.engine.device))
+        logs.update(zip(("trainable_params", "total_params"), param_counts(self.model), strict=True))
         self._log(logs)
 
     def _maybe_evaluate_and_save(self) -> bool:
@@ -583,10 +594,6 @@ class Trainer(ResultsAPI):
             self.state = saved
 
     # ---- small helpers -------------------------------------------------------------------------
-
-    def _precision(self) -> str:
-        cfg = self.ds_config or {}
-        return next((p for p in ("bf16", "fp16") if cfg.get(p, {}).get("enabled")), "fp32")
 
     def _flops_per_token(self) -> float | None:
         if getattr(self.model, "config", None) is None or self.train_dataset is None:

@@ -26,6 +26,11 @@ def get_path(data: dict[str, Any], path: str) -> Any:
     return node
 
 
+def precision_of(config: dict[str, Any] | None) -> str:
+    """What a resolved DeepSpeed config trains in: bf16, fp16 or fp32."""
+    return next((p for p in ("bf16", "fp16") if (config or {}).get(p, {}).get("enabled") is True), "fp32")
+
+
 def load_deepspeed_json(path: str | Path) -> dict[str, Any]:
     """Read a DeepSpeed JSON file; duplicate keys are an error, as they are in DeepSpeed."""
     path = Path(path)

@@ -122,8 +122,9 @@ class Engine(ABC):
         """The logits of this rank's batch (a collective, like every forward under ZeRO-3 or a pipeline)."""
 
     @abstractmethod
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole HF model's weights on rank 0 (collective); None on other ranks."""
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """The whole HF model's weights on rank 0 (collective); None on other ranks. ``trainable_only``:
+        only the parameters that train (a LoRA adapter's)."""
 
     # ---- shared ---------------------------------------------------------------------------------
 

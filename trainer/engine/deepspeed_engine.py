@@ -86,9 +86,18 @@ class DeepSpeedEngine(Engine):
     def logits(self, batch: Batch) -> torch.Tensor:
         return self.ds(**self.model_inputs(batch)[1]).logits
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Gathered under ZeRO-3; on rank 0 only."""
-        if self.ds.zero_optimization_partition_weights():
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """Gathered under ZeRO-3; on rank 0 only. ``trainable_only``: the parameters that train (a
+        LoRA adapter's), each gathered alone, so the frozen base is never assembled."""
+        partitioned = self.ds.zero_optimization_partition_weights()
+        if trainable_only:
+            state = {}
+            for name, param in self.module.named_parameters():
+                if param.requires_grad:
+                    with deepspeed.zero.GatheredParameters([param], enabled=partitioned):
+                        state[name] = param.detach().cpu().clone()
+            return state if self.ds.global_rank == 0 else None
+        if partitioned:
             state = self.ds._zero3_consolidated_16bit_state_dict()
             return state if self.ds.global_rank == 0 else None
         if self.ds.global_rank != 0:

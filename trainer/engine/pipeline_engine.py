@@ -134,7 +134,8 @@ class PipelineEngine(Engine):
         dist.all_gather_object(gathered, last, group=self.ds.grid.get_pipe_parallel_group())
         return gathered[-1][self.ds.stage_id].to(self.device)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
+        # LoRA (the one use of trainable_only) is refused with a pipeline: every weight trains here.
         return gather_hf_state_dict(self.ds.module, self.module)
 
     def _loaded(self, optimizer_states: bool) -> None:
