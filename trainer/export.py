@@ -52,9 +52,14 @@ def export_hf(
 
 
 def export_checkpoint(
-    checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", max_shard_size: str = "5GB"
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    dtype: str = "fp32",
+    max_shard_size: str = "5GB",
+    merge: bool = False,
 ) -> Path:
-    """Write an HF model directory of a verified checkpoint's weights, cast to ``dtype``."""
+    """Write an HF model directory of a verified checkpoint's weights, cast to ``dtype``. A LoRA
+    checkpoint gives its peft adapter directory, or with ``merge`` the base with the adapters folded in."""
     path = Path(checkpoint)
     if not ckpt.is_complete(path):
         raise ckpt.CheckpointError(f"{path}: not a complete checkpoint (no {ckpt.MARKER} marker or manifest)")
@@ -63,7 +68,19 @@ def export_checkpoint(
         raise ckpt.CheckpointError("; ".join(problems))
     config, tokenizer = _model_and_tokenizer(path)
     state = _consolidated_state(path, ckpt.read_manifest(path).get("zero_stage", 0))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    run = _run_config(path)
+    adapter = run is not None and run.model.use_peft
+    if merge and not adapter:
+        raise ckpt.CheckpointError(
+            f"{path}: --merge folds LoRA adapters into their base; this run trained no adapters"
+        )
+    if adapter:
+        from trainer.lora import apply_lora, merged  # peft is an optional extra
+
+        base = AutoModelForCausalLM.from_pretrained(run.model.model_name_or_path, dtype=torch.float32)
+        model = apply_lora(base, run.model.model_copy(update={"load_in_4bit": False}))
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
     # Tied weights are stored once; anything else missing means the checkpoint does not fit the model.
     missing = [k for k in missing if k not in _tied_keys(model)]
@@ -71,10 +88,13 @@ def export_checkpoint(
         raise ckpt.CheckpointError(
             f"{path}: weights do not match the model (missing {missing}, unexpected {unexpected})"
         )
+    if merge:
+        model = merged(model)
     model = model.to(DTYPES[dtype])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _save_pretrained(model, tokenizer, out, max_shard_size=max_shard_size)
+    options = {} if adapter and not merge else {"max_shard_size": max_shard_size}
+    _save_pretrained(model, tokenizer, out, **options)
     return out
 
 
@@ -84,6 +104,11 @@ def _save_pretrained(model: Any, tokenizer: Any, out: Path, **options: Any) -> N
     model.save_pretrained(out, safe_serialization=True, **options)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+
+
+def _run_config(path: Path) -> RunConfig | None:
+    file = path / "run_config.yaml"
+    return RunConfig.from_flat(yaml.safe_load(file.read_text())) if file.is_file() else None
 
 
 def _model_and_tokenizer(path: Path) -> tuple[Any, Any]:
@@ -97,7 +122,7 @@ def _model_and_tokenizer(path: Path) -> tuple[Any, Any]:
         raise ckpt.CheckpointError(
             f"{path}: neither a model config.json nor a run_config.yaml to rebuild the model from"
         )
-    run = RunConfig.from_flat(yaml.safe_load((path / "run_config.yaml").read_text()))
+    run = _run_config(path)
     tokenizer = get_tokenizer(run.model, run.data)
     return model_config(run.model, tokenizer, run.data.block_size), tokenizer
 

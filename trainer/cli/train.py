@@ -9,6 +9,7 @@ answers ``--help`` from the schema); argparse would stop at the first ``--field`
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from trainer import checkpoint as ckpt
 from trainer.args import RunConfig
-from trainer.config import check
+from trainer.config import Hardware, check
 from trainer.config.errors import ConfigError
 from trainer.distributed import (
     configure_logging,
@@ -46,7 +47,7 @@ def run(run_config: RunConfig) -> int:
     hardware = detect_hardware()
     # Fails fast on impossible batch sizes, fp16 on CPU, bad DeepSpeed JSON: nothing is loaded yet.
     check(args, dist_info().world_size, hardware)
-    _check_paths(run_config)
+    _check_inputs(run_config, hardware)
     check_report_to(args)  # a report_to integration's package, MLflow's store
     init_distributed(hardware, timeout_s=args.ddp_timeout)
     claim_output_dir(args.output_dir, wait_s=args.preemption_grace_s)  # one run per output_dir
@@ -73,7 +74,16 @@ def run(run_config: RunConfig) -> int:
     return 0
 
 
-def _check_paths(run_config: RunConfig) -> None:
+def _check_inputs(run_config: RunConfig, hardware: Hardware) -> None:
+    """Files that must exist and optional packages that must be there, before anything loads."""
+    model = run_config.model
+    if model.use_peft and importlib.util.find_spec("peft") is None:
+        raise ConfigError([("use_peft", "LoRA needs peft: pip install '.[peft]'")])
+    if model.load_in_4bit and (hardware.device != "cuda" or importlib.util.find_spec("bitsandbytes") is None):
+        raise ConfigError(
+            [("load_in_4bit", "a 4-bit base (QLoRA) needs a CUDA GPU and bitsandbytes (pip install '.[qlora]'); "
+              "without them, drop load_in_4bit and train LoRA on the full-precision base")]
+        )  # fmt: skip
     model_path = run_config.model.model_name_or_path
     is_local = model_path and (model_path.startswith((".", "/")) or Path(model_path).exists())
     if is_local and not (Path(model_path) / "config.json").is_file():

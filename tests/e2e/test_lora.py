@@ -1,0 +1,163 @@
+"""LoRA through ``scripts/train.py`` on a local base model (an HF directory built here): ZeRO-3 on 2
+ranks under the deepspeed launcher, ZeRO-0 and ZeRO-2 with CPU offload and activation checkpointing
+on one process. final/ is a peft adapter that peft loads onto the base, equal to the trained weights;
+``trainer export --merge`` gives a full model with the same logits; a resume is bit-exact; the
+optimizer holds state for the adapters only; and what LoRA cannot do is refused by name."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from tests.helpers.launch import launch
+
+pytestmark = pytest.mark.distributed
+
+RUN = ["--use_peft", "--lora_target_modules", "all-linear", "--lora_r", "4", "--lora_alpha", "8",
+       "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1", "--eval_steps", "4",
+       "--block_size", "64", "--learning_rate", "1e-2", "--max_eval_samples", "8"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> dict[str, Path]:
+    """A user's material: a small Llama with its tokenizer in an HF directory, and a text corpus."""
+    root = tmp_path_factory.mktemp("lora")
+    lines = [
+        line for line in Path(json.__file__).with_name("decoder.py").read_text().splitlines() if line.strip()
+    ]
+    lines += [line for line in Path(shutil.__file__).read_text().splitlines() if line.strip()]
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(lines) + "\n")
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(
+        lines, trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<pad>", "</s>"])
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, unk_token="<unk>", pad_token="<pad>", eos_token="</s>"
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    )  # fmt: skip
+    model.save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    return {"root": root, "base": root / "base", "corpus": corpus}
+
+
+def train(base, out: Path, *extra: str, launcher: str = "deepspeed", check: bool = True):
+    args = ["scripts/train.py", "--output_dir", str(out), "--model_name_or_path", str(base["base"]),
+            "--dataset", str(base["corpus"]), *RUN, *extra]  # fmt: skip
+    return launch(args, launcher=launcher, check=check, **({"nproc": 2} if launcher == "deepspeed" else {}))
+
+
+@pytest.fixture(scope="module")
+def zero3(base) -> tuple[Path, str]:
+    out = base["root"] / "zero3"
+    proc = train(base, out, "--zero_stage", "3")
+    return out, proc.stdout + proc.stderr
+
+
+def adapter(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(directory / "adapter_model.safetensors")
+
+
+def test_final_is_a_peft_adapter_equal_to_the_trained_weights(zero3, tmp_path):
+    out, _ = zero3
+    final = adapter(out / "final")
+    assert final and all(t.numel() > 0 for t in final.values())  # not empty under ZeRO-3
+    assert all(t.abs().sum() > 0 for k, t in final.items() if "lora_B" in k)  # trained away from zero
+    config = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["peft_type"] == "LORA"
+    # The same tensors as the checkpoint of that step, consolidated offline.
+    launch(
+        ["-m", "trainer.cli.main", "export", str(out / "checkpoint-4"), str(tmp_path / "a")],
+        launcher="python",
+    )
+    exported = adapter(tmp_path / "a")
+    assert exported.keys() == final.keys()
+    assert all(torch.equal(exported[k], final[k]) for k in final)
+
+
+def test_merged_export_has_the_adapter_models_logits(zero3, tmp_path):
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    out, _ = zero3
+    launch(["-m", "trainer.cli.main", "export", str(out / "checkpoint-4"), str(tmp_path / "m"), "--merge"],
+           launcher="python")  # fmt: skip
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    with_adapter = AutoPeftModelForCausalLM.from_pretrained(out / "final")
+    ids = torch.randint(3, 500, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = merged(input_ids=ids).logits, with_adapter(input_ids=ids).logits
+    assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    assert not any(
+        k.startswith("base_model") or "lora" in k for k in load_file(tmp_path / "m" / "model.safetensors")
+    )
+
+
+def test_only_the_adapters_train_and_are_counted(zero3, base):
+    out, text = zero3
+    trainable = sum(t.numel() for t in adapter(out / "final").values())
+    total = trainable + sum(p.numel() for p in LlamaForCausalLM.from_pretrained(base["base"]).parameters())
+    assert f"Parameters: {trainable:,} trainable of {total:,} (" in text
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {(r["trainable_params"], r["total_params"]) for r in rows if "loss" in r} == {(trainable, total)}
+    # The optimizer's fp32 state (master copy and two moments) covers the adapters alone.
+    optim = sum(f.stat().st_size for f in (out / "checkpoint-4" / "ds").glob("*optim_states.pt"))
+    assert optim < 2 * 12 * trainable < 12 * total / 4
+
+
+def test_resume_is_bit_exact(zero3, base):
+    out, _ = zero3
+    resumed = base["root"] / "resumed"
+    shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("checkpoint-4", "final", ".trainer.lock"))
+    proc = train(base, resumed, "--zero_stage", "3")
+    assert f"Resumed from {resumed / 'checkpoint-2'} at step 2" in proc.stdout + proc.stderr
+    again, first = adapter(resumed / "final"), adapter(out / "final")
+    assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--zero_stage", "0"], ["--zero_stage", "2", "--offload_optimizer", "cpu", "--gradient_checkpointing"]],
+)
+def test_other_stages_offload_and_checkpointing(base, flags, tmp_path):
+    train(base, tmp_path / "o", *flags, launcher="python")
+    rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 4 and all(0 < x < 20 for x in losses)
+    assert adapter(tmp_path / "o" / "final")
+
+
+def test_what_lora_cannot_do_is_refused_by_name_before_loading(base, tmp_path, capsys):
+    from trainer.cli.train import main
+
+    model = ["--model_name_or_path", str(base["base"])]
+    cases = {
+        "error: use_peft: LoRA adapts an existing model": ["--use_peft"],
+        "error: use_peft: LoRA runs with ZeRO 0-3": ["--use_peft", *model, "--pipeline_parallel_size", "2"],
+        r"error: load_in_4bit: a 4-bit base \(QLoRA\) needs a CUDA GPU": [
+            "--use_peft",
+            "--load_in_4bit",
+            *model,
+        ],
+        "error: load_in_4bit: a 4-bit base cannot be trained in full": ["--load_in_4bit", *model],
+    }
+    for message, flags in cases.items():
+        assert main(["--output_dir", str(tmp_path / "o"), *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and re.match(message, err[0]), err
+    assert not (tmp_path / "o").exists()
