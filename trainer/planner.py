@@ -72,6 +72,8 @@ class ModelSpec:
     vocab_size: int
     largest_layer_params: int  # the biggest single module, gathered whole under ZeRO-3
     small_params: int = 0  # norms and biases: few elements each, kept whole under ZeRO-3
+    linear_io_per_layer: int = 0  # in + out features summed over a layer's linear modules (LoRA's size)
+    embedding_params: int = 0  # embeddings and an untied head: kept in 16 bits by QLoRA
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,10 @@ def _llama_like(cfg: dict[str, Any], name: str) -> ModelSpec:
     lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * h
     total = embed + layers * per_layer + h + lm_head
     largest = max(embed, h * ffn, h * q_out)
-    return ModelSpec(name, total, layers, h, heads, vocab, largest, small_params=(2 * layers + 1) * h)
+    linear_io = (h + q_out) * 2 + 2 * (h + kv_out) + 3 * (h + ffn)  # q, o, k, v; gate, up, down
+    return ModelSpec(
+        name, total, layers, h, heads, vocab, largest, (2 * layers + 1) * h, linear_io, embed + lm_head
+    )
 
 
 def _gpt2(cfg: dict[str, Any], name: str) -> ModelSpec:
@@ -125,7 +130,11 @@ def _gpt2(cfg: dict[str, Any], name: str) -> ModelSpec:
     per_layer = attention + mlp + 4 * h  # two LayerNorms, weight and bias
     total = vocab * h + positions * h + layers * per_layer + 2 * h  # the lm_head is tied to wte
     small = layers * (3 * h + h + ffn + h + 4 * h) + 2 * h
-    return ModelSpec(name, total, layers, h, heads, vocab, max(vocab * h, h * ffn), small_params=small)
+    linear_io = (h + 3 * h) + 2 * h + 2 * (h + ffn)  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+    embeddings = (vocab + positions) * h
+    return ModelSpec(
+        name, total, layers, h, heads, vocab, max(vocab * h, h * ffn), small, linear_io, embeddings
+    )
 
 
 def spec_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
@@ -144,6 +153,8 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
 
 def spec_from_counts(params: float, layers: int, hidden: int, heads: int, vocab: int) -> ModelSpec:
     """A model given by its size alone; the largest layer is taken to be the embedding."""
+    # Linear layers: four h x h in attention, three h x ffn in the MLP, ffn from what is left.
+    ffn = max(int(params) - 2 * vocab * hidden, 0) // max(layers, 1) // (3 * hidden) - 4 * hidden // 3
     return ModelSpec(
         f"{params / 1e9:g}B",
         int(params),
@@ -153,6 +164,8 @@ def spec_from_counts(params: float, layers: int, hidden: int, heads: int, vocab:
         vocab,
         largest_layer_params=vocab * hidden,
         small_params=(2 * layers + 1) * hidden,
+        linear_io_per_layer=8 * hidden + 3 * (hidden + max(ffn, hidden)),
+        embedding_params=vocab * hidden,
     )
 
 
@@ -219,10 +232,11 @@ def knobs_from_config(ds_config: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def buffer_bytes(spec: ModelSpec, setup: Setup, dp: int, precision: str,
-                 knobs: dict[str, Any] | None = None) -> dict[str, float]:  # fmt: skip
-    """DeepSpeed's buffers and temporaries on one GPU, by name (see docs/memory.md)."""
+                 knobs: dict[str, Any] | None = None, trainable: int | None = None) -> dict[str, float]:  # fmt: skip
+    """DeepSpeed's buffers and temporaries on one GPU, by name (see docs/memory.md). ``trainable``:
+    the parameters that get gradients (LoRA's adapters), which size the gradient buffers; default all."""
     knobs = knobs or knobs_from_config(None)
-    n, p, stage = spec.n_params, param_bytes(precision), setup.zero_stage
+    n, p, stage = trainable or spec.n_params, param_bytes(precision), setup.zero_stage
     offloaded = setup.offload_optimizer == "cpu"
     overlap = knobs.get("overlap_comm")
     overlap = stage == 3 if overlap is None else bool(overlap)  # DeepSpeed's default
@@ -240,7 +254,7 @@ def buffer_bytes(spec: ModelSpec, setup: Setup, dp: int, precision: str,
         gathered = min(knobs["stage3_prefetch_bucket_size"] + spec.largest_layer_params,
                        knobs["stage3_max_live_parameters"])  # fmt: skip
         out["stage3_gathered_params"] = p * gathered
-        out["stage3_layer_grad"] = p * spec.largest_layer_params  # full-size grad before reduce-scatter
+        out["stage3_layer_grad"] = p * min(spec.largest_layer_params, n)  # whole grad before reduce-scatter
         out["stage3_persistent_params"] = p * persistent
     return out
 
@@ -299,13 +313,38 @@ def setups() -> list[Setup]:
     return out
 
 
+def lora_params(spec: ModelSpec, r: int) -> int:
+    """Adapter parameters of LoRA rank ``r`` on every linear layer (peft's all-linear): r x (in + out) each."""
+    return r * spec.n_layers * spec.linear_io_per_layer
+
+
+def lora_state_bytes(spec: ModelSpec, r: int, qlora: bool, stage: int, dp: int, precision: str,
+                     offload_optimizer: str, offload_param: str) -> dict[str, float]:  # fmt: skip
+    """``model_state_bytes`` for LoRA: gradients and optimizer states for the adapters alone; the frozen
+    base in 16 bits (QLoRA: its linear weights in 4-bit NF4, about 0.52 bytes a parameter with the
+    quantisation constants), partitioned by ZeRO-3 like any parameter."""
+    states = model_state_bytes(lora_params(spec, r), stage, dp, precision, offload_optimizer, "none")
+    linear = spec.n_params - spec.embedding_params
+    base = 0.52 * linear + 2 * spec.embedding_params if qlora else param_bytes(precision) * spec.n_params
+    base /= dp if stage == 3 else 1
+    states["cpu" if offload_param == "cpu" else "params"] += base
+    return states
+
+
 def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micro_batch: int,
-             precision: str = "bf16", ds_config: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    """One row of the plan: every figure in GB (1e9 bytes), per GPU and per node."""
+             precision: str = "bf16", ds_config: dict[str, Any] | None = None,
+             lora_r: int | None = None, qlora: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One row of the plan: every figure in GB (1e9 bytes), per GPU and per node. ``lora_r``: LoRA
+    adapters of that rank on a frozen base (``qlora``: a 4-bit base)."""
     dp = cluster.world_size
-    states = model_state_bytes(spec.n_params, setup.zero_stage, dp, precision,
-                               setup.offload_optimizer, setup.offload_param)  # fmt: skip
-    buffers = buffer_bytes(spec, setup, dp, precision, knobs_from_config(ds_config))
+    if lora_r:
+        states = lora_state_bytes(spec, lora_r, qlora, setup.zero_stage, dp, precision,
+                                  setup.offload_optimizer, setup.offload_param)  # fmt: skip
+    else:
+        states = model_state_bytes(spec.n_params, setup.zero_stage, dp, precision,
+                                   setup.offload_optimizer, setup.offload_param)  # fmt: skip
+    trainable = lora_params(spec, lora_r) if lora_r else None
+    buffers = buffer_bytes(spec, setup, dp, precision, knobs_from_config(ds_config), trainable)
     acts = activation_bytes(spec, seq_len, micro_batch, precision, setup.activation_checkpointing)
     model_gb = (states["params"] + states["grads"] + states["optimizer"]) / GB
     buffers_gb, acts_gb = sum(buffers.values()) / GB, sum(acts.values()) / GB
@@ -333,7 +372,8 @@ def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micr
 
 
 def plan(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int, precision: str = "bf16",
-         config_for: Callable[[Setup], dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+         config_for: Callable[[Setup], dict[str, Any]] | None = None,
+         lora_r: int | None = None, qlora: bool = False) -> dict[str, Any]:  # fmt: skip
     """Every configuration, fastest first, and the first that fits (or None).
 
     ``config_for`` gives the DeepSpeed config a setup would run with, so buffers are sized from the
@@ -342,7 +382,7 @@ def plan(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int, prec
     rows = []
     for setup in setups():
         ds_config = config_for(setup) if config_for else None
-        rows.append(estimate(spec, setup, cluster, seq_len, micro_batch, precision, ds_config))
+        rows.append(estimate(spec, setup, cluster, seq_len, micro_batch, precision, ds_config, lora_r, qlora))
     recommended = next((row for row in rows if row["fits"]), None)
     return {
         "model": asdict(spec),
@@ -350,6 +390,9 @@ def plan(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int, prec
         "seq_len": seq_len,
         "micro_batch": micro_batch,
         "precision": precision,
+        "lora_r": lora_r,
+        "qlora": qlora,
+        "trainable_params": lora_params(spec, lora_r) if lora_r else spec.n_params,
         "usable_gpu_memory_gb": cluster.gpu_memory_gb * (1 - HEADROOM),
         "usable_cpu_memory_gb": cluster.cpu_memory_gb * (1 - HEADROOM),
         "configurations": rows,

@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-memory-gb", type=float, default=1024.0, help="host memory of one node in GB (default 1024)"
     )
     run.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16", help="default bf16")
+    run.add_argument(
+        "--lora-r", type=int, help="LoRA adapters of this rank on every linear layer, base frozen"
+    )
+    run.add_argument("--qlora", action="store_true", help="with --lora-r: the frozen base in 4-bit NF4")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -103,6 +107,8 @@ def deepspeed_config(
 def run(args: argparse.Namespace) -> int:
     try:
         _check_positive(args)
+        if args.qlora and not args.lora_r:
+            raise ConfigError("QLoRA trains LoRA adapters: give --lora-r too", "--qlora")
         spec = _spec(args)
     except ConfigError as err:
         print(f"trainer plan: {err}", file=sys.stderr)
@@ -112,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     def config_for(setup: Setup) -> dict[str, Any]:
         return deepspeed_config(setup, args.precision, args.micro_batch, cluster.world_size, spec.hidden_size)
 
-    result = make_plan(spec, cluster, args.seq_len, args.micro_batch, args.precision, config_for)
+    result = make_plan(spec, cluster, args.seq_len, args.micro_batch, args.precision, config_for,
+                       args.lora_r, args.qlora)  # fmt: skip
     best = result["recommended"]
     if best is not None:
         best["deepspeed_config"] = config_for(Setup(**{k: best[k] for k in Setup.__dataclass_fields__}))
@@ -134,6 +141,14 @@ def _report(result: dict[str, Any]) -> str:
         f"run: {result['precision']}, seq_len {result['seq_len']}, micro-batch {result['micro_batch']}; "
         f"{c['nodes']} node(s) x {c['gpus_per_node']} GPUs of {c['gpu_memory_gb']:g} GB, "
         f"{c['cpu_memory_gb']:g} GB host memory per node (10% of each kept free)",
+        *(
+            [
+                f"LoRA r={result['lora_r']}{' on a 4-bit base (QLoRA)' if result['qlora'] else ''}: "
+                f"{result['trainable_params'] / 1e6:.1f}M trainable parameters of {m['n_params'] / 1e9:.2f}B"
+            ]
+            if result["lora_r"]
+            else []
+        ),
         "GB per GPU (1 GB = 1e9 bytes), fastest configuration first:",
         "",
         format_table(result),
