@@ -56,7 +56,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extension
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
     "$py" - <<'EOF' || true
 import importlib
-for name in ("torch", "deepspeed", "transformers", "accelerate", "datasets", "pydantic", "pytest"):
+for name in ("torch", "deepspeed", "transformers", "accelerate", "datasets", "pydantic", "pytest", "peft", "bitsandbytes"):
     try:
         print(name, importlib.import_module(name).__version__)
     except Exception as err:  # noqa: BLE001 - a report of what is missing

@@ -59,3 +59,25 @@ def test_fused_adam(tmp_path):
     trainer, losses = train(tmp_path, "fused", bf16=True, zero_stage=2, optim="adamw_fused")
     assert "torch_adam" not in trainer.ds_config["optimizer"]["params"]
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_qlora_through_the_public_command(tmp_path):
+    """A 4-bit NF4 base with LoRA adapters (bitsandbytes), ZeRO-2 then ZeRO-3, bf16, one GPU."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from tests.helpers.launch import launch, run_env
+    from tests.helpers.lora_base import make_base
+
+    base = make_base(tmp_path)
+    for stage in ("2", "3"):
+        out = tmp_path / f"qlora{stage}"
+        proc = launch(["scripts/train.py", "--output_dir", str(out), "--model_name_or_path", str(base["base"]),
+                       "--dataset", str(base["corpus"]), "--use_peft", "--load_in_4bit", "--bf16",
+                       "--zero_stage", stage, "--max_steps", "4", "--logging_steps", "1", "--block_size", "64",
+                       "--learning_rate", "1e-2", "--save_steps", "4", "--eval_steps", "4"],
+                      launcher="python", env=run_env(DS_ACCELERATOR="cuda"))  # fmt: skip
+        assert "Parameters: " in proc.stdout + proc.stderr
+        adapter = load_file(out / "final" / "adapter_model.safetensors")
+        assert adapter and all(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)
