@@ -211,6 +211,12 @@ class TrainingArguments(HFArgumentHelpers, _Args):
             "memory (needs that much free RAM); the checkpoint is committed once every rank has written it."
         ),
     )
+    snapshot_steps: int = Field(
+        0,
+        ge=0,
+        description="Every N steps, a flash snapshot of the whole training state in host shared memory "
+        "(/dev/shm), written in the background: a crashed rank restarted by its launcher resumes from it. 0: off.",
+    )
     report_to: list[str] = Field(
         default_factory=list,
         description="Integrations that get the logs besides metrics.jsonl, through transformers' own callbacks: "

@@ -469,11 +469,14 @@ def resume_candidate(spec: str | bool | None, output_dir: str | Path) -> Path | 
     return path if path is not None and is_complete(path) else None
 
 
-def find_resumable(spec: str | bool | None, output_dir: str | Path, dist: DistInfo) -> Path | None:
+def find_resumable(
+    spec: str | bool | None, output_dir: str | Path, dist: DistInfo, snapshots: Path | None = None
+) -> Path | None:
     """The checkpoint to resume from, verified on every rank before anything is loaded.
 
-    ``auto``/True: the newest complete checkpoint; if it fails verification, every rank warns and
-    the previous one is tried. A path: that checkpoint, or one error naming the bad files.
+    ``auto``/True: the newest complete checkpoint (or flash snapshot, from ``snapshots``); if it
+    fails verification (a rank cannot see it, a checksum differs), every rank warns and the previous
+    one is tried. A path: that checkpoint, or one error naming the bad files.
     """
     if spec in (None, False, ""):
         return None
@@ -485,7 +488,7 @@ def find_resumable(spec: str | bool | None, output_dir: str | Path, dist: DistIn
         if problems:
             raise CheckpointError("; ".join(problems))
         return path
-    candidates = list(reversed(complete_checkpoints(output_dir)))
+    candidates = _candidates(output_dir, snapshots)
     if not candidates:
         if dist.is_main:
             print(f"No complete checkpoint in {output_dir}; starting from scratch.", flush=True)
@@ -502,6 +505,15 @@ def find_resumable(spec: str | bool | None, output_dir: str | Path, dist: DistIn
         f"{output_dir}: no complete checkpoint passes verification (tried {', '.join(p.name for p in candidates)}); "
         "remove the corrupt ones or set resume_from_checkpoint to null to start from scratch"
     )
+
+
+def _candidates(output_dir: str | Path, snapshots: Path | None) -> list[Path]:
+    """Complete checkpoints and snapshots, newest first (a disk checkpoint before a snapshot of its
+    step): the union of what every rank sees, so that all walk the same list."""
+    mine = complete_checkpoints(output_dir) + (complete_checkpoints(snapshots) if snapshots else [])
+    seen = {path for part in all_gather_object([str(p) for p in mine]) for path in part}
+    disk = Path(output_dir)
+    return sorted(map(Path, seen), key=lambda p: (step_of(p) or 0, p.parent == disk), reverse=True)
 
 
 def saved_batch(path: Path) -> tuple[int, int]:

@@ -66,6 +66,7 @@ from trainer.recipe import dump_run_config
 from trainer.reporting import reporting_callbacks
 from trainer.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag, Watchdog, save_failed
 from trainer.results import ResultsAPI, TrainTotals, train_metrics
+from trainer.snapshots import Snapshots, snapshot_dir
 from trainer.steps import check_resolved, client_scheduler, keep_global_batch, plan_steps
 from trainer.throughput import StepTimer, flops_per_token_for_model, non_padding_tokens
 
@@ -119,6 +120,7 @@ class Trainer(ResultsAPI):
         self.engine: Engine | None = None
         self.ds_config = ds_config
         self.saver: ckpt.Saver | None = None
+        self.snapshots: Snapshots | None = None
         self.watchdog = Watchdog(self.args.output_dir, self.args.hang_timeout_s, fault_plan())
         self.preemption = PreemptionFlag()
         self._fire("on_init_end")
@@ -143,12 +145,17 @@ class Trainer(ResultsAPI):
         )  # held already under `trainer train`
         spec = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         # The checkpoint is found before the engine is built: its global batch is part of the config.
-        checkpoint = ckpt.find_resumable(spec, args.output_dir, self.dist)
+        snapshots = snapshot_dir(args.output_dir) if args.snapshot_steps else None
+        checkpoint = ckpt.find_resumable(spec, args.output_dir, self.dist, snapshots)
         sampler = self._prepare_training(checkpoint)
         if checkpoint is not None:
             with self.watchdog.phase("load"):
                 self._load_checkpoint(checkpoint)
             print_main(f"Resumed from {checkpoint} at step {self.state.global_step}.")
+        hf_files = (getattr(self.model, "config", None), self.processing_class)
+        self.snapshots = (
+            Snapshots(args, self.dist, self.ds_config, self.run_config, *hf_files) if snapshots else None
+        )
         self._run = TrainTotals()
         trainable, total = param_counts(self.model)
         print_main(
@@ -182,6 +189,8 @@ class Trainer(ResultsAPI):
                     self._log_train()
                 self._maybe_evaluate_and_save()
         self._finish_save()
+        if self.snapshots is not None:
+            self.snapshots.release()
         output = self._train_output()
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             self._load_checkpoint(Path(self.state.best_model_checkpoint), weights_only=True)
@@ -212,12 +221,15 @@ class Trainer(ResultsAPI):
             window_loss = self.engine.train_window(window, window_tokens)
             self._accumulate(window_loss, window_tokens, counts)
             self._fire("on_step_end")
-            if (self.control.should_log or self.control.should_save) and not self._guard_finite():
+            snapshot = self.snapshots is not None and self.state.global_step % self.snapshots.every == 0
+            if (self.control.should_log or self.control.should_save or snapshot) and not self._guard_finite():
                 return False  # rolled back: the epoch restarts from the checkpoint's position
             if self.control.should_log:
                 self._log_train()
             if self._maybe_evaluate_and_save():
                 self.timer.start()  # evaluation and checkpoint time is not training throughput
+            if snapshot:  # its blocking time (the copy to host memory) counts as training time
+                self.snapshots.take(self.engine, self.state)
             if self.control.should_training_stop:
                 return False
         return True
@@ -234,11 +246,15 @@ class Trainer(ResultsAPI):
             1.0 if self.preemption.received else 0.0,
             *map(float, counts),
         ]
-        if self.saver is not None and self.saver.pending:
-            local.append(float(self.saver.written()))
+        saving = self.saver is not None and self.saver.pending
+        local += ([float(self.saver.written())] if saving else []) + (
+            self.snapshots.written() if self.snapshots else []
+        )
         window_tokens, preempted, samples, input_tokens, *written = host_all_reduce(local)
-        if written:
+        if saving:
             self._committed(lambda: self.saver.commit_if_written(written[0]))
+        if self.snapshots is not None:
+            self.snapshots.commit(written[saving:])
         if preempted:
             self._save_and_exit_on_preemption()  # before the counts: this window is not trained
         self.state.num_input_tokens_seen += int(input_tokens)

@@ -231,3 +231,27 @@ def test_hang_in_save_dumps_every_rank_and_exits(tmp_path):
     assert "in phase" in (out / "hang-1.txt").read_text()  # rank 1 is caught where it stalls
     # It stalled in the first save (step 4) and nothing was committed.
     assert max(logged_steps(out)) == 4 and not (out / "checkpoint-4").exists()
+
+
+def test_a_flash_snapshot_every_step_loses_at_most_one_step(tmp_path, reference):
+    """--snapshot_steps 1: rank 1 is SIGKILLed between disk checkpoints; the restarted job resumes
+    from the snapshot in /dev/shm (at most one step behind), ends bitwise equal to the uninterrupted
+    run, and frees the shared memory."""
+    from trainer.snapshots import snapshot_dir
+
+    out = tmp_path / "run"
+    kill_after = random.Random(os.environ.get("FAULT_SEED")).randint(5, 7)
+    agent = subprocess.Popen([*torchrun_cmd(out, max_restarts=2), "--snapshot_steps", "1"], cwd=ROOT,
+                             env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    wait_for_step(out, kill_after, agent)
+    worker(agent, rank=1).send_signal(signal.SIGKILL)
+    output, _ = agent.communicate(timeout=900)
+    assert agent.returncode == 0, output[-4000:]
+    found = re.findall(r"Resumed from (\S+) at step (\d+)\.", output)
+    assert len(found) == 1 and found[0][0] == str(snapshot_dir(out) / f"checkpoint-{found[0][1]}"), found
+    resumed, logged = int(found[0][1]), logged_steps(out)
+    reached = logged[: logged.index(resumed + 1, 1) if resumed + 1 in logged[1:] else None][-1]
+    assert reached - 1 <= resumed <= reached, (reached, resumed, logged)  # at most one step lost
+    assert logged[-(16 - resumed) :] == list(range(resumed + 1, 17))
+    assert_same_weights(final_weights(out), reference)
+    assert not snapshot_dir(out).exists()
