@@ -11,7 +11,8 @@ One run measures, side by side and in alternating order (``--repeats`` rounds of
   through the staging directory, every file checksummed and fsynced, manifest, rename, marker;
 - **async save**: the same save with ``async_save`` on. The loop is blocked while the state is
   copied to host memory, then trains on while the writer thread writes; once every rank is written
-  the commit runs. Blocked time = the copy + the commit, not the steps trained in between.
+  the commit runs. Blocked time = the copy + the commit, not the steps trained in between;
+- **snapshot**: a flash snapshot (``--snapshot_steps``): the async save into ``/dev/shm``.
 
 Throughput is the checkpoint's bytes (all ranks) over the slowest rank's wall time. The model is
 a Llama built from a config; one optimizer step runs first so that the Adam moments exist.
@@ -37,6 +38,7 @@ from trainer.callbacks import TrainerState
 from trainer.config import resolve
 from trainer.distributed import barrier, detect_hardware, host_all_reduce, init_distributed
 from trainer.engine import DeepSpeedEngine, Engine
+from trainer.snapshots import Snapshots
 
 CHUNK = 4 << 20
 
@@ -159,16 +161,18 @@ def main(argv: list[str]) -> int:
     engines_args = {mode: TrainingArguments(**base, async_save=mode == "async") for mode in ("sync", "async")}
     engine, ds_config = build_engine(args, engines_args["sync"], info.world_size)
     savers = {mode: ckpt.Saver(a, info, ds_config, None) for mode, a in engines_args.items()}
+    snapshots = Snapshots(TrainingArguments(**base, snapshot_steps=1), info, ds_config, None)
+    savers["snapshot"] = snapshots.saver
     state = TrainerState()
-    rows: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
+    rows: dict[str, list[dict[str, float]]] = {"sync": [], "async": [], "snapshot": []}
     raw: list[float] = []
     dd: list[float] = []
     nbytes = 0
     for repeat in range(args.repeats):
-        for mode in ("sync", "async") if repeat % 2 == 0 else ("async", "sync"):
+        for mode in ("sync", "async", "snapshot")[:: 1 if repeat % 2 == 0 else -1]:
             state.global_step += 1
             rows[mode].append(timed_save(engine, savers[mode], state))
-        nbytes = checkpoint_bytes(ckpt.final_dir(out, state.global_step))
+        nbytes = checkpoint_bytes(ckpt.complete_checkpoints(out)[-1])
         if info.is_main:  # old checkpoints go outside the timed part
             for old in ckpt.complete_checkpoints(out)[:-1]:
                 shutil.rmtree(old)
@@ -179,6 +183,7 @@ def main(argv: list[str]) -> int:
         took = dd_write(out, share)
         if took is not None:
             dd.append(slowest(took))
+    snapshots.release()
     report = summarise(args, info.world_size, nbytes, rows, raw, dd, engine)
     if info.is_main:
         print(format_report(report))
@@ -206,9 +211,11 @@ def summarise(args, world, nbytes, rows, raw, dd, engine) -> dict:
         "async_save_gbps": gb / med["async"]["total_s"],
         "sync": med["sync"],
         "async": med["async"],
+        "snapshot": med["snapshot"],
     }
     report["save_vs_raw"] = report["sync_save_gbps"] / report["raw_write_gbps"]
     report["async_blocked_vs_sync"] = med["async"]["blocked_s"] / med["sync"]["blocked_s"]
+    report["snapshot_blocked_vs_sync"] = med["snapshot"]["blocked_s"] / med["sync"]["blocked_s"]
     return report
 
 
@@ -222,6 +229,8 @@ def format_report(r: dict) -> str:
             f"sync save:  {r['sync_save_gbps']:.2f} GB/s ({r['save_vs_raw']:.2f}x raw); loop blocked {r['sync']['blocked_s']:.2f} s",
             f"async save: loop blocked {r['async']['blocked_s']:.2f} s ({r['async_blocked_vs_sync']:.2f}x sync), "
             f"committed after {r['async']['total_s']:.2f} s, {r['async']['steps_meanwhile']:.0f} steps trained meanwhile",
+            f"snapshot (/dev/shm): loop blocked {r['snapshot']['blocked_s']:.2f} s ({r['snapshot_blocked_vs_sync']:.2f}x "
+            f"sync), committed after {r['snapshot']['total_s']:.2f} s",
         ]
     )
 

@@ -9,6 +9,7 @@ import pytest
 
 from tests.helpers.launch import launch
 from trainer import checkpoint as ckpt
+from trainer.snapshots import snapshot_dir
 
 pytestmark = pytest.mark.distributed
 
@@ -32,13 +33,15 @@ def test_reports_save_and_raw_speeds_and_blocked_times(tmp_path):
     assert report["world_size"] == 2 and report["zero_stage"] == 2 and report["repeats"] == 2
     for key in ("raw_write_gbps", "sync_save_gbps", "async_save_gbps"):
         assert report[key] > 0, key
-    for mode in ("sync", "async"):
+    for mode in ("sync", "async", "snapshot"):
         assert 0 < report[mode]["blocked_s"] <= report[mode]["total_s"], mode
     assert report["save_vs_raw"] == pytest.approx(report["sync_save_gbps"] / report["raw_write_gbps"])
-    # Four saves were timed; the old ones were removed outside the timing, the last is complete.
+    # Six saves were timed, two of them snapshots in /dev/shm (gone once the bench ends); the old
+    # checkpoints were removed outside the timing, the last is complete.
     (last,) = ckpt.complete_checkpoints(out)
-    assert last.name == "checkpoint-4" and ckpt.verify(last) == []
+    assert last.name == "checkpoint-6" and ckpt.verify(last) == []
+    assert not snapshot_dir(out).exists()
     manifest = ckpt.read_manifest(last)
     assert report["checkpoint_bytes"] == sum(e["size"] for e in manifest["files"].values())
     assert any(name.endswith("optim_states.pt") for name in manifest["files"])  # one shard per rank
-    assert "async save: loop blocked" in proc.stdout
+    assert "async save: loop blocked" in proc.stdout and "snapshot (/dev/shm): loop blocked" in proc.stdout
