@@ -140,9 +140,8 @@ class Trainer(ResultsAPI):
         """Train to ``max_steps``; returns HF's ``TrainOutput(global_step, training_loss, metrics)``
         (trainer/results.py says what each metric means). ``self.state`` holds the log history."""
         args = self.args
-        claim_output_dir(
-            args.output_dir, wait_s=args.preemption_grace_s
-        )  # held already under `trainer train`
+        # One run per output_dir (`trainer train` holds it already).
+        claim_output_dir(args.output_dir, wait_s=args.preemption_grace_s)
         spec = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         # The checkpoint is found before the engine is built: its global batch is part of the config.
         snapshots = snapshot_dir(args.output_dir) if args.snapshot_steps else None
@@ -152,10 +151,6 @@ class Trainer(ResultsAPI):
             with self.watchdog.phase("load"):
                 self._load_checkpoint(checkpoint)
             print_main(f"Resumed from {checkpoint} at step {self.state.global_step}.")
-        hf_files = (getattr(self.model, "config", None), self.processing_class)
-        self.snapshots = (
-            Snapshots(args, self.dist, self.ds_config, self.run_config, *hf_files) if snapshots else None
-        )
         self._run = TrainTotals()
         trainable, total = param_counts(self.model)
         print_main(
@@ -164,6 +159,9 @@ class Trainer(ResultsAPI):
         if self.state.global_step >= self.state.max_steps:  # a finished run, resumed: not one step more
             print_main(f"Step {self.state.max_steps} was reached already: nothing to train.")
             return self._train_output()
+        if snapshots is not None:
+            hf_files = (getattr(self.model, "config", None), self.processing_class)
+            self.snapshots = Snapshots(args, self.dist, self.ds_config, self.run_config, *hf_files)
         self.timer = StepTimer(
             self._flops_per_token(),
             self.hardware.name,
@@ -247,9 +245,10 @@ class Trainer(ResultsAPI):
             *map(float, counts),
         ]
         saving = self.saver is not None and self.saver.pending
-        local += ([float(self.saver.written())] if saving else []) + (
-            self.snapshots.written() if self.snapshots else []
-        )
+        if saving:
+            local.append(float(self.saver.written()))
+        if self.snapshots is not None:
+            local += self.snapshots.written()
         window_tokens, preempted, samples, input_tokens, *written = host_all_reduce(local)
         if saving:
             self._committed(lambda: self.saver.commit_if_written(written[0]))
@@ -458,6 +457,7 @@ class Trainer(ResultsAPI):
                 client_scheduler=self.client_scheduler is not None,
             )
         check_resolved(self.ds_config, self.args, self.dist.world_size)
+        overridden = type(self).compute_loss is not Trainer.compute_loss  # HF's override point, in use
         if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             enable_gradient_checkpointing(self.model)
         with self.watchdog.phase("init"):
@@ -468,9 +468,7 @@ class Trainer(ResultsAPI):
                 lr_scheduler=self.client_scheduler or client_scheduler(self.args, total_steps),
                 weight_decay=self.args.weight_decay,
                 gradient_checkpointing=self.args.gradient_checkpointing,
-                compute_loss=self.compute_loss
-                if type(self).compute_loss is not Trainer.compute_loss
-                else None,
+                compute_loss=self.compute_loss if overridden else None,
             )
         if self.dist.is_main:
             out = Path(self.args.output_dir)
