@@ -512,8 +512,8 @@ def _candidates(output_dir: str | Path, snapshots: Path | None) -> list[Path]:
     step): the union of what every rank sees, so that all walk the same list."""
     mine = complete_checkpoints(output_dir) + (complete_checkpoints(snapshots) if snapshots else [])
     seen = {path for part in all_gather_object([str(p) for p in mine]) for path in part}
-    disk = Path(output_dir)
-    return sorted(map(Path, seen), key=lambda p: (step_of(p) or 0, p.parent == disk), reverse=True)
+    on_disk = Path(output_dir)
+    return sorted(map(Path, seen), key=lambda p: (step_of(p) or 0, p.parent == on_disk), reverse=True)
 
 
 def saved_batch(path: Path) -> tuple[int, int]:

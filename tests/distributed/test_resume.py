@@ -155,6 +155,7 @@ def test_unmarked_and_staging_directories_are_never_loaded(two_ranks):
     assert f"{where}/checkpoint-12" not in log  # not even looked at
     assert_resumed(log, res["corrupt"]["truncated_ran"], where / "checkpoint-5")
     assert res["corrupt"]["truncated_listing"] == [
+        ".trainer.lock",  # the run's hold on its output_dir
         "checkpoint-10",
         "checkpoint-12",
         "checkpoint-5",
