@@ -19,7 +19,7 @@ NAMES = ["apple", "river", "cloud", "stone", "tiger", "maple", "ocean", "piano"]
 def chat(i: int) -> dict:
     """A two-exchange ShareGPT conversation."""
     a, b = NAMES[i % 8], NAMES[(3 * i + 1) % 8]
-    turns = [("human", f"Name a {a}."), ("gpt", b), ("human", "Another?"), ("gpt", f"{a} {i}")]
+    turns = [("human", f"{a}?"), ("gpt", b), ("human", "Another?"), ("gpt", a)]
     return {"conversations": [{"from": who, "value": text} for who, text in turns]}
 
 
@@ -47,8 +47,8 @@ def test_sharegpt_chats_train_packed_and_evaluate_on_the_validation_file(tmp_pat
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [3] and math.isfinite(evals[0]["eval_loss"])
-    # What was built: every train chat trains (none held out), packed; the eval set is the 5 chats
-    # of the validation file.
+    # What was built: all 40 train chats (none held out), packed (fewer blocks than chats); the
+    # eval set is the 5 chats of the validation file.
     (info_file,) = cache.glob("sharegpt-*/final/info.json")
     info = json.loads(info_file.read_text())
     assert (info["format"], info["packing"], info["validation_file"]) == ("sharegpt", True, val)

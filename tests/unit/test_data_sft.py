@@ -44,7 +44,8 @@ def tok():
 
 
 def rendered(tok, messages) -> str:
-    return tok.apply_chat_template(messages, chat_template=DEFAULT_CHAT_TEMPLATE, tokenize=False)
+    """The default template's rendering, as a row holds it: up to the last answer's end marker."""
+    return tok.apply_chat_template(messages, chat_template=DEFAULT_CHAT_TEMPLATE, tokenize=False).rstrip("\n")
 
 
 def answers(tok, turns=TURNS, end=None) -> list[list[int]]:
@@ -122,9 +123,10 @@ def test_a_tokenizer_chat_template_is_used_and_its_end_marker_trained(tmp_path):
     start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     train, _ = build_datasets(sft_args(tmp_path, [{"messages": messages_of()}]), tok, seed=0)
     row = train[0]
-    assert tok.decode(row["input_ids"]) == tok.apply_chat_template(messages_of(), tokenize=False)
+    assert tok.decode(row["input_ids"]) == tok.apply_chat_template(messages_of(), tokenize=False).rstrip("\n")
     # The template's markers are single special tokens; the content's '<|eos|>' stays text.
     assert row["input_ids"].count(start) == row["input_ids"].count(end) == 7
+    assert row["input_ids"][-1] == end  # the row ends with the last answer's end marker
     assert tok.eos_token_id not in row["input_ids"]
     assert trained_runs(row) == answers(tok, end=end)
 
@@ -137,6 +139,15 @@ def test_conversational_prompt_completion_trains_only_the_completion(tmp_path, t
     train, _ = build_datasets(sft_args(tmp_path, rows, data_format="prompt_completion"), tok, seed=0)
     assert tok.decode(train[0]["input_ids"]) == rendered(tok, prompt + completion)
     assert trained_runs(train[0]) == [plain(tok, "x ** 3") + [tok.eos_token_id]]
+
+
+def test_a_row_ends_with_its_last_answer(tmp_path, tok):
+    """What follows the last answer carries no loss, and nothing attends to it."""
+    chat = sharegpt_row(TURNS[:1])
+    chat["conversations"].append({"from": "human", "value": "Thanks."})
+    train, _ = build_datasets(sft_args(tmp_path, [chat, sharegpt_row(TURNS[:1])]), tok, seed=0)
+    assert train[0] == train[1]
+    assert train[0]["input_ids"][-1] == train[0]["labels"][-1] == tok.eos_token_id
 
 
 def test_an_assistant_message_that_opens_a_chat_is_context(tmp_path, tok):

@@ -127,6 +127,11 @@ def test_no_row_trains_its_first_token(tmp_path, tok):
     first = len(tok("x ** 2")["input_ids"]) + 1
     assert train["labels"][0][0] == train["labels"][0][first] == IGNORE_INDEX
     assert train["position_ids"][0][first] == 0
+    with pytest.raises(DataError) as err:
+        build_datasets(sft_args(tmp_path / "e", [{"prompt": "", "completion": ""}]), tok, seed=0)
+    assert err.value.problems == [
+        ("dataset", "row 0: no token to train on (an empty answer that opens the row)")
+    ]
 
 
 # ---- validation_file -----------------------------------------------------------------------------

@@ -111,6 +111,14 @@ def pair_segments(pair: Pair, lead: tuple[int, ...], eos: int) -> list[Segment]:
     ]
 
 
+def _tokenise(tokenizer: Any, texts: list[str], control: bool) -> list[list[int]]:
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=False, split_special_tokens=not control, verbose=False)[
+        "input_ids"
+    ]
+
+
 def encode_segments(rows: list[list[Segment]], tokenizer: Any) -> list[tuple[list[int], list[int]]]:
     """(input_ids, labels) of each row: one tokenizer call for all template text, one for all
     content; labels are the ids on trained segments and -100 elsewhere."""
@@ -119,16 +127,7 @@ def encode_segments(rows: list[list[Segment]], tokenizer: Any) -> list[tuple[lis
         for s in segments:
             if s.text:
                 texts[s.control].append(s.text)
-    encoded = {
-        control: iter(
-            tokenizer(batch, add_special_tokens=False, split_special_tokens=not control, verbose=False)[
-                "input_ids"
-            ]
-            if batch
-            else ()
-        )
-        for control, batch in texts.items()
-    }
+    encoded = {control: iter(_tokenise(tokenizer, batch, control)) for control, batch in texts.items()}
     out = []
     for segments in rows:
         ids: list[int] = []

@@ -68,6 +68,14 @@ def _row_segments(fmt: str, row: dict[str, Any], tokenizer: Any, lead: tuple[int
     return pair_segments(example, lead, tokenizer.eos_token_id)
 
 
+def _trim(ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
+    """A row's first token is no target: nothing precedes it (packed, the row before would). The
+    tokens after the last target carry no loss and nothing attends to them, so the row ends there."""
+    labels = [IGNORE_INDEX, *labels[1:]] if labels else labels
+    end = next((i + 1 for i in range(len(labels) - 1, -1, -1) if labels[i] != IGNORE_INDEX), 0)
+    return ids[:end], labels[:end]
+
+
 def _fit(
     ids: list[int], labels: list[int], block_size: int, long_rows: str
 ) -> tuple[list[int], list[int], str] | None:
@@ -109,10 +117,9 @@ def tokenise_rows_batch(
     out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "row": [], "problem": []}
     encoded = encode_segments(segments, tokenizer)
     for index, (ids, labels), problem in zip(indices, encoded, problems, strict=True):
-        # Nothing precedes a row's first token, so it is no target; in a packed block it would be
-        # the previous row's.
-        if labels:
-            labels[0] = IGNORE_INDEX
+        ids, labels = _trim(ids, labels)
+        if not (ids or problem):
+            problem = "no token to train on (an empty answer that opens the row)"
         if problem:
             ids, labels = [], []
         else:
