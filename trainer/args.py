@@ -35,6 +35,8 @@ Precision = Literal["auto", "fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Strategy = Literal["no", "steps", "epoch"]
 LogLevel = Literal["passive", "debug", "info", "warning", "error", "critical"]
+# text: documents; sft: instruction data whose format is told from its columns; the rest name one.
+DataFormat = Literal["text", "sft", "alpaca", "sharegpt", "messages", "prompt_completion", "prompt_response"]
 PRECISION_FIELDS = ("precision", "bf16", "fp16")
 # The integrations report_to can name (transformers' own callbacks drive them; trainer/reporting.py),
 # each with the module it needs, in the order HF lists them for "all". Rows always go to
@@ -486,11 +488,24 @@ class DataArguments(_Args):
     )
     dataset_config: str | None = Field(None, description="Hub dataset configuration name.")
     text_column: str = Field("text", description="Column holding raw text.")
-    data_format: Literal["text", "sft"] = Field(
-        "text", description="text: causal LM on packed blocks; sft: prompt/response with the prompt masked."
+    data_format: DataFormat = Field(
+        "text",
+        description="text: causal LM on documents; sft: instruction data, its format told from the columns; "
+        "or name it: alpaca, sharegpt, messages, prompt_completion, prompt_response (docs/data.md).",
     )
     block_size: int = Field(256, ge=8, description="Tokens per training sequence.")
-    packing: bool = Field(True, description="Pack documents into full blocks instead of padding each.")
+    packing: bool = Field(
+        True, description="Pack documents (or instruction rows) into blocks instead of padding each."
+    )
+    long_rows: Literal["error", "drop", "truncate"] = Field(
+        "error",
+        description="Instruction rows longer than block_size: an error naming them, dropped, or cut.",
+    )
+    validation_file: str | None = Field(
+        None,
+        description="Your own eval set (a file or directory, in the train data's format); "
+        "no share of the train data is held out then.",
+    )
     validation_split_percentage: float = Field(5.0, ge=0, lt=100, description="Share held out for eval.")
     max_train_samples: int | None = Field(
         None, ge=1, description="Truncate the training set (for quick runs)."

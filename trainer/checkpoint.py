@@ -110,12 +110,20 @@ _SAFE_DATA_FIELDS = {"max_eval_samples", "preprocessing_num_workers", "cache_dir
 def run_config_changes(checkpoint: Path, run: RunConfig) -> tuple[list[str], list[str]]:
     """How ``run`` differs from the run that wrote ``checkpoint``: (fields of the model, tokenizer
     or training data, which a resume must refuse; other fields, which it may take on).
-    Nothing is compared when the checkpoint holds no run config (written through the Trainer API)."""
+    Nothing is compared when the checkpoint holds no run config (written through the Trainer API);
+    a field the saved config lacks (one added since it was written) counts as its default there."""
     saved_file = checkpoint / "run_config.yaml"
     if not saved_file.is_file():
         return [], []
     saved, current = yaml.safe_load(saved_file.read_text()) or {}, run.to_flat()
-    changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+    defaults = {
+        name: spec.default
+        for model in (TrainingArguments, ModelArguments, DataArguments)
+        for name, spec in model.model_fields.items()
+    }
+    changed = sorted(
+        k for k in saved.keys() | current.keys() if saved.get(k, defaults.get(k)) != current.get(k)
+    )
     guarded = (set(ModelArguments.model_fields) | set(DataArguments.model_fields)) - _SAFE_DATA_FIELDS
     return [k for k in changed if k in guarded], [k for k in changed if k not in guarded]
 

@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from trainer import checkpoint as ckpt
+from trainer.args import RunConfig
 from trainer.cli import train as run_module
 from trainer.config.errors import ConfigError
 from trainer.distributed import DistInfo
@@ -310,3 +312,15 @@ def test_a_committed_universal_copy_is_reused(tmp_path):
     assert ckpt.universal_copy(path, ONE) == path / "universal"  # no conversion: DeepSpeed not called
     assert (path / "universal" / "ds" / "zero" / "optimizer_state.pt").read_bytes() == b"converted"
     assert ckpt.verify(path) == []  # the checkpoint's own manifest is unaffected
+
+
+def test_a_field_added_since_the_checkpoint_counts_as_its_default(tmp_path):
+    path = make_checkpoint(tmp_path, 5)
+    run = RunConfig.from_flat({"output_dir": str(tmp_path), "data_format": "sharegpt"})
+    older = {k: v for k, v in run.to_flat().items() if k not in ("long_rows", "validation_file")}
+    (path / "run_config.yaml").write_text(yaml.safe_dump(older))
+    assert ckpt.run_config_changes(path, run) == ([], [])
+    changed = RunConfig.from_flat(
+        {"output_dir": str(tmp_path), "data_format": "sharegpt", "long_rows": "drop"}
+    )
+    assert ckpt.run_config_changes(path, changed) == (["long_rows"], [])

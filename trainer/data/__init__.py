@@ -6,6 +6,7 @@ them so a resumed run continues exactly where it stopped. See docs/data.md.
 """
 
 from trainer.data.build import PreparedData, build_datasets, prepare_datasets
+from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX
 from trainer.data.collator import (
     MODEL_INPUTS,
     CausalLMCollator,
@@ -14,12 +15,14 @@ from trainer.data.collator import (
     model_columns,
     pad_stack,
 )
-from trainer.data.processing import IGNORE_INDEX, render_messages
+from trainer.data.formats import FORMAT_COLUMNS, resolve_format
 from trainer.data.sampler import ResumableDistributedSampler
 from trainer.data.sources import DataError, corpus_files, default_cache_root
 from trainer.data.tokenizer import get_tokenizer, train_bpe_tokenizer
 
 __all__ = [
+    "DEFAULT_CHAT_TEMPLATE",
+    "FORMAT_COLUMNS",
     "IGNORE_INDEX",
     "MODEL_INPUTS",
     "CausalLMCollator",
@@ -35,6 +38,6 @@ __all__ = [
     "model_columns",
     "pad_stack",
     "prepare_datasets",
-    "render_messages",
+    "resolve_format",
     "train_bpe_tokenizer",
 ]

@@ -1,4 +1,4 @@
-"""Turning documents into training rows: tokenisation (text and SFT), packing, splitting.
+"""Turning documents into training rows: tokenisation (text and instruction rows), packing, splitting.
 
 These are pure functions over batches and Arrow tables; ``build.py`` wires them to `datasets.map`
 and the on-disk cache.
@@ -14,14 +14,30 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trainer.data.sources import DataError
-
-IGNORE_INDEX = -100
+from trainer.data.chat import (
+    IGNORE_INDEX,
+    Segment,
+    chat_segments,
+    encode_segments,
+    leading_ids,
+    pair_segments,
+)
+from trainer.data.formats import Chat, RowProblem, parse_row
 
 TOKENS = datasets.List(datasets.Value("int32"))
 TEXT_FEATURES = datasets.Features({"input_ids": TOKENS})
 SFT_FEATURES = datasets.Features({"input_ids": TOKENS, "labels": TOKENS})
+# What tokenising instruction rows writes; `row` and `problem` go once the problems are checked.
+SFT_ROW_FEATURES = datasets.Features(
+    {
+        "input_ids": TOKENS,
+        "labels": TOKENS,
+        "row": datasets.Value("int64"),
+        "problem": datasets.Value("string"),
+    }
+)
 PACKED_FEATURES = datasets.Features({"input_ids": TOKENS, "position_ids": TOKENS})
+SFT_PACKED_FEATURES = datasets.Features({"input_ids": TOKENS, "labels": TOKENS, "position_ids": TOKENS})
 
 
 def tokenise_text_batch(
@@ -45,69 +61,77 @@ def tokenise_text_batch(
     return {"input_ids": rows}
 
 
-def render_messages(messages: list[dict[str, str]], tokenizer: Any) -> tuple[str, str]:
-    """A chat as (prompt, response) strings; the response is the final assistant message.
+def _row_segments(fmt: str, row: dict[str, Any], tokenizer: Any, lead: tuple[int, ...]) -> list[Segment]:
+    example = parse_row(fmt, row)
+    if isinstance(example, Chat):
+        return chat_segments(example, tokenizer)
+    return pair_segments(example, lead, tokenizer.eos_token_id)
 
-    With a tokenizer chat template, the prompt is the template applied to every message but the
-    last with the generation prompt, and the response is what the full rendering adds to it.
-    Without one, a plain template is used::
 
-        <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n{response}
+def _trim(ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
+    """A row's first token is no target: nothing precedes it (packed, the row before would). The
+    tokens after the last target carry no loss and nothing attends to them, so the row ends there."""
+    labels = [IGNORE_INDEX, *labels[1:]] if labels else labels
+    end = next((i + 1 for i in range(len(labels) - 1, -1, -1) if labels[i] != IGNORE_INDEX), 0)
+    return ids[:end], labels[:end]
+
+
+def _fit(
+    ids: list[int], labels: list[int], block_size: int, long_rows: str
+) -> tuple[list[int], list[int], str] | None:
+    """A row against ``block_size`` under the ``long_rows`` policy: the row (cut when truncating),
+    or None to drop it; a problem when it is an error."""
+    if len(ids) <= block_size:
+        return ids, labels, ""
+    if long_rows == "error":
+        return [], [], f"{len(ids)} tokens, longer than block_size {block_size}"
+    if long_rows == "drop" or all(x == IGNORE_INDEX for x in labels[:block_size]):
+        return None
+    return ids[:block_size], labels[:block_size], ""
+
+
+def tokenise_rows_batch(
+    batch: dict[str, list[Any]],
+    indices: list[int],
+    tokenizer: Any,
+    fmt: str,
+    block_size: int,
+    long_rows: str,
+) -> dict[str, list[Any]]:
+    """Instruction rows -> ``input_ids`` and ``labels`` (-100 on everything but the trained tokens).
+
+    Every output row carries its source ``row`` index and a ``problem`` (empty when fine); a row
+    with a problem has no tokens, and the builder reports it. Rows longer than ``block_size``
+    follow ``long_rows``: a problem ("error"), left out ("drop"), or cut from the right
+    ("truncate", left out when no trained token is left).
     """
-    if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":
-        raise DataError(
-            [("data_format", "sft: the last message of every 'messages' row must be the assistant's")]
-        )
-    if getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(messages, tokenize=False)
-        if not full.startswith(prompt):
-            raise DataError(
-                [("data_format", "sft: the chat template does not render the prompt as a prefix")]
-            )
-        return prompt, full[len(prompt) :]
-    prompt = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages[:-1])
-    return prompt + "<|assistant|>\n", messages[-1]["content"] or ""
-
-
-def tokenise_sft_batch(
-    batch: dict[str, list[Any]], tokenizer: Any, max_length: int
-) -> dict[str, list[list[int]]]:
-    """Rows -> ``input_ids`` = prompt + response + EOS, ``labels`` = -100 on the prompt.
-
-    ``prompt``/``response`` rows are used verbatim (the user owns their formatting); ``messages``
-    rows go through :func:`render_messages`. Prompt and response are tokenised separately so the
-    loss boundary is exact. Rows longer than ``max_length`` are truncated from the right; a row
-    with no response token left is dropped.
-    """
-    if "messages" in batch:
-        pairs = [render_messages(m, tokenizer) for m in batch["messages"]]
-    else:
-        pairs = [(p or "", r or "") for p, r in zip(batch["prompt"], batch["response"], strict=True)]
-    if not pairs:
-        return {"input_ids": [], "labels": []}
-    templated = bool(getattr(tokenizer, "chat_template", None)) and "messages" in batch
-    # A chat template writes control tokens as text; they must be parsed as special tokens.
-    split = not templated
-    eos = tokenizer.eos_token_id
-    prompts = tokenizer(
-        [p for p, _ in pairs], add_special_tokens=True, split_special_tokens=split, verbose=False
-    )
-    responses = tokenizer(
-        [r for _, r in pairs], add_special_tokens=False, split_special_tokens=split, verbose=False
-    )
-    input_ids, labels = [], []
-    for p, r in zip(prompts["input_ids"], responses["input_ids"], strict=True):
-        if p and p[-1] == eos:  # some tokenizers append EOS to every encoding
-            p = p[:-1]
-        if not r or r[-1] != eos:
-            r = [*r, eos]
-        ids = (p + r)[:max_length]
-        lab = ([IGNORE_INDEX] * len(p) + r)[:max_length]
-        if any(x != IGNORE_INDEX for x in lab):
-            input_ids.append(ids)
-            labels.append(lab)
-    return {"input_ids": input_ids, "labels": labels}
+    lead = leading_ids(tokenizer)
+    segments, problems = [], []
+    for i in range(len(indices)):
+        try:
+            segments.append(_row_segments(fmt, {c: batch[c][i] for c in batch}, tokenizer, lead))
+            problems.append("")
+        except RowProblem as err:
+            segments.append([])
+            problems.append(str(err))
+    out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "row": [], "problem": []}
+    encoded = encode_segments(segments, tokenizer)
+    for index, (ids, labels), problem in zip(indices, encoded, problems, strict=True):
+        ids, labels = _trim(ids, labels)
+        if not (ids or problem):
+            problem = "no token to train on (an empty answer that opens the row)"
+        if problem:
+            ids, labels = [], []
+        else:
+            fitted = _fit(ids, labels, block_size, long_rows)
+            if fitted is None:
+                continue
+            ids, labels, problem = fitted
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["row"].append(index)
+        out["problem"].append(problem)
+    return out
 
 
 def split_indices(n: int, percentage: float, seed: int) -> tuple[list[int], list[int] | None]:
@@ -164,6 +188,54 @@ def pack_documents(docs: datasets.Dataset, block_size: int, docs_per_chunk: int 
         carry_ids, carry_pos = ids[full:], doc_pos[full:]
     if len(carry_ids):
         yield _blocks(carry_ids, carry_pos, block_size)
+
+
+def _block_starts(lengths: np.ndarray, block_size: int) -> list[int]:
+    """Row indices where a block begins: a block takes the next row while the row still fits."""
+    starts, used = [0], 0
+    for i, n in enumerate(lengths.tolist()):
+        if used and used + n > block_size:
+            starts.append(i)
+            used = 0
+        used += n
+    return starts
+
+
+def _row_blocks(table: pa.Table, starts: list[int]) -> pa.Table:
+    """The rows of ``table`` joined into blocks that begin at the row indices ``starts``."""
+    ids, positions = _doc_positions(table.column("input_ids"))
+    labels, _ = _doc_positions(table.column("labels"))
+    lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    row_offsets = np.concatenate([[0], np.cumsum(lengths)])
+    offsets = pa.array(np.append(row_offsets[starts], len(ids)), pa.int32())
+    return pa.table(
+        {
+            "input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids)),
+            "labels": pa.ListArray.from_arrays(offsets, pa.array(labels)),
+            "position_ids": pa.ListArray.from_arrays(offsets, pa.array(positions)),
+        }
+    )
+
+
+def pack_rows(docs: datasets.Dataset, block_size: int, rows_per_chunk: int = 1000) -> Iterator[pa.Table]:
+    """Whole instruction rows, in order, into blocks of at most ``block_size`` tokens.
+
+    A block takes rows while the next one fits, so no row is split and a block is rarely full
+    (the collator pads it). ``position_ids`` restart at 0 at every row, which keeps the rows of a
+    block from attending to each other (see docs/data.md). Every row must fit a block.
+    """
+    carry: pa.Table | None = None
+    for table in docs.with_format("arrow").iter(batch_size=rows_per_chunk):
+        table = table.select(["input_ids", "labels"])
+        if carry is not None:
+            table = pa.concat_tables([carry, table])
+        lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+        starts = _block_starts(lengths, block_size)
+        if starts[-1]:  # the last block may take rows of the next chunk
+            yield _row_blocks(table.slice(0, starts[-1]), starts[:-1])
+        carry = table.slice(starts[-1])
+    if carry is not None and carry.num_rows:
+        yield _row_blocks(carry, [0])
 
 
 def unpacked_rows(

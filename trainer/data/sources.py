@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import sysconfig
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +76,7 @@ class Source:
     files: list[Path]
     builder: str | None
     fingerprint: str
+    key: str = "dataset"  # the argument that named it, for its error messages
 
 
 def stable_hash(obj: object) -> str:
@@ -97,26 +97,22 @@ def is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and any((path / n).is_file() for n in names)
 
 
-def _local_files(path: Path) -> tuple[list[Path], str]:
+def _local_files(path: Path, key: str) -> tuple[list[Path], str]:
     if path.is_file():
         files = [path]
     else:
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS)
         saved = next((f.parent for f in files if is_saved_dataset(f.parent)), None)
         if saved is not None:  # its state.json would be read as data
-            raise DataError(
-                [("dataset", f"{saved} holds a dataset saved with save_to_disk; pass that directory")]
-            )
+            raise DataError([(key, f"{saved} holds a dataset saved with save_to_disk; pass that directory")])
         if not files:
             kinds = ", ".join(sorted(BUILDERS))
-            raise DataError([("dataset", f"no data files ({kinds}) under directory {path}")])
+            raise DataError([(key, f"no data files ({kinds}) under directory {path}")])
     builders = {BUILDERS.get(p.suffix.lower()) for p in files}
     if None in builders:
-        raise DataError(
-            [("dataset", f"unsupported file type {path.suffix!r}; use one of {', '.join(BUILDERS)}")]
-        )
+        raise DataError([(key, f"unsupported file type {path.suffix!r}; use one of {', '.join(BUILDERS)}")])
     if len(builders) > 1:
-        raise DataError([("dataset", f"{path} mixes file formats ({', '.join(sorted(builders))}); use one")])
+        raise DataError([(key, f"{path} mixes file formats ({', '.join(sorted(builders))}); use one")])
     return files, builders.pop()
 
 
@@ -126,10 +122,13 @@ def _stat_fingerprint(files: list[Path]) -> str:
     return stable_hash([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
 
 
-def resolve_source(data_args: DataArguments) -> Source:
-    """Decide where the data comes from, without loading it (except its fingerprint inputs)."""
-    name = data_args.dataset
-    if name == STDLIB:
+def resolve_source(data_args: DataArguments, name: str | None = None, key: str = "dataset") -> Source:
+    """Decide where the data comes from, without loading it (except its fingerprint inputs).
+
+    ``name`` defaults to ``data_args.dataset``; another one (``validation_file``) must be local.
+    """
+    name = data_args.dataset if name is None else name
+    if name == STDLIB and key == "dataset":
         files = corpus_files()
         digest = hashlib.sha256()
         for f in files:
@@ -139,12 +138,12 @@ def resolve_source(data_args: DataArguments) -> Source:
     path = Path(name).expanduser()
     if is_saved_dataset(path):
         files = sorted(p for p in path.rglob("*") if p.is_file())
-        return Source("saved", name, files, None, _stat_fingerprint(files))
+        return Source("saved", name, files, None, _stat_fingerprint(files), key)
     if path.exists():
-        files, builder = _local_files(path)
-        return Source("files", name, files, builder, _stat_fingerprint(files))
-    if _looks_local(name):
-        raise DataError([("dataset", f"file not found: {name}")])
+        files, builder = _local_files(path, key)
+        return Source("files", name, files, builder, _stat_fingerprint(files), key)
+    if _looks_local(name) or key != "dataset":
+        raise DataError([(key, f"file not found: {name}")])
     return Source("hub", name, [], None, "")  # fingerprint filled in by load_raw
 
 
@@ -183,14 +182,14 @@ def load_raw(data_args: DataArguments, source: Source | None = None) -> RawData:
                 **kwargs,
             )
         except Exception as err:  # malformed JSON/parquet: one line naming the file
-            raise DataError([("dataset", f"could not read {source.name}: {_first_line(err)}")]) from None
+            raise DataError([(source.key, f"could not read {source.name}: {_first_line(err)}")]) from None
         return RawData(loaded["train"], None, source)
     if source.kind == "saved":
         try:
             loaded = datasets.load_from_disk(str(Path(source.name).expanduser()))
         except Exception as err:
             raise DataError(
-                [("dataset", f"could not load the saved dataset {source.name}: {_first_line(err)}")]
+                [(source.key, f"could not load the saved dataset {source.name}: {_first_line(err)}")]
             ) from None
         if isinstance(loaded, datasets.Dataset):
             return RawData(loaded, None, source)
@@ -214,47 +213,21 @@ def load_raw(data_args: DataArguments, source: Source | None = None) -> RawData:
 def _splits(loaded: datasets.DatasetDict, source: Source) -> RawData:
     """The train split of a DatasetDict, and its validation (or valid, or test) split as the eval set."""
     if "train" not in loaded:
-        raise DataError([("dataset", f"{source.name!r} has no train split (splits: {', '.join(loaded)})")])
+        raise DataError([(source.key, f"{source.name!r} has no train split (splits: {', '.join(loaded)})")])
     eval_split = next((loaded[s] for s in ("validation", "valid", "test") if s in loaded), None)
     return RawData(loaded["train"], eval_split, source)
 
 
-def require_columns(ds: datasets.Dataset, key: str, columns: list[str], source: str) -> None:
+def require_columns(present: list[str], key: str, columns: list[str], source: str) -> None:
     """Raise a DataError naming the first missing column and the nearest existing one."""
     for col in columns:
-        if col not in ds.column_names:
-            hint = suggest(col, ds.column_names)
-            msg = f"column {col!r} not found in {source} (columns: {', '.join(ds.column_names)})"
+        if col not in present:
+            hint = suggest(col, present)
+            msg = f"column {col!r} not found in {source} (columns: {', '.join(present)})"
             raise DataError([(key, msg + (f"; did you mean {hint}?" if hint else ""))])
 
 
-def sft_columns(ds: datasets.Dataset, source: str) -> list[str]:
-    """The columns an SFT dataset is read from: ``messages``, or ``prompt`` and ``response``."""
-    if "messages" in ds.column_names:
-        return ["messages"]
-    if "prompt" in ds.column_names or "response" in ds.column_names:
-        require_columns(ds, "data_format", ["prompt", "response"], source)
-        return ["prompt", "response"]
-    raise DataError(
-        [
-            (
-                "data_format",
-                f"sft needs a 'messages' column or 'prompt' and 'response' columns; {source} has: "
-                + ", ".join(ds.column_names),
-            )
-        ]
-    )
-
-
-def iter_texts(
-    ds: datasets.Dataset, data_format: str, text_column: str, batch_size: int = 256
-) -> Iterator[str]:
-    """The raw strings of a dataset, for training a tokenizer on it."""
-    cols = sft_columns(ds, "dataset") if data_format == "sft" else [text_column]
-    for batch in ds.select_columns(cols).iter(batch_size=batch_size):
-        for col in cols:
-            for value in batch[col]:
-                if isinstance(value, str):
-                    yield value
-                elif isinstance(value, list):  # a messages list
-                    yield from (m.get("content") or "" for m in value if isinstance(m, dict))
+def load_validation(data_args: DataArguments, source: Source) -> datasets.Dataset:
+    """The rows of a ``validation_file``: the file's rows, or a saved DatasetDict's eval split."""
+    raw = load_raw(data_args, source)
+    return raw.eval if raw.eval is not None else raw.train

@@ -20,7 +20,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from trainer.args import DataArguments, ModelArguments
-from trainer.data.sources import DataError, cache_root, iter_texts, load_raw, resolve_source, stable_hash
+from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
+from trainer.data.formats import iter_texts
+from trainer.data.sources import DataError, cache_root, load_raw, resolve_source, stable_hash
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,19 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "to
 
 
 def get_tokenizer(model_args: ModelArguments, data_args: DataArguments) -> PreTrainedTokenizerFast:
-    """The run's tokenizer: a local (or hub) one when named, else a BPE trained on the corpus."""
+    """The run's tokenizer: a local (or hub) one when named, else a BPE trained on the corpus.
+
+    For instruction data that may be rendered as a chat (every format but ``text`` and
+    ``prompt_response``), a tokenizer without a chat template gets :data:`DEFAULT_CHAT_TEMPLATE`,
+    so what the run saves with the model carries the template it was trained with.
+    """
+    tokenizer = _load_or_train(model_args, data_args)
+    if data_args.data_format not in ("text", "prompt_response") and not tokenizer.chat_template:
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _load_or_train(model_args: ModelArguments, data_args: DataArguments) -> PreTrainedTokenizerFast:
     name = model_args.tokenizer_name_or_path or model_args.model_name_or_path
     if name:
         key = "tokenizer_name_or_path" if model_args.tokenizer_name_or_path else "model_name_or_path"
@@ -70,7 +84,7 @@ def get_tokenizer(model_args: ModelArguments, data_args: DataArguments) -> PreTr
             logger.info("tokenizer cache hit: %s", target)
         else:
             raw = load_raw(data_args, source)
-            texts = iter_texts(raw.train, data_args.data_format, data_args.text_column)
+            texts = iter_texts(raw.train, data_args.data_format, data_args.text_column, data_args.dataset)
             tokenizer = train_bpe_tokenizer(texts, model_args.vocab_size)
             _save_atomically(tokenizer, target)
             logger.info("trained a %d-token byte-level BPE tokenizer; cached at %s", len(tokenizer), target)
