@@ -193,7 +193,7 @@ def zero3_init(args: Any) -> Any:
         return None
     from transformers.integrations import HfDeepSpeedConfig
 
-    from trainer.distributed import detect_hardware, join_process_group
+    from trainer.distributed import detect_hardware, init_distributed
 
     steps = args.max_steps if args.max_steps > 0 else args.warmup_steps + 1  # the length is not known yet
     try:
@@ -202,10 +202,13 @@ def zero3_init(args: Any) -> Any:
             if source is not None and (source.get("zero_optimization") or {}).get(knob) == "auto":
                 del source["zero_optimization"][knob]
         run = args.model_copy(update={"deepspeed": source})
-        config = resolve(run, _dist_info().world_size, detect_hardware(), total_steps=steps)
+        hardware = detect_hardware()
+        config = resolve(run, _dist_info().world_size, hardware, total_steps=steps)
     except ConfigError:
         return None
     if config.get("zero_optimization", {}).get("stage") != 3:
         return None
-    join_process_group()  # zero.Init partitions over the group, as HF's arguments set it up first
+    # zero.Init partitions over the process group; a plain `python script.py` gets a group of one
+    # (HF's arguments leave that to an MPI discovery that fails without mpi4py).
+    init_distributed(hardware, timeout_s=args.ddp_timeout)
     return HfDeepSpeedConfig(config)

@@ -272,3 +272,18 @@ def test_arguments_from_a_json_file_run_the_same(ours_json, ours):
     ds_config = json.loads((out / "ds_config.json").read_text())
     assert ds_config["zero_optimization"]["stage"] == 3
     assert ds_config["train_batch_size"] == 8  # "auto": 2 per rank x 2 accumulation x 2 ranks
+
+
+def test_an_evaluation_only_run(prepared):
+    """--do_eval without --do_train (one process, the ZeRO-3 file): HF's eval results, no training."""
+    out = prepared["root"] / "eval_only"
+    args = {k: v for k, v in prepared["args"].items() if k != "do_train"}
+    launch(
+        [str(prepared["ours"]), *flags({**args, "output_dir": str(out)})],
+        launcher="python",
+        env=prepared["env"],
+    )
+    evals = results(out, "eval_results")
+    assert evals["eval_samples"] == 16 and evals["eval_loss"] > 0 and 0 <= evals["eval_accuracy"] <= 1
+    assert set(results(out, "all_results")) == set(evals)
+    assert not (out / "train_results.json").exists()
