@@ -51,27 +51,27 @@ from trainer.distributed import (
     host_all_reduce,
     init_distributed,
     print_main,
-    warn,
 )
 from trainer.engine import Engine, build_engine, causal_lm_loss_sum
 from trainer.engine.loss import target_count
 from trainer.evaluation import eval_batches, evaluation_loop
 from trainer.export import export_hf
 from trainer.faults import fault_plan
+from trainer.guard import NonfiniteGuard
 from trainer.metrics import summary_table
 from trainer.modeling import enable_gradient_checkpointing, is_adapter, param_counts
 from trainer.monitor import memory_stats
 from trainer.ownership import claim_output_dir
 from trainer.recipe import dump_run_config
 from trainer.reporting import reporting_callbacks
-from trainer.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionFlag, Watchdog, save_failed
+from trainer.resilience import EXIT_PREEMPTED, PreemptionFlag, Watchdog, save_failed
 from trainer.results import ResultsAPI, TrainTotals, train_metrics
 from trainer.snapshots import Snapshots, snapshot_dir
 from trainer.steps import check_resolved, client_scheduler, keep_global_batch, plan_steps
 from trainer.throughput import StepTimer, flops_per_token_for_model, non_padding_tokens
 
 
-class Trainer(ResultsAPI):
+class Trainer(ResultsAPI, NonfiniteGuard):
     def __init__(
         self,
         model: torch.nn.Module | None = None,
@@ -285,7 +285,7 @@ class Trainer(ResultsAPI):
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.engine.device)
         self._skipped_seen = self.engine.skipped_steps  # the guard's baseline (a checkpoint restores it)
 
-    # ---- preemption and the non-finite guard ---------------------------------------------------
+    # ---- preemption (the non-finite guard is trainer/guard.py) ---------------------------------
 
     def _save_and_exit_on_preemption(self) -> None:
         if self._guard_finite(allow_rollback=False):
@@ -296,56 +296,6 @@ class Trainer(ResultsAPI):
                 f"Preempted: saved checkpoint-{self.state.global_step}; exiting with {EXIT_PREEMPTED}."
             )
         raise SystemExit(EXIT_PREEMPTED)
-
-    def _guard_finite(self, allow_rollback: bool = True) -> bool:
-        """True if the losses since the last check and the grad norm are finite on every rank.
-        Otherwise apply nonfinite_policy; False means the run rolled back and must re-read its state."""
-        norm = self.engine.grad_norm()
-        # Under fp16 a non-finite grad norm is a loss-scale overflow: DeepSpeed skipped that step and
-        # lowered the scale, as it is meant to. Only a non-finite loss counts there.
-        norm_bad = norm is not None and not math.isfinite(norm) and self.engine.loss_scale() is None
-        local_bad = bool(self._nonfinite.item()) or norm_bad
-        skipped = self.engine.skipped_steps
-        if host_all_reduce([float(local_bad)])[0] == 0:
-            self._skipped_seen = skipped
-            return True
-        args, state = self.args, self.state
-        state.nonfinite_windows += 1
-        self._nonfinite.zero_()
-        self.control.should_save = False  # a non-finite state is never checkpointed
-        if args.nonfinite_policy == "skip" and skipped > self._skipped_seen:
-            self._skipped_seen = skipped
-            warn(f"step {state.global_step}: non-finite loss or grad norm; the optimizer skipped the update")
-            return True
-        if args.nonfinite_policy == "skip":  # DeepSpeed applied the step: skipping cannot save the weights
-            print_main(
-                f"error: non-finite loss or grad norm at step {state.global_step}, and the optimizer did not "
-                "skip the update (nonfinite_policy=skip needs one that does; use rollback or stop)"
-            )
-            raise SystemExit(EXIT_NONFINITE)
-        self._finish_save()  # a save in flight holds a finite state: the rollback may want it
-        last = ckpt.complete_checkpoints(args.output_dir)
-        if (
-            args.nonfinite_policy == "rollback"
-            and allow_rollback
-            and last
-            and state.rollbacks < args.nonfinite_max_rollbacks
-        ):
-            rollbacks, scale = state.rollbacks + 1, state.lr_scale * args.nonfinite_lr_factor
-            with self.watchdog.phase("load"):
-                self._load_checkpoint(last[-1])
-            self.state.rollbacks, self.state.lr_scale = rollbacks, scale
-            self.engine.lr_scale = scale
-            self.control = TrainerControl()
-            self._reset_window_sums()
-            print_main(
-                f"Non-finite loss at step {state.global_step}: rolled back to {last[-1].name}, lr x{scale:g}."
-            )
-            return False
-        print_main(
-            f"error: non-finite loss or grad norm at step {state.global_step} (nonfinite_policy={args.nonfinite_policy})"
-        )
-        raise SystemExit(EXIT_NONFINITE)
 
     def evaluate(
         self,
