@@ -1,19 +1,23 @@
 """Fault injection for tests: a crash, a crash inside a save, or a non-finite loss, at a planned step.
 
 ``TRAINER_FAULT`` in the environment plans one fault, e.g. ``crash:rank=1:step=7``,
-``crash:rank=1:step=8:phase=save`` or ``nan:step=5`` (and ``hang:rank=1:phase=save``, which the
-hang watchdog acts on). ``trainer train`` installs ``FaultInjection`` when it is set; tests that
-drive the Trainer themselves pass the callback. Nothing here is part of the training loop.
+``crash:rank=1:step=8:phase=save`` (``phase=snapshot`` and ``phase=eval`` likewise) or
+``nan:step=5`` (and ``hang:rank=1:phase=save``, which the hang watchdog acts on). ``trainer train``
+installs ``FaultInjection`` when it is set; tests that drive the Trainer themselves pass the
+callback. Nothing here is part of the training loop.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from trainer.callbacks import TrainerCallback
 from trainer.distributed import dist_info
+from trainer.snapshots import snapshot_dir
 
 
 def fault_plan() -> dict[str, Any]:
@@ -55,7 +59,9 @@ class FaultInjection(TrainerCallback):
     ``nan``: the engine's loss function returns NaN for one step (once per process, or a rollback
     would replay it forever). ``crash`` after a step: SIGKILL once the step ends. ``crash`` with
     ``phase=save``: SIGKILL inside that step's save, once this rank's DeepSpeed files are handed
-    to the writer and before the ranks vote on the commit."""
+    to the writer and before the ranks vote on the commit; ``phase=snapshot`` the same inside the
+    step's flash snapshot (its files still being written in the background); ``phase=eval``: SIGKILL
+    inside that step's evaluation, after this rank's first batch and before the ranks' loss gather."""
 
     def __init__(self, plan: dict[str, Any]):
         self.plan = dict(plan)
@@ -73,11 +79,22 @@ class FaultInjection(TrainerCallback):
             engine.loss_fn, self._loss_fn = self._loss_fn, None
         if fault_due(self.plan, "crash", self.rank, state.global_step):
             crash_now()
+        snapshots = snapshot_dir(args.output_dir)
         if fault_due(self.plan, "crash", self.rank, state.global_step, phase="save"):
-            save = engine.save
+            engine.save = _crash_after(engine.save, lambda path, *a, **k: snapshots not in Path(path).parents)
+        if fault_due(self.plan, "crash", self.rank, state.global_step, phase="snapshot"):
+            engine.save = _crash_after(engine.save, lambda path, *a, **k: snapshots in Path(path).parents)
+        if fault_due(self.plan, "crash", self.rank, state.global_step, phase="eval"):
+            engine.eval_loss_sum = _crash_after(engine.eval_loss_sum, lambda *a, **k: True)
 
-            def save_then_crash(*a: Any, **k: Any) -> None:
-                save(*a, **k)
-                crash_now()
 
-            engine.save = save_then_crash
+def _crash_after(method: Callable[..., Any], due: Callable[..., bool]) -> Callable[..., Any]:
+    """``method``, followed by SIGKILL on the first call that ``due`` picks out."""
+
+    def then_crash(*a: Any, **k: Any) -> Any:
+        result = method(*a, **k)
+        if due(*a, **k):
+            crash_now()
+        return result
+
+    return then_crash

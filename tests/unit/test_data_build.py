@@ -135,6 +135,37 @@ def test_cache_misses_when_data_block_size_or_seed_change(code_dir, tmp_path, to
     assert not changed.cache_hit and changed.cache_dir != base
 
 
+def schema_only(path: Path) -> int:
+    """The length of an Arrow stream's schema message: cut there, it reads as zero rows, no error."""
+    import pyarrow as pa
+
+    source = pa.memory_map(str(path))
+    pa.ipc.MessageReader.open_stream(source).read_next_message()
+    return source.tell()
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+@pytest.mark.parametrize("cut", ["empty", "mid-batch", "schema only"])
+def test_a_damaged_cache_is_rebuilt_with_one_warning(code_dir, tmp_path, tokenizer, caplog, split, cut):
+    data_args = args_for(code_dir, tmp_path, block_size=64)
+    first = prepare_datasets(data_args, tokenizer, seed=1)
+    rows = first.train["input_ids"], first.eval["input_ids"]
+    damaged, cache_dir = first.cache_dir / f"{split}.arrow", first.cache_dir
+    good = damaged.read_bytes()
+    size = {"empty": 0, "mid-batch": len(good) // 2, "schema only": schema_only(damaged)}[cut]
+    # A new file in its place: `first` memory-maps the old one, which must stay whole.
+    (cache_dir / "cut.arrow").write_bytes(good[:size])
+    (cache_dir / "cut.arrow").replace(damaged)
+    with caplog.at_level(logging.INFO, logger="trainer.data"):
+        again = prepare_datasets(data_args, tokenizer, seed=1)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and f"tokenised dataset cache {cache_dir} is damaged" in warnings[0]
+    assert warnings[0].endswith("removing it and tokenising again"), warnings[0]
+    assert not again.cache_hit and damaged.read_bytes() == good
+    assert (again.train["input_ids"], again.eval["input_ids"]) == rows
+    assert prepare_datasets(data_args, tokenizer, seed=1).cache_hit
+
+
 # ---- packing -------------------------------------------------------------------------------------
 
 

@@ -128,17 +128,50 @@ def prepare_datasets(data_args: DataArguments, tokenizer: Any, seed: int) -> Pre
     base.parent.mkdir(parents=True, exist_ok=True)
     # One process builds while the others (ranks of this node) wait, then find the cache warm.
     with FileLock(str(base) + ".lock"):
-        hit = (final / "info.json").exists()
+        cached = _open_cache(final)
+        hit = cached is not None
         if hit:
             logger.info("tokenised dataset cache hit: %s", final)
         else:
             _build(data_args, tokenizer, seed, raw or load_raw(data_args, source), held_out, base)
-    info = json.loads((final / "info.json").read_text())
-    train = datasets.Dataset.from_file(str(final / "train.arrow"))
-    eval_ds = datasets.Dataset.from_file(str(final / "eval.arrow")) if info["eval"] else None
+            cached = _read_splits(final)
+    info, train, eval_ds = cached
     if data_args.max_train_samples is not None and data_args.max_train_samples < len(train):
         train = train.select(range(data_args.max_train_samples))
     return PreparedData(train, eval_ds, hit, final, info)
+
+
+def _open_cache(final: Path) -> tuple[dict[str, Any], datasets.Dataset, datasets.Dataset | None] | None:
+    """The cached splits; None on a miss, or when the cache is damaged (a truncated or unreadable
+    file, fewer rows than ``info.json`` records): then it is removed with one warning and rebuilt."""
+    if not (final / "info.json").exists():
+        return None
+    try:
+        return _read_splits(final)
+    except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as err:
+        logger.warning(
+            "tokenised dataset cache %s is damaged (%s); removing it and tokenising again", final, err
+        )
+        shutil.rmtree(final.parent, ignore_errors=True)  # tokens.arrow too: it may be damaged as well
+        return None
+
+
+def _read_splits(final: Path) -> tuple[dict[str, Any], datasets.Dataset, datasets.Dataset | None]:
+    """info.json and the memory-mapped splits, each checked against the row count info.json records
+    (an Arrow stream cut at a batch boundary reads without error, only shorter)."""
+    info = json.loads((final / "info.json").read_text())
+    splits = []
+    for name in ("train", "eval"):
+        if name == "eval" and not info["eval"]:
+            splits.append(None)
+            continue
+        split = datasets.Dataset.from_file(str(final / f"{name}.arrow"))
+        if len(split) != info[name]["samples"]:
+            raise ValueError(
+                f"{name}.arrow holds {len(split)} rows, info.json records {info[name]['samples']}"
+            )
+        splits.append(split)
+    return info, splits[0], splits[1]
 
 
 def _map(
