@@ -149,12 +149,14 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
     return info
 
 
-def leave_process_group() -> None:
-    """End of a successful run: every rank waits for the others, then the group is torn down.
-    Left to interpreter exit, a rank that finishes first tears down its gloo threads while its
-    peers still talk to it, and can abort ("terminate called without an active exception")."""
+def leave_process_group(wait: bool = True) -> None:
+    """Tear the process group down before the interpreter exits (a no-op without one): left to
+    interpreter exit, gloo's threads can abort the process ("terminate called without an active
+    exception"). ``wait``: every rank first waits for the others, as at the end of a successful run;
+    an error exit does not wait for ranks that may never come."""
     if dist.is_initialized():
-        dist.barrier()
+        if wait:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -3,7 +3,8 @@
 A snapshot is a checkpoint (the same files, manifest and checksums, the same atomic commit) written
 under ``/dev/shm``, so it outlives a crashed process but not the machine. It is written as an
 asynchronous save is: the step waits for a copy of the state in host memory, a background thread
-writes it, and every rank's "written" rides the step's host vote before it is committed. The
+writes it, and every rank's "written" rides the step's host vote before it is committed (or it is
+committed before a checkpoint save or an evaluation begins, so neither can leave it behind). The
 newest one is kept. After a restart, the resume considers the snapshots with the disk checkpoints
 and takes the newest that verifies on every rank (``checkpoint.find_resumable``); where a rank
 cannot see it (another node, a node lost), the disk checkpoint is used.
@@ -67,6 +68,11 @@ class Snapshots:
     def commit(self, ranks_written: list[float]) -> None:
         if ranks_written:
             self._quietly(lambda: self.saver.commit_if_written(ranks_written[0]))
+
+    def settle(self) -> None:
+        """Commit the pending snapshot now (collective): before a checkpoint save or an evaluation,
+        so a crash inside one finds the previous step's snapshot, not the one before."""
+        self._quietly(self.saver.finish)
 
     def release(self) -> None:
         """Training ended: the pending one is finished and the directory removed (collective)."""

@@ -472,6 +472,8 @@ class Trainer(ResultsAPI, NonfiniteGuard):
     def _maybe_evaluate_and_save(self) -> bool:
         """Evaluate and/or save as the control flags ask; True if anything ran."""
         ran = False
+        if self.snapshots is not None and (self.control.should_evaluate or self.control.should_save):
+            self.snapshots.settle()
         if self.control.should_evaluate and self.eval_dataset is not None:
             self.evaluate()
             self._update_best_metric()

@@ -250,8 +250,9 @@ def test_a_flash_snapshot_every_step_loses_at_most_one_step(tmp_path, reference)
     found = re.findall(r"Resumed from (\S+) at step (\d+)\.", output)
     assert len(found) == 1 and found[0][0] == str(snapshot_dir(out) / f"checkpoint-{found[0][1]}"), found
     resumed, logged = int(found[0][1]), logged_steps(out)
-    reached = logged[: logged.index(resumed + 1, 1) if resumed + 1 in logged[1:] else None][-1]
-    assert reached - 1 <= resumed <= reached, (reached, resumed, logged)  # at most one step lost
-    assert logged[-(16 - resumed) :] == list(range(resumed + 1, 17))
+    before = len(logged) - (16 - resumed)  # rows of the killed attempt: 1..reached
+    reached = logged[before - 1]
+    assert logged == list(range(1, reached + 1)) + list(range(resumed + 1, 17)), (resumed, logged)
+    assert reached - 1 <= resumed <= reached, (reached, resumed)  # at most one step lost
     assert_same_weights(final_weights(out), reference)
     assert not snapshot_dir(out).exists()

@@ -167,3 +167,5 @@ def main(argv: list[str] | None = None, prog: str = "trainer train") -> int:
         if dist_info().is_main:
             print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
+    finally:
+        leave_process_group(wait=False)  # after an error exit too: no gloo teardown at interpreter exit
