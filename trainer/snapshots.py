@@ -3,9 +3,10 @@
 A snapshot is a checkpoint (the same files, manifest and checksums, the same atomic commit) written
 under ``/dev/shm``, so it outlives a crashed process but not the machine. It is written as an
 asynchronous save is: the step waits for a copy of the state in host memory, a background thread
-writes it, and every rank's "written" rides the step's host vote before it is committed (or it is
-committed before a checkpoint save or an evaluation begins, so neither can leave it behind). The
-newest one is kept. After a restart, the resume considers the snapshots with the disk checkpoints
+writes it, and every rank's "written" rides the step's host vote before it is committed. By the
+time the next snapshot is due (and before a checkpoint save or an evaluation begins) it is committed,
+waiting for the write if it has not finished: a step never shows before the snapshot of the one
+K steps before it is safe. The newest one is kept. After a restart, the resume considers the snapshots with the disk checkpoints
 and takes the newest that verifies on every rank (``checkpoint.find_resumable``); where a rank
 cannot see it (another node, a node lost), the disk checkpoint is used.
 
@@ -70,8 +71,9 @@ class Snapshots:
             self._quietly(lambda: self.saver.commit_if_written(ranks_written[0]))
 
     def settle(self) -> None:
-        """Commit the pending snapshot now (collective): before a checkpoint save or an evaluation,
-        so a crash inside one finds the previous step's snapshot, not the one before."""
+        """Commit the pending snapshot now (collective), waiting for its write if need be: before
+        the next one is due, and before a checkpoint save or an evaluation, so a crash anywhere
+        finds the previous snapshot committed."""
         self._quietly(self.saver.finish)
 
     def release(self) -> None:

@@ -222,6 +222,8 @@ class Trainer(ResultsAPI, NonfiniteGuard):
             snapshot = self.snapshots is not None and self.state.global_step % self.snapshots.every == 0
             if (self.control.should_log or self.control.should_save or snapshot) and not self._guard_finite():
                 return False  # rolled back: the epoch restarts from the checkpoint's position
+            if snapshot:  # the previous snapshot is committed before this step shows: at most K steps lost
+                self.snapshots.settle()
             if self.control.should_log:
                 self._log_train()
             if self._maybe_evaluate_and_save():
