@@ -193,7 +193,7 @@ def zero3_init(args: Any) -> Any:
         return None
     from transformers.integrations import HfDeepSpeedConfig
 
-    from trainer.distributed import detect_hardware, init_distributed
+    from trainer.distributed import detect_hardware, join_process_group, set_world_env
 
     steps = args.max_steps if args.max_steps > 0 else args.warmup_steps + 1  # the length is not known yet
     try:
@@ -208,7 +208,12 @@ def zero3_init(args: Any) -> Any:
         return None
     if config.get("zero_optimization", {}).get("stage") != 3:
         return None
-    # zero.Init partitions over the process group; a plain `python script.py` gets a group of one
-    # (HF's arguments leave that to an MPI discovery that fails without mpi4py).
-    init_distributed(hardware, timeout_s=args.ddp_timeout)
+    # zero.Init reads the world from the process group: under a launcher it is joined here, as HF's
+    # arguments do. A plain `python script.py` only gets the launcher's variables (a world of one):
+    # zero.Init then makes its group when a model is built, instead of trying MPI (no mpi4py here),
+    # and building arguments in a process that builds no model opens no port.
+    if _dist_info().world_size > 1:
+        join_process_group()
+    else:
+        set_world_env()
     return HfDeepSpeedConfig(config)

@@ -111,19 +111,24 @@ def configure_logging() -> None:
             importlib.import_module("datasets").disable_progress_bars()
 
 
+def set_world_env() -> None:
+    """The variables a launcher sets (rank, world size, master address and port), where none did:
+    a plain ``python`` process is a world of one, with a port of its own."""
+    info = dist_info()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000) if info.world_size == 1 else "29500")
+    os.environ.setdefault("RANK", str(info.rank))
+    os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
+    os.environ.setdefault("WORLD_SIZE", str(info.world_size))
+
+
 def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
     """Join the process group (idempotent). A world of one still gets a group: DeepSpeed wants one."""
     info = dist_info()
     if hardware.device == "cuda":
         torch.cuda.set_device(info.local_rank)
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault(
-            "MASTER_PORT", str(29500 + os.getpid() % 1000) if info.world_size == 1 else "29500"
-        )
-        os.environ.setdefault("RANK", str(info.rank))
-        os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
-        os.environ.setdefault("WORLD_SIZE", str(info.world_size))
+        set_world_env()
         if hardware.device == "cpu":
             _remove_stale_shm_buffer(info.rank)
         backend = "nccl" if hardware.device == "cuda" else "gloo"
