@@ -75,7 +75,7 @@ def export_checkpoint(
             f"{path}: --merge folds LoRA adapters into their base; this run trained no adapters"
         )
     if adapter:
-        from trainer.lora import apply_lora, merged  # peft is an optional extra
+        from trainer.lora import apply_lora  # peft is an optional extra
 
         base = AutoModelForCausalLM.from_pretrained(run.model.model_name_or_path, dtype=torch.float32)
         model = apply_lora(base, run.model.model_copy(update={"load_in_4bit": False}))
@@ -89,7 +89,7 @@ def export_checkpoint(
             f"{path}: weights do not match the model (missing {missing}, unexpected {unexpected})"
         )
     if merge:
-        model = merged(model)
+        model = model.merge_and_unload()  # peft folds the adapters into the base: a plain HF model
     model = model.to(DTYPES[dtype])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -37,8 +37,3 @@ def apply_lora(model: torch.nn.Module, model_args: ModelArguments) -> peft.PeftM
     if model_args.load_in_4bit:
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return peft.get_peft_model(model, lora_config(model_args))
-
-
-def merged(model: peft.PeftModel) -> torch.nn.Module:
-    """The base model with the adapters folded into its weights: a plain HF model."""
-    return model.merge_and_unload()

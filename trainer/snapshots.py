@@ -57,13 +57,16 @@ class Snapshots:
         )
         self.saver = ckpt.Saver(shm_args, dist, ds_config, run_config, *hf_files)
 
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
     def take(self, engine: Any, state: Any) -> None:
-        """A snapshot of this step, if one is due."""
-        if state.global_step % self.every == 0:
-            self._quietly(lambda: self.saver.save(engine, state))
+        """A snapshot of this step (the loop calls it when one is due)."""
+        self._quietly(lambda: self.saver.save(engine, state))
 
     def written(self) -> list[float]:
-        """This rank's vote for the step's all-reduce: [1.0] once its part is written, [] if none pending."""
+        """This rank's vote for the step's all-reduce: [1.0] once its part is written, [0.0] before,
+        [] with none pending."""
         return [float(self.saver.written())] if self.saver.pending else []
 
     def commit(self, ranks_written: list[float]) -> None:
@@ -78,7 +81,7 @@ class Snapshots:
 
     def release(self) -> None:
         """Training ended: the pending one is finished and the directory removed (collective)."""
-        self._quietly(self.saver.finish)
+        self.settle()
         barrier("snapshots:release")
         if self.dist.local_rank == 0:
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -152,7 +152,8 @@ class Trainer(ResultsAPI, NonfiniteGuard):
                 self._load_checkpoint(checkpoint)
             print_main(f"Resumed from {checkpoint} at step {self.state.global_step}.")
         self._run = TrainTotals()
-        trainable, total = param_counts(self.model)
+        self._params = dict(zip(("trainable_params", "total_params"), param_counts(self.model), strict=True))
+        trainable, total = self._params.values()
         print_main(
             f"Parameters: {trainable:,} trainable of {total:,} ({100 * trainable / max(total, 1):.2f}%)."
         )
@@ -219,7 +220,7 @@ class Trainer(ResultsAPI, NonfiniteGuard):
             window_loss = self.engine.train_window(window, window_tokens)
             self._accumulate(window_loss, window_tokens, counts)
             self._fire("on_step_end")
-            snapshot = self.snapshots is not None and self.state.global_step % self.snapshots.every == 0
+            snapshot = self.snapshots is not None and self.snapshots.due(self.state.global_step)
             if (self.control.should_log or self.control.should_save or snapshot) and not self._guard_finite():
                 return False  # rolled back: the epoch restarts from the checkpoint's position
             if snapshot:  # the previous snapshot is committed before this step shows: at most K steps lost
@@ -468,7 +469,7 @@ class Trainer(ResultsAPI, NonfiniteGuard):
             logs.update(loss_scale=scale, skipped_steps=self.engine.skipped_steps)
         logs.update(self.timer.flush(sync_fn=self._sync, all_reduce_sum=host_all_reduce))
         logs.update(memory_stats(self.engine.device))
-        logs.update(zip(("trainable_params", "total_params"), param_counts(self.model), strict=True))
+        logs.update(self._params)  # counted once, when training starts
         self._log(logs)
 
     def _maybe_evaluate_and_save(self) -> bool:
