@@ -276,6 +276,22 @@ class TrainingArguments(HFArgumentHelpers, _Args):
     offload_param: OffloadDevice = Field("none", description="Offload parameters to cpu or nvme (ZeRO-3).")
     nvme_path: str | None = Field(None, description="Directory for NVMe offload.")
     pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (ZeRO stage 0 or 1 only).")
+    sequence_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ulysses sequence parallelism: ranks that split each sequence (world = this × data parallel).",
+    )
+    tiled_loss: Literal["auto", "true", "false"] = Field(
+        "auto",
+        description="The LM loss in token tiles, never the whole logits tensor: auto (when one micro-batch's fp32 "
+        "logits pass 256 MiB), true or false.",
+    )
+    tiled_mlp: bool = Field(False, description="Run each decoder MLP over the sequence in tiles.")
+    offload_activations: bool = Field(
+        False,
+        description="Keep tensors saved for backward (with gradient_checkpointing, each layer's input) on the CPU.",
+    )
+    tile_tokens: int = Field(0, ge=0, description="Tokens per tile of tiled_loss and tiled_mlp; 0 chooses.")
     peak_tflops: float | None = Field(
         None, gt=0, description="Device peak TFLOP/s for MFU when not in the table."
     )
@@ -341,6 +357,11 @@ class TrainingArguments(HFArgumentHelpers, _Args):
         # true means the newest complete checkpoint, false none: as a bool (a recipe) or a word (HF's parser).
         switch = {"true": "auto", "false": None}.get(str(value).lower(), value)
         return switch if isinstance(value, bool | str) else value
+
+    @field_validator("tiled_loss", mode="before")
+    @classmethod
+    def _tiled_switch(cls, value: Any) -> Any:
+        return str(value).lower() if isinstance(value, bool) else value
 
     @field_validator("eval_strategy", "save_strategy", "logging_strategy", mode="before")
     @classmethod
@@ -541,6 +562,21 @@ class RunConfig(BaseModel):
             raise ValueError(
                 "use_peft: LoRA runs with ZeRO 0-3 and data parallelism, not with pipeline_parallel_size > 1 "
                 "(the pipeline rebuilds the model from its layers, without peft's wrappers)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_split(self) -> RunConfig:
+        sp, block = self.training.sequence_parallel_size, self.data.block_size
+        if sp > 1 and self.training.pipeline_parallel_size > 1:
+            raise ValueError(
+                "sequence_parallel_size, pipeline_parallel_size: sequence parallelism runs with ZeRO 0-3 and "
+                "data parallelism, not with pipeline stages"
+            )
+        if block % sp:
+            raise ValueError(
+                f"block_size, sequence_parallel_size: {block} tokens do not split over {sp} ranks; "
+                f"use a block_size divisible by {sp}"
             )
         return self
 

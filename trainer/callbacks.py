@@ -39,7 +39,7 @@ class TrainerState:
     best_global_step: int | None = None
     best_model_checkpoint: str | None = None
     is_world_process_zero: bool = True
-    world_size: int = 1
+    world_size: int = 1  # data-parallel ranks (a sequence-parallel group counts once)
     # HF's TrainerState fields that transformers' callbacks (reporting, early stopping) read.
     is_local_process_zero: bool = True
     logging_steps: int = 500

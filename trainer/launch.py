@@ -2,7 +2,8 @@
 benchmarks all call.
 
 The order is the contract: the process group first (ZeRO-3 partitions over it, and one process must
-not fall back to DeepSpeed's MPI discovery), then the tokenizer and data, then the run's length and
+not fall back to DeepSpeed's MPI discovery), then the tokenizer and the model's HF config (which the
+sequence-parallel layout is checked against), then the data, then the run's length and
 a resumed checkpoint's global batch, then the one resolution of the DeepSpeed config, then the model
 built under it (partitioned at creation under ZeRO-3), then the Trainer, which uses that config as it is.
 """
@@ -22,6 +23,7 @@ from trainer.callbacks import TrainerCallback
 from trainer.config import resolve
 from trainer.data import build_datasets, get_tokenizer
 from trainer.distributed import detect_hardware, init_distributed
+from trainer.engine.sequence_parallel import check_layout
 from trainer.modeling import build_model, hidden_size_of, model_config
 from trainer.steps import keep_global_batch, plan_steps
 from trainer.trainer import Trainer
@@ -46,18 +48,19 @@ def build_run(
     given_data = train_dataset is not None or eval_dataset is not None
     if tokenizer is None and (not given_data or config is None):
         tokenizer = get_tokenizer(model_args, data_args)
+    config = config if config is not None else model_config(model_args, tokenizer, data_args.block_size)
+    check_layout(config, args.sequence_parallel_size, dist.world_size)  # before any data loads
     if not given_data:
         train_dataset, eval_dataset = build_datasets(data_args, tokenizer, seed=args.seed)
         if eval_dataset is not None and data_args.max_eval_samples:
             eval_dataset = eval_dataset.select(range(min(data_args.max_eval_samples, len(eval_dataset))))
-    config = config if config is not None else model_config(model_args, tokenizer, data_args.block_size)
     checkpoint = ckpt.resume_candidate(args.resume_from_checkpoint, args.output_dir)
     if checkpoint is not None:
         keep_global_batch(args, checkpoint, dist.world_size)
     # An evaluation-only run has no training length; the schedule then spans max_steps (or one step).
     steps = max(args.max_steps, 1)
     if train_dataset is not None:
-        steps = plan_steps(args, len(train_dataset), dist.world_size).max_steps
+        steps = plan_steps(args, len(train_dataset), dist.world_size // args.sequence_parallel_size).max_steps
     ds_config = resolve(
         run_config,
         world_size=dist.world_size,

@@ -40,7 +40,7 @@ def keep_global_batch(args: TrainingArguments, checkpoint: Path, world_size: int
     """Resuming on another number of ranks: the global batch (and so the run's trajectory) stays the
     checkpoint's, and the accumulation steps absorb the change (in ``args``, so later checkpoints
     record it)."""
-    data_parallel = world_size // args.pipeline_parallel_size
+    data_parallel = world_size // args.pipeline_parallel_size // args.sequence_parallel_size
     gas = ckpt.accumulation_for(checkpoint, data_parallel, args.per_device_train_batch_size)
     if gas is not None and gas != args.gradient_accumulation_steps:
         print_main(
@@ -59,7 +59,7 @@ def check_resolved(ds_config: dict[str, Any], args: TrainingArguments, world_siz
         "train_batch_size": args.per_device_train_batch_size
         * args.gradient_accumulation_steps
         * stages
-        * (world_size // stages),
+        * (world_size // stages // args.sequence_parallel_size),
     }
     wrong = [(k, f"{ds_config.get(k)} in the resolved config, {v} for this run") for k, v in want.items()
              if ds_config.get(k) != v]  # fmt: skip

@@ -111,7 +111,7 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         self.state = TrainerState(
             is_world_process_zero=self.dist.is_main,
             is_local_process_zero=self.dist.local_rank == 0,
-            world_size=self.dist.world_size,
+            world_size=self._data_ranks[0],
         )
         self.control = TrainerControl()
         default = [DefaultFlowCallback(), MetricsCallback(), ProgressCallback()]
@@ -126,6 +126,13 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         self._fire("on_init_end")
 
     # ---- public API ----------------------------------------------------------------------------
+
+    @property
+    def _data_ranks(self) -> tuple[int, int]:
+        """(data-parallel ranks, this rank's index among them): the ranks of a sequence-parallel
+        group read the same rows."""
+        sp = self.args.sequence_parallel_size
+        return self.dist.world_size // sp, self.dist.rank // sp
 
     def is_world_process_zero(self) -> bool:
         return self.dist.is_main
@@ -259,8 +266,9 @@ class Trainer(ResultsAPI, NonfiniteGuard):
             self.snapshots.commit(written[saving:])
         if preempted:
             self._save_and_exit_on_preemption()  # before the counts: this window is not trained
-        self.state.num_input_tokens_seen += int(input_tokens)
-        self._run.samples += samples
+        sp = self.args.sequence_parallel_size  # a group's ranks count the same rows
+        self.state.num_input_tokens_seen += int(input_tokens) // sp
+        self._run.samples += samples / sp
         return max(window_tokens, 1.0), counts
 
     def _accumulate(self, loss: torch.Tensor, tokens: float, counts: tuple[int, int]) -> None:
@@ -273,13 +281,14 @@ class Trainer(ResultsAPI, NonfiniteGuard):
 
     def _advance(self, samples: int, input_tokens: int) -> None:
         """One step more in the state and the step timer (this rank's samples and input tokens)."""
-        self.timer.step_end(tokens=input_tokens, samples=samples)
+        sp = self.args.sequence_parallel_size  # a group's ranks count the same rows
+        self.timer.step_end(tokens=input_tokens / sp, samples=samples / sp)
         state = self.state
         state.global_step += 1
         self._run.steps += 1
         state.samples_into_epoch += samples
         state.epoch = state.epoch_index + state.samples_into_epoch / max(
-            len(self.train_dataset) / self.dist.world_size, 1
+            len(self.train_dataset) / self._data_ranks[0], 1
         )
 
     def _reset_window_sums(self) -> None:
@@ -332,10 +341,10 @@ class Trainer(ResultsAPI, NonfiniteGuard):
 
     def _evaluation_loop(self, dataset: Dataset, prefix: str, with_predictions: bool) -> EvalLoopOutput:
         self._ensure_engine(max(self.state.max_steps, 1))
-        start, bs, world = time.time(), self.args.per_device_eval_batch_size, self.dist.world_size
+        start, bs, (world, rank) = time.time(), self.args.per_device_eval_batch_size, self._data_ranks
         output = evaluation_loop(
             self.engine,
-            eval_batches(dataset, self.data_collator, bs, self.dist.rank, world),
+            eval_batches(dataset, self.data_collator, bs, rank, world),
             len(dataset),
             prefix,
             with_predictions,
@@ -386,11 +395,11 @@ class Trainer(ResultsAPI, NonfiniteGuard):
             set_seed(args.seed)
         if checkpoint is not None:
             keep_global_batch(args, checkpoint, self.dist.world_size)
-        plan = plan_steps(args, len(self.train_dataset), self.dist.world_size)
+        plan = plan_steps(args, len(self.train_dataset), self._data_ranks[0])
         state.steps_per_epoch, state.max_steps, state.num_train_epochs = plan
         self._ensure_engine(state.max_steps)
         return ResumableDistributedSampler(
-            len(self.train_dataset), self.dist.world_size, self.dist.rank, seed=data_seed(self.args)
+            len(self.train_dataset), *self._data_ranks, seed=data_seed(self.args)
         )
 
     # ---- engine and data -----------------------------------------------------------------------
@@ -540,10 +549,10 @@ class Trainer(ResultsAPI, NonfiniteGuard):
     def _load_checkpoint(self, path: Path, weights_only: bool = False) -> None:
         saved = ckpt.load(self.engine, path, self.dist, restore_rng=not weights_only)
         if not weights_only:
-            if saved.world_size != self.dist.world_size:
+            if saved.world_size != self._data_ranks[0]:
                 # The samples all ranks consumed, re-divided among this run's ranks.
                 sampler = ResumableDistributedSampler(
-                    len(self.train_dataset), self.dist.world_size, self.dist.rank, seed=data_seed(self.args)
+                    len(self.train_dataset), *self._data_ranks, seed=data_seed(self.args)
                 )
                 sampler.load_state_dict(
                     {"epoch": saved.epoch_index, "start": saved.samples_into_epoch, "seed": data_seed(self.args),

@@ -22,6 +22,7 @@ class TrainingArgs(Protocol):
     gradient_accumulation_steps: int
     max_grad_norm: float
     pipeline_parallel_size: int
+    sequence_parallel_size: int
     zero_stage: int
     offload_optimizer: str
     offload_param: str
@@ -74,6 +75,7 @@ class Shortcuts(BaseModel):
     max_grad_norm: float = Field(ge=0)
     deepspeed: None = None  # the ZeRO section comes from the shortcuts
     pipeline_parallel_size: int = 1  # a generated config has no pipeline section
+    sequence_parallel_size: int = 1
 
     @property
     def requested_precision(self) -> str:

@@ -71,6 +71,7 @@ STATED_ARGUMENTS = {
     "offload_optimizer": "zero_optimization.offload_optimizer.device",
     "offload_param": "zero_optimization.offload_param.device",
     "pipeline_parallel_size": "pipeline.stages",
+    "sequence_parallel_size": "sequence_parallel_size",
     "learning_rate": "optimizer.params.lr",
     "weight_decay": "optimizer.params.weight_decay",
 }

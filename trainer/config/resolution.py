@@ -157,14 +157,18 @@ class _Resolver:
     # --- the steps -------------------------------------------------------------------------
 
     def parallelism(self) -> int:
-        """Pipeline stages and the data-parallel size the batch keys are computed for."""
-        pp = self.args.pipeline_parallel_size
+        """Pipeline stages, sequence-parallel groups, and the data-parallel size the batch keys are
+        computed for (a sequence-parallel group reads one set of rows)."""
+        pp, sp = self.args.pipeline_parallel_size, self.args.sequence_parallel_size
         if pp > 1 or self.explicit("pipeline_parallel_size"):
             self.settle_arg("pipeline.stages", "pipeline_parallel_size")
-        stages = get_path(self.data, "pipeline.stages")
-        stages = stages if _positive_int(stages) else pp
-        # A world size the stages do not divide is reported by the schema's batch check.
-        return self.world_size // stages if self.world_size % stages == 0 else 1
+        if sp > 1 or self.explicit("sequence_parallel_size"):
+            # Also read by zero.Init, whose config has no other way to learn the data-parallel size.
+            self.settle_arg("sequence_parallel_size", "sequence_parallel_size")
+        stages, groups = get_path(self.data, "pipeline.stages"), get_path(self.data, "sequence_parallel_size")
+        split = (stages if _positive_int(stages) else pp) * (groups if _positive_int(groups) else 1)
+        # A world size the stages or groups do not divide is reported by the schema's batch check.
+        return self.world_size // split if self.world_size % split == 0 else 1
 
     def batch(self) -> None:
         a = self.args

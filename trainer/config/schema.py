@@ -108,6 +108,9 @@ class DSConfig(ConfigModel):
     csv_monitor: CsvMonitorConfig | None = Field(None, description="DeepSpeed's CSV monitor.")
     wandb: WandbConfig | None = Field(None, description="DeepSpeed's Weights & Biases monitor.")
     pipeline: PipelineConfig | None = Field(None, description="Pipeline parallelism (ZeRO stage 0 or 1).")
+    sequence_parallel_size: int | None = Field(
+        None, ge=1, description="Ulysses sequence parallelism: ranks that split each sequence."
+    )
 
     @field_validator("steps_per_print", mode="before")
     @classmethod
@@ -162,6 +165,23 @@ class DSConfig(ConfigModel):
                     "bf16 master weights need ZeRO stage 1, 2 or 3, got stage 0",
                 )
             )
+        sequence_split = (self.sequence_parallel_size or 1) > 1
+        if sequence_split and stage == 3 and not self.zero_optimization.reduce_scatter:
+            # Its other reduction then depends on the bucket size; the loss scale would not fit both.
+            problems.append(
+                (
+                    "zero_optimization.reduce_scatter, sequence_parallel_size",
+                    "ZeRO-3 with sequence parallelism averages gradients by reduce-scatter; "
+                    "leave reduce_scatter true",
+                )
+            )
+        if sequence_split and self.pipeline is not None and (self.pipeline.stages or 1) > 1:
+            problems.append(
+                (
+                    "pipeline.stages, sequence_parallel_size",
+                    "sequence parallelism does not run with pipeline stages",
+                )
+            )
         optimizer = self.optimizer
         if (
             optimizer is not None
@@ -202,19 +222,23 @@ def batch_problems(config: DSConfig, world_size: int) -> list[Problem]:
         config.gradient_accumulation_steps,
         stages,
         world_size,
+        config.sequence_parallel_size or 1,
     )
 
 
 def _batch_arithmetic(
-    tbs: int | None, mbs: int | None, gas: int | None, stages: int, world_size: int
+    tbs: int | None, mbs: int | None, gas: int | None, stages: int, world_size: int, sp: int = 1
 ) -> list[Problem]:
     """Given only two of the three, DeepSpeed infers the third with integer division and then fails
-    its own assertion: 8 = 2 × g × 3 has no integer g. We report that case as such."""
+    its own assertion: 8 = 2 × g × 3 has no integer g. We report that case as such. The ranks of a
+    sequence-parallel group share their rows, so they count once in the data-parallel size."""
     if world_size < 1:
         return [("world_size", f"must be at least 1, got {world_size}")]
     if world_size % stages:
         return [("pipeline.stages", f"world size {world_size} is not divisible by {stages} pipeline stages")]
-    dp = world_size // stages
+    if world_size % sp:
+        return [("sequence_parallel_size", f"world size {world_size} is not divisible by {sp}")]
+    dp = world_size // stages // sp
     where = f"at data-parallel world size {dp}"
     if tbs is None and mbs is None:
         return [
@@ -271,7 +295,8 @@ def _raw_batch_problems(data: dict[str, Any], world_size: int) -> list[Problem]:
     pipeline = data.get("pipeline")
     stages = positive_int(pipeline.get("stages")) if isinstance(pipeline, dict) else None
     tbs, mbs, gas = (positive_int(v) for v in values)
-    return _batch_arithmetic(tbs, mbs, gas, stages or 1, world_size)
+    sp = positive_int(data.get("sequence_parallel_size"))
+    return _batch_arithmetic(tbs, mbs, gas, stages or 1, world_size, sp or 1)
 
 
 def validate(data: Any, world_size: int | None = None) -> DSConfig:

@@ -40,7 +40,15 @@ def build_engine(
     compute_loss: ComputeLoss | None = None,
 ) -> Engine:
     """The engine for ``ds_config``: a pipeline when it has two or more stages. ``compute_loss``: a
-    Trainer subclass's override, which a pipeline cannot run (no stage holds the whole model)."""
+    Trainer subclass's override, which a pipeline cannot run (no stage holds the whole model), nor
+    sequence parallelism (no rank holds a whole row)."""
+    sequence_parallel = int(ds_config.get("sequence_parallel_size") or 1)
+    if sequence_parallel > 1 and compute_loss is not None:
+        raise ConfigError(
+            "a Trainer subclass's compute_loss sees whole rows; with sequence_parallel_size > 1 each rank "
+            "holds a slice of every row and the engine computes the causal-LM loss. Drop the override.",
+            path="compute_loss",
+        )
     if int((ds_config.get("pipeline") or {}).get("stages") or 1) > 1:
         if compute_loss is not None:
             raise ConfigError(
@@ -57,4 +65,6 @@ def build_engine(
             weight_decay,
             gradient_checkpointing=gradient_checkpointing,
         )
-    return DeepSpeedEngine(model, ds_config, optimizer, lr_scheduler, weight_decay, compute_loss)
+    return DeepSpeedEngine(
+        model, ds_config, optimizer, lr_scheduler, weight_decay, compute_loss, sequence_parallel
+    )

@@ -101,7 +101,10 @@ class Engine(ABC):
         )
         report_grad_norm(self.ds)
         self.device: torch.device = self.ds.device
-        self.world_size: int = self.ds.dp_world_size
+        # Under sequence parallelism DeepSpeed leaves dp_world_size unset; a group's ranks share rows.
+        self.world_size: int = (
+            self.ds.dp_world_size or self.ds.seq_dp_world_size // self.ds.sequence_parallel_size
+        )
         self.lr_scale = 1.0
 
     # ---- what each engine does its own way ------------------------------------------------------

@@ -15,8 +15,10 @@ import deepspeed
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
+from trainer.data import IGNORE_INDEX
 from trainer.engine.core import Batch, Engine, weight_decay_groups
-from trainer.engine.loss import count_targets, target_count
+from trainer.engine.loss import count_targets, target_count, token_loss_sum
+from trainer.engine.sequence_parallel import SequenceParallel
 
 # A Trainer subclass's compute_loss, bound: (model, inputs with labels, num_items_in_batch=N) -> one
 # micro-batch's loss divided by N.
@@ -34,8 +36,11 @@ class DeepSpeedEngine(Engine):
         lr_scheduler: Any = None,
         weight_decay: float = 0.0,
         compute_loss: ComputeLoss | None = None,
+        sequence_parallel: int = 1,
     ):
         self.compute_loss = compute_loss
+        # Groups and the attention exchange exist before DeepSpeed, which reduces over them.
+        self.sp = SequenceParallel(model, sequence_parallel) if sequence_parallel > 1 else None
         if "activation_checkpointing" in ds_config:
             # Custom models that call deepspeed.checkpointing.checkpoint read these settings.
             deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
@@ -46,15 +51,20 @@ class DeepSpeedEngine(Engine):
             model_parameters=None if optimizer is not None else params,
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
+            mpu=self.sp.mpu if self.sp else None,
         )
+        # What DeepSpeed divides the summed gradients by: the data-parallel size, except that
+        # ZeRO-3's reduce-scatter averages over every rank, sequence-parallel ones too (0.19).
+        zero3_sp = self.sp is not None and self.ds.zero_optimization_partition_weights()
+        self.grad_divisor = self.ds.seq_dp_world_size if zero3_sp else self.world_size
 
     @property
     def module(self) -> torch.nn.Module:
         return self.ds.module
 
     def train_window(self, window: list[Batch], window_tokens: float) -> torch.Tensor:
-        # DeepSpeed averages gradients over ranks; multiplying by the world size turns that into a sum.
-        scale = self.world_size / window_tokens
+        # DeepSpeed averages gradients over ranks; multiplying by its divisor turns that into a sum.
+        scale = self.grad_divisor / window_tokens
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(window):
             self.ds.set_gradient_accumulation_boundary(i == len(window) - 1)
@@ -65,9 +75,17 @@ class DeepSpeedEngine(Engine):
         self._apply_lr_scale()
         return loss_sum
 
+    def local_targets(self, window: list[Batch]) -> float:
+        if self.sp is not None:
+            window = [self.sp.shard(b) for b in window]
+        return super().local_targets(window)
+
     def loss_sum(self, batch: Batch, items: float) -> torch.Tensor:
         """One micro-batch's summed loss. ``items``: the target tokens a ``compute_loss`` override
         divides by (its window's on all ranks, or the batch's own in evaluation), multiplied back."""
+        if self.sp is not None:  # this rank's slice of every row (a compute_loss override is refused)
+            targets, inputs = self.sp.model_inputs(batch, self.device)
+            return token_loss_sum(self.ds(**inputs).logits, targets)
         labels, inputs = self.model_inputs(batch)
         if self.compute_loss is None:
             return self.loss_fn(self.ds(**inputs).logits, labels)
@@ -76,6 +94,9 @@ class DeepSpeedEngine(Engine):
 
     @torch.no_grad()
     def eval_loss_sum(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sp is not None:
+            targets, inputs = self.sp.model_inputs(batch, self.device)
+            return token_loss_sum(self.ds(**inputs).logits, targets), (targets != IGNORE_INDEX).sum().float()
         if self.compute_loss is None:
             labels, inputs = self.model_inputs(batch)
             return self.loss_fn(self.ds(**inputs).logits, labels), target_count(labels)
@@ -84,6 +105,11 @@ class DeepSpeedEngine(Engine):
 
     @torch.no_grad()
     def logits(self, batch: Batch) -> torch.Tensor:
+        if self.sp is not None:
+            raise NotImplementedError(
+                "predictions (predict, compute_metrics) with sequence_parallel_size > 1: each rank holds a "
+                "slice of every row's logits; evaluate the loss, or predict in a run without it"
+            )
         return self.ds(**self.model_inputs(batch)[1]).logits
 
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:

@@ -13,7 +13,10 @@ from trainer.data import IGNORE_INDEX
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
-    """Target tokens of a causal-LM batch: labels after the one-token shift, minus ignored ones."""
+    """Target tokens of a causal-LM batch: labels after the one-token shift, minus ignored ones (a
+    sequence-parallel shard carries its targets shifted already, as ``shift_labels``)."""
+    if "shift_labels" in batch:
+        return int((batch["shift_labels"] != IGNORE_INDEX).sum())
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
@@ -22,15 +25,24 @@ def target_count(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORE_INDEX).sum().float()
 
 
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropy over non-ignored targets, in fp32.
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Position i's target is label i+1; the last position has none (-100).
 
-    The labels are shifted (and padded with -100) rather than the logits sliced: slicing would
-    copy the largest activation in forward and write a full-size zero gradient in backward."""
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    The labels are shifted (and padded) rather than the logits sliced: slicing would copy the
+    largest activation in forward and write a full-size zero gradient in backward."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of cross-entropy over non-ignored targets (already shifted), in fp32."""
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)),
         targets.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over non-ignored targets, in fp32."""
+    return token_loss_sum(logits, next_token_targets(labels))
