@@ -163,6 +163,27 @@ def test_batch_is_per_data_parallel_rank_under_pipeline():
     ]
 
 
+def test_batch_counts_a_sequence_parallel_group_once():
+    data = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "sequence_parallel_size": 2}  # fmt: skip
+    validate(data, world_size=4)  # 2 groups of 2 ranks read 2 sets of rows: 4 = 2 x 1 x 2
+    [(keys, message)] = problems(data, world_size=2)
+    assert message.startswith("4 != 2 × 1 × 1;") and message.endswith("at data-parallel world size 1")
+    assert problems(data, world_size=3) == [("sequence_parallel_size", "world size 3 is not divisible by 2")]
+
+
+def test_zero3_sequence_parallelism_keeps_reduce_scatter():
+    data = {**zero(3, reduce_scatter=False), "sequence_parallel_size": 2}
+    assert problems(data) == [
+        (
+            "zero_optimization.reduce_scatter, sequence_parallel_size",
+            "ZeRO-3 with sequence parallelism averages gradients by reduce-scatter; leave reduce_scatter true",
+        )
+    ]
+    validate({**zero(3), "sequence_parallel_size": 2})
+    validate({**zero(2, reduce_scatter=False), "sequence_parallel_size": 2})
+
+
 def test_batch_problem_is_reported_alongside_other_errors():
     data = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "fp16": {"enabeld": True}}
     assert [path for path, _ in problems(data, world_size=3)] == [

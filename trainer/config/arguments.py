@@ -75,7 +75,7 @@ class Shortcuts(BaseModel):
     max_grad_norm: float = Field(ge=0)
     deepspeed: None = None  # the ZeRO section comes from the shortcuts
     pipeline_parallel_size: int = 1  # a generated config has no pipeline section
-    sequence_parallel_size: int = 1
+    sequence_parallel_size: int = Field(1, ge=1)
 
     @property
     def requested_precision(self) -> str:
