@@ -52,7 +52,7 @@ from trainer.distributed import (
     init_distributed,
     print_main,
 )
-from trainer.engine import Engine, build_engine, causal_lm_loss_sum
+from trainer.engine import Engine, Tiling, build_engine, causal_lm_loss_sum, plan_tiling
 from trainer.engine.loss import target_count
 from trainer.evaluation import eval_batches, evaluation_loop
 from trainer.export import export_hf
@@ -404,6 +404,22 @@ class Trainer(ResultsAPI, NonfiniteGuard):
 
     # ---- engine and data -----------------------------------------------------------------------
 
+    def _tiling(self, overridden: bool) -> Tiling:
+        """The run's tiling. "auto" judges the largest micro-batch: its rows times the block size (the
+        model's longest context without a run config), split over a sequence-parallel group; it stays
+        off where a compute_loss override or the pipeline computes the loss."""
+        args, text = self.args, _text_config(self.model)
+        block = (
+            self.run_config.data.block_size
+            if self.run_config
+            else getattr(text, "max_position_embeddings", 0)
+        )
+        auto_off = overridden or args.pipeline_parallel_size > 1
+        mode = "false" if auto_off and args.tiled_loss == "auto" else args.tiled_loss
+        tokens = args.per_device_train_batch_size * (block or 0) // args.sequence_parallel_size
+        vocab = getattr(text, "vocab_size", None) or 1
+        return plan_tiling(mode, args.tiled_mlp, args.offload_activations, args.tile_tokens, vocab, tokens)
+
     def _ensure_engine(self, total_steps: int) -> None:
         """Build the engine once, from the resolved DeepSpeed config (resolved here unless given)."""
         if self.engine is not None:
@@ -431,6 +447,7 @@ class Trainer(ResultsAPI, NonfiniteGuard):
                 weight_decay=self.args.weight_decay,
                 gradient_checkpointing=self.args.gradient_checkpointing,
                 compute_loss=self.compute_loss if overridden else None,
+                tiling=self._tiling(overridden),
             )
         if self.dist.is_main:
             out = Path(self.args.output_dir)
@@ -577,6 +594,11 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         if getattr(self.model, "config", None) is None or self.train_dataset is None:
             return None
         return flops_per_token_for_model(self.model, len(self.train_dataset[0]["input_ids"]))
+
+
+def _text_config(model: torch.nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _hidden_size(model: torch.nn.Module) -> int | None:

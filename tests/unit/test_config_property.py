@@ -205,8 +205,12 @@ def valid_configs(draw) -> tuple[dict[str, Any], int, int]:
             DSConfig,
             # Sequence parallelism changes the data-parallel size DeepSpeed's parser is run at; its
             # batch arithmetic has its own test (test_config_rules.py).
-            exclude=("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                     "sequence_parallel_size"),
+            exclude=(
+                "train_batch_size",
+                "train_micro_batch_size_per_gpu",
+                "gradient_accumulation_steps",
+                "sequence_parallel_size",
+            ),
         )  # fmt: skip
     )
     stages = 1

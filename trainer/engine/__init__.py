@@ -15,6 +15,7 @@ from trainer.engine.core import Batch, Engine, LossFn, weight_decay_groups
 from trainer.engine.deepspeed_engine import ComputeLoss, DeepSpeedEngine
 from trainer.engine.loss import causal_lm_loss_sum, count_targets
 from trainer.engine.pipeline_engine import PipelineEngine
+from trainer.engine.tiling import Tiling, plan_tiling
 
 __all__ = [
     "Batch",
@@ -23,9 +24,11 @@ __all__ = [
     "Engine",
     "LossFn",
     "PipelineEngine",
+    "Tiling",
     "build_engine",
     "causal_lm_loss_sum",
     "count_targets",
+    "plan_tiling",
     "weight_decay_groups",
 ]
 
@@ -38,18 +41,26 @@ def build_engine(
     weight_decay: float = 0.0,
     gradient_checkpointing: bool = False,
     compute_loss: ComputeLoss | None = None,
+    tiling: Tiling = Tiling(),
 ) -> Engine:
     """The engine for ``ds_config``: a pipeline when it has two or more stages. ``compute_loss``: a
     Trainer subclass's override, which a pipeline cannot run (no stage holds the whole model), nor
     sequence parallelism (no rank holds a whole row)."""
     sequence_parallel = int(ds_config.get("sequence_parallel_size") or 1)
-    if sequence_parallel > 1 and compute_loss is not None:
+    stages = int((ds_config.get("pipeline") or {}).get("stages") or 1)
+    if tiling != Tiling() and stages > 1:
         raise ConfigError(
-            "a Trainer subclass's compute_loss sees whole rows; with sequence_parallel_size > 1 each rank "
-            "holds a slice of every row and the engine computes the causal-LM loss. Drop the override.",
+            "tiled_loss, tiled_mlp and offload_activations run with ZeRO 0-3, not with pipeline stages",
+            path="tiled_loss",
+        )
+    if (sequence_parallel > 1 or tiling.loss) and compute_loss is not None:
+        raise ConfigError(
+            "a Trainer subclass's compute_loss sees whole rows and logits; with sequence_parallel_size > 1 "
+            "(each rank holds a slice of every row) or a tiled loss the engine computes the causal-LM loss. "
+            "Drop the override, or set tiled_loss false.",
             path="compute_loss",
         )
-    if int((ds_config.get("pipeline") or {}).get("stages") or 1) > 1:
+    if stages > 1:
         if compute_loss is not None:
             raise ConfigError(
                 "a Trainer subclass's compute_loss needs the whole model on each rank; with "
@@ -66,5 +77,5 @@ def build_engine(
             gradient_checkpointing=gradient_checkpointing,
         )
     return DeepSpeedEngine(
-        model, ds_config, optimizer, lr_scheduler, weight_decay, compute_loss, sequence_parallel
+        model, ds_config, optimizer, lr_scheduler, weight_decay, compute_loss, sequence_parallel, tiling
     )

@@ -9,6 +9,7 @@ size, so the update equals one big batch however it is split into micro-batches 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import deepspeed
@@ -17,8 +18,9 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
 from trainer.data import IGNORE_INDEX
 from trainer.engine.core import Batch, Engine, weight_decay_groups
-from trainer.engine.loss import count_targets, target_count, token_loss_sum
+from trainer.engine.loss import count_targets, next_token_targets, target_count, token_loss_sum
 from trainer.engine.sequence_parallel import SequenceParallel
+from trainer.engine.tiling import Tiling, decoder_and_head, offload_activations, tile_mlp, tiled_loss_sum
 
 # A Trainer subclass's compute_loss, bound: (model, inputs with labels, num_items_in_batch=N) -> one
 # micro-batch's loss divided by N.
@@ -37,8 +39,14 @@ class DeepSpeedEngine(Engine):
         weight_decay: float = 0.0,
         compute_loss: ComputeLoss | None = None,
         sequence_parallel: int = 1,
+        tiling: Tiling = Tiling(),
     ):
         self.compute_loss = compute_loss
+        self.tiling = tiling
+        if tiling.mlp is not None:
+            tile_mlp(model, tiling.mlp)
+        if tiling.loss:
+            self.head = decoder_and_head(model)[1]
         # Groups and the attention exchange exist before DeepSpeed, which reduces over them.
         self.sp = SequenceParallel(model, sequence_parallel) if sequence_parallel > 1 else None
         if "activation_checkpointing" in ds_config:
@@ -83,20 +91,37 @@ class DeepSpeedEngine(Engine):
     def loss_sum(self, batch: Batch, items: float) -> torch.Tensor:
         """One micro-batch's summed loss. ``items``: the target tokens a ``compute_loss`` override
         divides by (its window's on all ranks, or the batch's own in evaluation), multiplied back."""
-        if self.sp is not None:  # this rank's slice of every row (a compute_loss override is refused)
-            targets, inputs = self.sp.model_inputs(batch, self.device)
-            return token_loss_sum(self.ds(**inputs).logits, targets)
+        with offload_activations() if self.tiling.offload else nullcontext():
+            if self.sp is not None or self.tiling.loss:  # a compute_loss override is refused with them
+                return self._token_loss(*self._shifted_inputs(batch))
+            labels, inputs = self.model_inputs(batch)
+            if self.compute_loss is None:
+                return self.loss_fn(self.ds(**inputs).logits, labels)
+            items = max(items, 1.0)  # a fully padded batch: its loss is 0 either way
+            return self.compute_loss(self.ds, {**inputs, "labels": labels}, num_items_in_batch=items) * items
+
+    def _shifted_inputs(self, batch: Batch) -> tuple[torch.Tensor, Batch]:
+        """(next-token targets, model inputs) on the device: this rank's slice under sequence parallelism."""
+        if self.sp is not None:
+            return self.sp.model_inputs(batch, self.device)
         labels, inputs = self.model_inputs(batch)
-        if self.compute_loss is None:
-            return self.loss_fn(self.ds(**inputs).logits, labels)
-        items = max(items, 1.0)  # a fully padded batch: its loss is 0 either way
-        return self.compute_loss(self.ds, {**inputs, "labels": labels}, num_items_in_batch=items) * items
+        return next_token_targets(labels), inputs
+
+    def _token_loss(self, targets: torch.Tensor, inputs: Batch) -> torch.Tensor:
+        """The summed loss of shifted targets. Tiled, the model's own head computes one position only
+        and the loss runs the head again per tile over the last hidden states. The forward still goes
+        through DeepSpeed's engine: ZeRO-3 keeps a step's bookkeeping there (with the decoder called
+        alone, gradients of the tied head were lost)."""
+        if self.tiling.loss:
+            hidden = self.ds(**inputs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+            return tiled_loss_sum(hidden, self.head, targets, self.tiling.loss)
+        return token_loss_sum(self.ds(**inputs).logits, targets)
 
     @torch.no_grad()
     def eval_loss_sum(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.sp is not None:
-            targets, inputs = self.sp.model_inputs(batch, self.device)
-            return token_loss_sum(self.ds(**inputs).logits, targets), (targets != IGNORE_INDEX).sum().float()
+        if self.sp is not None or self.tiling.loss:
+            targets, inputs = self._shifted_inputs(batch)
+            return self._token_loss(targets, inputs), (targets != IGNORE_INDEX).sum().float()
         if self.compute_loss is None:
             labels, inputs = self.model_inputs(batch)
             return self.loss_fn(self.ds(**inputs).logits, labels), target_count(labels)

@@ -34,7 +34,7 @@ import math
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -268,3 +268,23 @@ def offload_activations() -> Iterator[None]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
+
+
+class Tiling(NamedTuple):
+    """What an engine tiles: ``loss``, tokens per loss tile (0: the logits whole); ``mlp``, tokens
+    per MLP tile (None: untiled, 0: automatic); ``offload``, tensors saved for backward to host."""
+
+    loss: int = 0
+    mlp: int | None = None
+    offload: bool = False
+
+
+def plan_tiling(
+    mode: str, mlp: bool, offload: bool, tile_tokens: int, vocab: int, micro_batch_tokens: int
+) -> Tiling:
+    """The run's tiling. ``mode`` is ``tiled_loss``: "auto" tiles when the largest micro-batch
+    (``micro_batch_tokens`` on one rank, a fixed number, so every rank decides alike) has more
+    tokens than one tile, that is when its whole fp32 logits would outgrow one tile's."""
+    tile = tile_size(vocab, tile_tokens)
+    loss = tile if mode == "true" or (mode == "auto" and micro_batch_tokens > tile) else 0
+    return Tiling(loss, tile_tokens if mlp else None, offload)
