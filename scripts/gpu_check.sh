@@ -2,7 +2,9 @@
 # The GPU checks in one command, within 10 minutes:
 #   1. the GPU-only tests (pytest -m gpu),
 #   2. the --device cuda benchmark: the 1.1B Llama in bf16 on ZeRO-2 with all four systems (plus a
-#      profile of ours), ZeRO-2 with activation checkpointing, and ZeRO-3 (ours and the raw loop).
+#      profile of ours), ZeRO-2 with activation checkpointing, and ZeRO-3 (ours and the raw loop),
+#   3. the long-context search (scripts/bench_long_context.py): the longest sequence a ~1B Llama
+#      trains on within the GPU's memory, ours without and with tiling, and HF Trainer.
 # Everything goes under RESULTS_DIR: logs, JSON, profiles, and summary.txt with each phase's status.
 #
 #   scripts/gpu_check.sh RESULTS_DIR
@@ -117,5 +119,15 @@ fi
 bench bench-z2 220 --zero_stage 2 --profile "$out/profile-z2"
 bench bench-z2-ckpt 120 --zero_stage 2 --gradient_checkpointing --systems ours,deepspeed
 bench bench-z3 130 --zero_stage 3 --systems ours,deepspeed
+# Long context: 1-process setups on one GPU (the SP ones need two). --budget_s stops starting probes
+# in time for the phase's cap; the report then covers the probes that ran.
+phase long-context 240 "$py" scripts/bench_long_context.py --device cuda --setups ours,ours_sp_tiled,hf \
+    --start 16384 --granularity 16384 --max_len 131072 --budget_s 200 --probe_timeout 150 \
+    --out "$out/work-long-context" --json "$out/long-context.json"
+if [[ -f "$out/work-long-context/report.md" ]]; then
+    cp "$out/work-long-context/report.md" "$out/long-context.txt"
+    cat "$out/long-context.txt"
+fi
+rm -rf "$out/work-long-context/data/cache"  # the tokenised corpus; logs, metrics and configs stay
 note "total: ${SECONDS}s; results in $out"
 exit $status

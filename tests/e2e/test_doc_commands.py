@@ -37,6 +37,7 @@ SCRIPT_TESTS = {
     "scripts/bench.py": "tests/e2e/test_bench.py",
     "scripts/bench_checkpoint.py": "tests/e2e/test_bench_checkpoint.py",
     "scripts/bench_comm.py": "tests/e2e/test_bench_comm.py",
+    "scripts/bench_long_context.py": "tests/e2e/test_bench_long_context.py",
     "scripts/fault_campaign.py": "tests/e2e/test_fault_campaign.py",
     "trainer plot": "tests/unit/test_plot.py",
 }
