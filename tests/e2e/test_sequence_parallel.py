@@ -63,7 +63,11 @@ def runs(tmp_path_factory):
     resumed.mkdir()
     shutil.copytree(sp / "checkpoint-2", resumed / "checkpoint-2")
     launch([*COMMON, "--output_dir", str(resumed), "--sequence_parallel_size", "2", *TILED])
-    return {"one": one, "sp": sp, "resumed": resumed, "peaks": peaks}
+    elsewhere = root / "elsewhere"  # the same checkpoint on one process, without sequence parallelism
+    elsewhere.mkdir()
+    shutil.copytree(sp / "checkpoint-2", elsewhere / "checkpoint-2")
+    launch([*COMMON, "--output_dir", str(elsewhere)], launcher="python")
+    return {"one": one, "sp": sp, "resumed": resumed, "elsewhere": elsewhere, "peaks": peaks}
 
 
 def test_two_ranks_follow_the_one_rank_losses(runs):
@@ -97,6 +101,15 @@ def test_a_resume_with_tiling_and_offload_continues_the_run(runs):
     weights = load_file(runs["resumed"] / "final" / "model.safetensors")
     for name, tensor in load_file(runs["sp"] / "final" / "model.safetensors").items():
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-4, msg=name)
+
+
+def test_a_sequence_parallel_checkpoint_resumes_on_one_process(runs):
+    resumed, sp = _losses(runs["elsewhere"]), _losses(runs["sp"])
+    assert sorted(resumed) == [(3, "eval_loss"), (3, "loss")]
+    for key, value in resumed.items():
+        assert value == pytest.approx(sp[key], rel=1e-4), key
+    # ZeRO-3 shards over both ranks of the group: one process needs the universal form.
+    assert (runs["elsewhere"] / "checkpoint-2" / "universal" / "COMPLETE").exists()
 
 
 def test_a_layout_the_model_cannot_split_is_refused_before_loading(tmp_path):
