@@ -136,8 +136,9 @@ def deepspeed_config(
         offload_param=setup.offload_param,
         micro_batch=micro_batch,
         grad_accum=1,
-        world_size=world_size // setup.sequence_parallel,
+        world_size=world_size,
         hidden_size=hidden,
+        sequence_parallel_size=setup.sequence_parallel,
     )
 
 
