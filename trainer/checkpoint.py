@@ -397,6 +397,7 @@ class Saver:
             "step": state.global_step,
             "world_size": dist.world_size,
             "data_parallel_size": getattr(engine, "world_size", dist.world_size),
+            "optimizer_partitions": _partitions(engine, dist),
             "zero_stage": self.ds_config.get("zero_optimization", {}).get("stage", 0),
             "train_batch_size": self.ds_config.get("train_batch_size"),
             "micro_batch_size": self.ds_config.get("train_micro_batch_size_per_gpu"),
@@ -551,12 +552,20 @@ def accumulation_for(path: Path, data_parallel: int, micro_batch: int) -> int | 
     return total // (micro_batch * data_parallel)
 
 
-def needs_universal(path: Path, data_parallel: int) -> bool:
+def needs_universal(path: Path, partitions: int) -> bool:
     """Optimizer states sharded over another number of ranks must go through the universal form.
     Unsharded ones (ZeRO-0 in fp32) load on any number of ranks as they are."""
     manifest = read_manifest(path)
-    world = manifest.get("data_parallel_size", manifest.get("world_size"))
-    return world != data_parallel and any(_OPTIM_SHARD.match(name) for name in manifest["files"])
+    saved = manifest.get(
+        "optimizer_partitions", manifest.get("data_parallel_size", manifest.get("world_size"))
+    )
+    return saved != partitions and any(_OPTIM_SHARD.match(name) for name in manifest["files"])
+
+
+def _partitions(engine: Any, dist: DistInfo) -> int:
+    """The ranks ZeRO shards the optimizer over: the data-parallel ones, and under sequence
+    parallelism every rank (a group's ranks share rows, not optimizer shards)."""
+    return getattr(engine, "partitions", getattr(engine, "world_size", dist.world_size))
 
 
 def _convert_to_universal(source: Path, target: Path) -> None:
@@ -603,7 +612,7 @@ def universal_copy(path: Path, dist: DistInfo) -> Path:
 
 def load(engine: Any, path: Path, dist: DistInfo, restore_rng: bool = True) -> TrainerState:
     """Load a verified checkpoint into the engine; returns its TrainerState (as saved)."""
-    if needs_universal(path, getattr(engine, "world_size", dist.world_size)):
+    if needs_universal(path, _partitions(engine, dist)):
         engine.load_universal(str(universal_copy(path, dist)), DS_TAG)
     else:
         engine.load(str(path), DS_TAG, load_optimizer_states=True)

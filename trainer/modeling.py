@@ -39,15 +39,21 @@ DEFAULT_GPT2 = dict(n_embd=256, n_layer=4, n_head=4, tie_word_embeddings=True)
 
 
 def model_config(model_args: ModelArguments, tokenizer: Any, block_size: int) -> PretrainedConfig:
+    """The model's HF config; without a tokenizer (a check of the architecture before anything
+    loads) a new model's vocabulary and special tokens are left at their defaults."""
     if model_args.model_name_or_path:
         return AutoConfig.from_pretrained(
             model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code
         )
-    special = dict(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    special = (
+        {}
+        if tokenizer is None
+        else dict(
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     )
     if model_args.model_type == "gpt2":
         return GPT2Config(

@@ -52,7 +52,7 @@ from trainer.distributed import (
     init_distributed,
     print_main,
 )
-from trainer.engine import Engine, Tiling, build_engine, causal_lm_loss_sum, plan_tiling
+from trainer.engine import Engine, build_engine, causal_lm_loss_sum
 from trainer.engine.loss import target_count
 from trainer.evaluation import eval_batches, evaluation_loop
 from trainer.export import export_hf
@@ -67,7 +67,7 @@ from trainer.reporting import reporting_callbacks
 from trainer.resilience import EXIT_PREEMPTED, PreemptionFlag, Watchdog, save_failed
 from trainer.results import ResultsAPI, TrainTotals, train_metrics
 from trainer.snapshots import Snapshots, snapshot_dir
-from trainer.steps import check_resolved, client_scheduler, keep_global_batch, plan_steps
+from trainer.steps import check_resolved, client_scheduler, keep_global_batch, plan_steps, tiling_for
 from trainer.throughput import StepTimer, flops_per_token_for_model, non_padding_tokens
 
 
@@ -126,13 +126,6 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         self._fire("on_init_end")
 
     # ---- public API ----------------------------------------------------------------------------
-
-    @property
-    def _data_ranks(self) -> tuple[int, int]:
-        """(data-parallel ranks, this rank's index among them): the ranks of a sequence-parallel
-        group read the same rows."""
-        sp = self.args.sequence_parallel_size
-        return self.dist.world_size // sp, self.dist.rank // sp
 
     def is_world_process_zero(self) -> bool:
         return self.dist.is_main
@@ -404,21 +397,12 @@ class Trainer(ResultsAPI, NonfiniteGuard):
 
     # ---- engine and data -----------------------------------------------------------------------
 
-    def _tiling(self, overridden: bool) -> Tiling:
-        """The run's tiling. "auto" judges the largest micro-batch: its rows times the block size (the
-        model's longest context without a run config), split over a sequence-parallel group; it stays
-        off where a compute_loss override or the pipeline computes the loss."""
-        args, text = self.args, _text_config(self.model)
-        block = (
-            self.run_config.data.block_size
-            if self.run_config
-            else getattr(text, "max_position_embeddings", 0)
-        )
-        auto_off = overridden or args.pipeline_parallel_size > 1
-        mode = "false" if auto_off and args.tiled_loss == "auto" else args.tiled_loss
-        tokens = args.per_device_train_batch_size * (block or 0) // args.sequence_parallel_size
-        vocab = getattr(text, "vocab_size", None) or 1
-        return plan_tiling(mode, args.tiled_mlp, args.offload_activations, args.tile_tokens, vocab, tokens)
+    @property
+    def _data_ranks(self) -> tuple[int, int]:
+        """(data-parallel ranks, this rank's index among them): the ranks of a sequence-parallel
+        group read the same rows."""
+        sp = self.args.sequence_parallel_size
+        return self.dist.world_size // sp, self.dist.rank // sp
 
     def _ensure_engine(self, total_steps: int) -> None:
         """Build the engine once, from the resolved DeepSpeed config (resolved here unless given)."""
@@ -447,7 +431,7 @@ class Trainer(ResultsAPI, NonfiniteGuard):
                 weight_decay=self.args.weight_decay,
                 gradient_checkpointing=self.args.gradient_checkpointing,
                 compute_loss=self.compute_loss if overridden else None,
-                tiling=self._tiling(overridden),
+                tiling=tiling_for(self.args, self.model, self.run_config, loss_overridden=overridden),
             )
         if self.dist.is_main:
             out = Path(self.args.output_dir)
@@ -594,11 +578,6 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         if getattr(self.model, "config", None) is None or self.train_dataset is None:
             return None
         return flops_per_token_for_model(self.model, len(self.train_dataset[0]["input_ids"]))
-
-
-def _text_config(model: torch.nn.Module) -> Any:
-    config = getattr(model, "config", None)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _hidden_size(model: torch.nn.Module) -> int | None:

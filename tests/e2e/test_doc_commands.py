@@ -40,6 +40,7 @@ SCRIPT_TESTS = {
     "scripts/bench_long_context.py": "tests/e2e/test_bench_long_context.py",
     "scripts/fault_campaign.py": "tests/e2e/test_fault_campaign.py",
     "trainer plot": "tests/unit/test_plot.py",
+    "trainer.bench.activation_memory": "tests/unit/test_planner_long_context.py",
 }
 # The README's two commands: CI runs `make test`; `make demo` is the embedded default, the
 # `deepspeed-default` case of the matrix at full length.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -87,16 +88,25 @@ TINY = ModelSpec("tiny", n_params=10_000, n_layers=2, hidden_size=64, n_heads=4,
 
 
 def test_activation_formula_by_hand():
-    # s=16, b=2, h=64, a=4: one layer stores s·b·h·(34 + 5·a·s/h) = 2048 · 39 bytes.
-    layer = 16 * 2 * 64 * (34 + 5 * 4 * 16 / 64)
-    logits = 16 * 2 * 100 * (2 + 4 + 4)
-    assert activation_bytes(TINY, 16, 2, "bf16", False) == {"layers": 2 * layer, "logits": logits}
-    # Checkpointing keeps each layer's 16-bit input (2·s·b·h) plus one layer's working set.
-    assert activation_bytes(TINY, 16, 2, "bf16", True) == {
-        "layers": 2 * (2 * 16 * 2 * 64) + layer,
-        "logits": logits,
-    }
-    assert activation_bytes(TINY, 16, 2, "fp32", False)["layers"] == 4 * layer
+    # TINY is Llama-style: h=64, 4 heads of 16 (q = kv = 64), MLP width 4h = 256; s=16, b=2: 32 tokens.
+    plain, ckpt = Setup(0, "none", "none", False), Setup(0, "none", "none", True)
+    norms = 2 * (4 * 64 + 2 * 2 * 64 + 4)  # per RMSNorm: fp32 input, normalised input, output, rsqrt
+    attention = 2 * (2 * 64 + 2 * 64) + 4 * 4  # rotated q and k, v, output; a log-sum-exp per head
+    layer = norms + attention + 4 * 2 * 256  # gate, up, activation, product
+    working = 2 * 2 * 256 + 2 * 2 * 64  # the MLP's backward, the residual stream's gradients
+    rope, head = 2 * 2 * 16, (4 * 64 + 2 * 2 * 64 + 4) + 12 * 100  # cos/sin; final norm, loss
+    got = activation_bytes(TINY, 16, 2, "bf16", plain)
+    assert got["gpu"] == 32 * (2 * layer + rope + max(head, working))
+    assert got["logits"] == 32 * 12 * 100 and got["cpu"] == 0
+    # Checkpointing keeps each layer's 16-bit input; backward recomputes one layer at a time.
+    got = activation_bytes(TINY, 16, 2, "bf16", ckpt)
+    assert got["gpu"] == 32 * (2 * 2 * 64 + rope + max(head, layer + working))
+    # GPT-2 keeps Korthikanti et al.'s count: s·b·h·(34 + 5·a·s/h) bytes a layer in 16-bit.
+    gpt2 = dataclasses.replace(TINY, arch="gpt2")
+    korthikanti = 16 * 2 * 64 * (34 + 5 * 4 * 16 / 64)
+    stored = activation_bytes(gpt2, 16, 2, "bf16", plain)["stored"]
+    assert stored == pytest.approx(2 * korthikanti)
+    assert activation_bytes(gpt2, 16, 2, "fp32", plain)["stored"] == pytest.approx(4 * korthikanti)
 
 
 def test_buffers_by_stage_with_explicit_bucket_sizes():
@@ -133,7 +143,7 @@ def test_knobs_accept_both_spellings_and_default_to_deepspeed():
 @pytest.mark.parametrize(
     ("name", "params"),
     [("gpt2", 124_439_808), ("llama-7b", 6_738_415_616), ("llama-13b", 13_015_864_320),
-     ("llama-70b", 68_976_648_192), ("llama-1b", 1_235_814_400)],
+     ("llama-70b", 68_976_648_192), ("llama-1b", 1_235_814_400), ("llama-8b", 8_030_261_248)],
 )  # fmt: skip
 def test_preset_parameter_counts(name, params):
     assert load_model_spec(name).n_params == params
@@ -201,9 +211,10 @@ def test_recommends_the_first_configuration_that_fits():
     best = result["recommended"]
     assert best is not None and best["fits"]
     assert all(not r["fits"] for r in rows[: rows.index(best)])
-    # 7B on 8 x 80 GB: ZeRO-2 without offload or checkpointing is the fastest that fits.
+    # 7B on 8 x 80 GB: ZeRO-1 without offload or checkpointing is the fastest that fits (13 GB of
+    # activations; ZeRO-0's 108 GB of model states do not).
     assert (best["zero_stage"], best["offload_optimizer"], best["activation_checkpointing"]) == (
-        2,
+        1,
         "none",
         False,
     )

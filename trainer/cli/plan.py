@@ -1,4 +1,5 @@
-"""``trainer plan``: memory per GPU and per node for each ZeRO stage, offload and checkpointing choice."""
+"""``trainer plan``: memory per GPU and per node for each ZeRO stage, offload and checkpointing choice,
+and for long sequences each sequence-parallel size and tiling or activation-offload choice."""
 
 from __future__ import annotations
 
@@ -12,11 +13,16 @@ from trainer.config.errors import ConfigError
 from trainer.planner import (
     PRESETS,
     Cluster,
+    LongContext,
     ModelSpec,
     Setup,
+    format_activation_table,
     format_table,
+    leanest,
     load_model_spec,
+    long_context_words,
     no_fit_message,
+    sequence_parallel_problems,
     spec_from_counts,
 )
 from trainer.planner import plan as make_plan
@@ -50,6 +56,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lora-r", type=int, help="LoRA adapters of this rank on every linear layer, base frozen"
     )
     run.add_argument("--qlora", action="store_true", help="with --lora-r: the frozen base in 4-bit NF4")
+    long = parser.add_argument_group(
+        "long context (the plan picks the fewest features and smallest size that fit)"
+    )
+    long.add_argument(
+        "--sequence-parallel", type=int, default=1, metavar="N",
+        help="Ulysses sequence parallelism up to N ranks a sequence (sizes dividing N are tried; default 1)",
+    )  # fmt: skip
+    long.add_argument(
+        "--tiled-loss", action=argparse.BooleanOptionalAction, default=None,
+        help="compute the loss in 256 MiB tiles of logits (default: as the trainer's auto rule, "
+        "tiled when one micro-batch's fp32 logits exceed 256 MiB)",
+    )  # fmt: skip
+    long.add_argument(
+        "--tiled-mlp", action="store_true", help="allow each MLP to run over the sequence in tiles"
+    )
+    long.add_argument(
+        "--offload-activations", action="store_true",
+        help="allow checkpointed layer inputs to be kept in host memory",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -77,6 +102,7 @@ def _check_positive(args: argparse.Namespace) -> None:
         "nodes",
         "gpu_memory_gb",
         "cpu_memory_gb",
+        "sequence_parallel",
         *SIZE_FLAGS,
     ]
     problems = [
@@ -88,10 +114,21 @@ def _check_positive(args: argparse.Namespace) -> None:
         raise ConfigError(problems)
 
 
+def _check_sequence_parallel(args: argparse.Namespace, spec: ModelSpec, cluster: Cluster) -> None:
+    """The largest sequence-parallel size must itself be one Ulysses can use (smaller ones that cannot
+    are skipped quietly)."""
+    problems = sequence_parallel_problems(spec, cluster, args.seq_len, args.sequence_parallel)
+    if problems:
+        raise ConfigError(
+            f"{args.sequence_parallel} cannot be used: {'; '.join(problems)}", "--sequence-parallel"
+        )
+
+
 def deepspeed_config(
     setup: Setup, precision: str, micro_batch: int, world_size: int, hidden: int
 ) -> dict[str, Any]:
-    """The DeepSpeed config a setup runs with, built through the schema."""
+    """The DeepSpeed config a setup runs with, built through the schema. Sequence-parallel ranks share
+    their sequences, so the batch counts the data-parallel width, world_size / N."""
     return generate(
         zero_stage=setup.zero_stage,
         precision=precision,
@@ -101,7 +138,22 @@ def deepspeed_config(
         grad_accum=1,
         world_size=world_size,
         hidden_size=hidden,
+        sequence_parallel_size=setup.sequence_parallel,
     )
+
+
+def training_flags(row: dict[str, Any], tiled_loss_given: bool) -> list[str]:
+    """The training arguments a configuration needs beyond its DeepSpeed config. The loss tiling is
+    spelled out only when --tiled-loss or --no-tiled-loss chose it: otherwise the plan followed the
+    trainer's own ``--tiled_loss auto``."""
+    flags = ["--gradient_checkpointing true"] if row["activation_checkpointing"] else []
+    if row["sequence_parallel"] > 1:
+        flags.append(f"--sequence_parallel_size {row['sequence_parallel']}")
+    if tiled_loss_given:
+        flags.append(f"--tiled_loss {str(row['tiled_loss']).lower()}")
+    flags += ["--tiled_mlp true"] if row["tiled_mlp"] else []
+    flags += ["--offload_activations true"] if row["offload_activations"] else []
+    return flags
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,30 +162,34 @@ def run(args: argparse.Namespace) -> int:
         if args.qlora and not args.lora_r:
             raise ConfigError("QLoRA trains LoRA adapters: give --lora-r too", "--qlora")
         spec = _spec(args)
+        cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_memory_gb, args.cpu_memory_gb)
+        _check_sequence_parallel(args, spec, cluster)
     except ConfigError as err:
         print(f"trainer plan: {err}", file=sys.stderr)
         return 2
-    cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_memory_gb, args.cpu_memory_gb)
+    options = LongContext(args.sequence_parallel, args.tiled_loss, args.tiled_mlp, args.offload_activations)
 
     def config_for(setup: Setup) -> dict[str, Any]:
         return deepspeed_config(setup, args.precision, args.micro_batch, cluster.world_size, spec.hidden_size)
 
     result = make_plan(spec, cluster, args.seq_len, args.micro_batch, args.precision, config_for,
-                       args.lora_r, args.qlora)  # fmt: skip
+                       args.lora_r, args.qlora, options)  # fmt: skip
     best = result["recommended"]
     if best is not None:
         best["deepspeed_config"] = config_for(Setup(**{k: best[k] for k in Setup.__dataclass_fields__}))
+        best["training_flags"] = training_flags(best, args.tiled_loss is not None)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(_report(result))
+        print(_report(result, options != LongContext()))
     if best is None:
         print(f"trainer plan: {no_fit_message(result)}", file=sys.stderr)
         return 1
     return 0
 
 
-def _report(result: dict[str, Any]) -> str:
+def _report(result: dict[str, Any], long_context: bool) -> str:
+    """The text report: the run, the table, with long-context options their own table, the recommendation."""
     m, c = result["model"], result["cluster"]
     lines = [
         f"model {m['name']}: {m['n_params'] / 1e9:.2f}B parameters, {m['n_layers']} layers, hidden "
@@ -149,14 +205,31 @@ def _report(result: dict[str, Any]) -> str:
             if result["lora_r"]
             else []
         ),
-        "GB per GPU (1 GB = 1e9 bytes), fastest configuration first:",
+    ]
+    if long_context:
+        lines += [
+            "activations and logits per GPU, GB, by sequence-parallel size (every combination, allowed or "
+            f"not; loss tiles of {result['long_context']['loss_tile_tokens']} tokens):",
+            "",
+            format_activation_table(result),
+            "",
+        ]
+    shown = long_context_words(result["recommended"] or leanest(result))
+    with_ = f", with {', '.join(shown)}" if shown else ""
+    lines += [
+        f"GB per GPU (1 GB = 1e9 bytes), fastest configuration first{with_}:",
         "",
         format_table(result),
         "",
     ]
+    return "\n".join(lines + _recommendation(result))
+
+
+def _recommendation(result: dict[str, Any]) -> list[str]:
+    """The recommended configuration in words, the training flags it needs and its DeepSpeed config."""
     best = result["recommended"]
     if best is None:
-        return "\n".join(lines)
+        return []
     offload = "no offload"
     if best["offload_optimizer"] == "cpu":
         offload = (
@@ -165,12 +238,13 @@ def _report(result: dict[str, Any]) -> str:
             else "optimizer offloaded to CPU"
         )
     ckpt = "on" if best["activation_checkpointing"] else "off"
-    lines += [
-        f"recommended: ZeRO-{best['zero_stage']}, {offload}, activation checkpointing {ckpt} "
+    extra = "".join(f", {word}" for word in long_context_words(best))
+    lines = [
+        f"recommended: ZeRO-{best['zero_stage']}, {offload}, activation checkpointing {ckpt}{extra} "
         f"({best['total_gb_per_gpu']:.1f} GB of {result['usable_gpu_memory_gb']:.1f} GB usable per GPU)",
     ]
-    if best["activation_checkpointing"]:
-        lines.append("train with --gradient_checkpointing true")
+    if best["training_flags"]:
+        lines.append(f"train with {' '.join(best['training_flags'])}")
     lines += ["DeepSpeed config (the optimizer and scheduler come from the training arguments):"]
     lines.append(json.dumps(best["deepspeed_config"], indent=2))
-    return "\n".join(lines)
+    return lines

@@ -29,9 +29,11 @@ from trainer.distributed import (
     leave_process_group,
     print_main,
 )
+from trainer.engine.sequence_parallel import check_layout
 from trainer.evaluation import safe_exp
 from trainer.faults import FaultInjection, fault_plan
 from trainer.launch import build_run
+from trainer.modeling import model_config
 from trainer.ownership import claim_output_dir
 from trainer.plots import plot_runs
 from trainer.recipe import HELP_FLAGS, parse_run_config, run_help
@@ -45,9 +47,10 @@ EXIT_BAD_INPUT = 2
 def run(run_config: RunConfig) -> int:
     args = run_config.training
     hardware = detect_hardware()
-    # Fails fast on impossible batch sizes, fp16 on CPU, bad DeepSpeed JSON: nothing is loaded yet.
-    check(args, dist_info().world_size, hardware)
+    # Fails fast on missing files and packages, a model the sequence split does not fit, impossible
+    # batch sizes, fp16 on CPU, bad DeepSpeed JSON: nothing is loaded yet.
     _check_inputs(run_config, hardware)
+    check(args, dist_info().world_size, hardware)
     check_report_to(args)  # a report_to integration's package, MLflow's store
     init_distributed(hardware, timeout_s=args.ddp_timeout)
     claim_output_dir(args.output_dir, wait_s=args.preemption_grace_s)  # one run per output_dir
@@ -88,6 +91,9 @@ def _check_inputs(run_config: RunConfig, hardware: Hardware) -> None:
     is_local = model_path and (model_path.startswith((".", "/")) or Path(model_path).exists())
     if is_local and not (Path(model_path) / "config.json").is_file():
         raise ConfigError([("model_name_or_path", f"{model_path}: no config.json there")])
+    sp = run_config.training.sequence_parallel_size
+    if sp > 1:  # the model's heads against the split, from its config alone
+        check_layout(model_config(model, None, run_config.data.block_size), sp, dist_info().world_size)
     dataset = run_config.data.dataset
     if (
         dataset != "stdlib"

@@ -553,10 +553,11 @@ def generate(
     nvme_path: str | None = None,
     gradient_clipping: float = 1.0,
     hidden_size: int | None = None,
+    sequence_parallel_size: int = 1,
 ) -> dict[str, Any]:
     """One config for a target cluster (``trainer ds-config generate``): no optimizer or scheduler,
-    which the training script supplies. With a world size it includes train_batch_size; with a
-    hidden size, the ZeRO-3 bucket sizes."""
+    which the training script supplies. With a world size it includes train_batch_size (counting a
+    sequence-parallel group once); with a hidden size, the ZeRO-3 bucket sizes."""
     # Only the batch, precision and ZeRO steps run below, and they read no more than the shortcuts.
     args = cast(
         TrainingArgs,
@@ -569,6 +570,7 @@ def generate(
             nvme_path=nvme_path,
             precision=precision,
             max_grad_norm=gradient_clipping,
+            **({"sequence_parallel_size": sequence_parallel_size} if sequence_parallel_size > 1 else {}),
         ),
     )
     data, _ = _base(args)

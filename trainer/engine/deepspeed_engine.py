@@ -65,6 +65,7 @@ class DeepSpeedEngine(Engine):
         # ZeRO-3's reduce-scatter averages over every rank, sequence-parallel ones too (0.19).
         zero3_sp = self.sp is not None and self.ds.zero_optimization_partition_weights()
         self.grad_divisor = self.ds.seq_dp_world_size if zero3_sp else self.world_size
+        self.partitions: int = self.ds.seq_dp_world_size  # what ZeRO shards over, SP ranks included
 
     @property
     def module(self) -> torch.nn.Module:

@@ -1,0 +1,127 @@
+"""Ulysses sequence parallelism through the user's command, on 4096-token blocks.
+
+One process trains three steps; two ranks under the deepspeed launcher with
+``--sequence_parallel_size 2`` (ZeRO-3) train the same three steps, each rank holding half of every
+row; a third run resumes the SP run's checkpoint-2 with the tiled loss, tiled MLPs, activation
+offload and activation checkpointing on. The runs are shared by the tests below.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from tests.helpers.launch import BIN, free_port, launch
+
+pytestmark = pytest.mark.distributed
+
+MODEL = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2}  # fmt: skip
+COMMON = [
+    "scripts/train.py", "--max_steps", "3", "--logging_steps", "1", "--save_steps", "2", "--eval_steps", "3",
+    "--max_train_samples", "8", "--max_eval_samples", "2", "--block_size", "4096", "--vocab_size", "8192",
+    "--zero_stage", "3", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+    "--model_config_overrides", json.dumps(MODEL),
+]  # fmt: skip
+TILED = ["--tiled_loss", "true", "--tile_tokens", "512", "--tiled_mlp", "--offload_activations",
+         "--gradient_checkpointing"]  # fmt: skip
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(out: Path) -> dict[tuple[int, str], float]:
+    return {(r["step"], k): r[k] for r in _rows(out) for k in ("loss", "eval_loss") if k in r}
+
+
+def _peak(out: Path, cmd: list[str], nproc: int) -> int:
+    """Run under the peak-RSS wrapper; the largest process's peak in bytes."""
+    report = out.parent / f"{out.name}.rss"
+    wrapped = ["-m", "tests.helpers.peak_rss", str(report), "--"]
+    start = [str(BIN / "python")] if nproc == 1 else [str(BIN / "deepspeed"), "--num_gpus", str(nproc),
+                                                       "--master_port", str(free_port())]  # fmt: skip
+    launch([*wrapped, *start, *cmd], launcher="python")
+    return int(report.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sp")
+    one, sp = root / "one", root / "sp"
+    peaks = {
+        "one": _peak(one, [*COMMON, "--output_dir", str(one)], 1),
+        "sp": _peak(sp, [*COMMON, "--output_dir", str(sp), "--sequence_parallel_size", "2"], 2),
+    }
+    resumed = root / "resumed"
+    resumed.mkdir()
+    shutil.copytree(sp / "checkpoint-2", resumed / "checkpoint-2")
+    launch([*COMMON, "--output_dir", str(resumed), "--sequence_parallel_size", "2", *TILED])
+    elsewhere = root / "elsewhere"  # the same checkpoint on one process, without sequence parallelism
+    elsewhere.mkdir()
+    shutil.copytree(sp / "checkpoint-2", elsewhere / "checkpoint-2")
+    launch([*COMMON, "--output_dir", str(elsewhere)], launcher="python")
+    return {"one": one, "sp": sp, "resumed": resumed, "elsewhere": elsewhere, "peaks": peaks}
+
+
+def test_two_ranks_follow_the_one_rank_losses(runs):
+    one, sp = _losses(runs["one"]), _losses(runs["sp"])
+    assert set(one) == set(sp) and len(one) == 4  # three steps and the evaluation
+    for key, value in one.items():
+        assert sp[key] == pytest.approx(value, rel=1e-4), key
+
+
+def test_the_largest_rank_holds_well_below_one_process(runs):
+    peaks = runs["peaks"]
+    # Each rank holds half of every row's activations and logits; the rest (weights, libraries) is equal.
+    assert peaks["sp"] < 0.8 * peaks["one"], peaks
+
+
+def test_the_export_is_the_one_rank_model(runs):
+    one = load_file(runs["one"] / "final" / "model.safetensors")
+    sp = load_file(runs["sp"] / "final" / "model.safetensors")
+    assert one.keys() == sp.keys()
+    for name in one:
+        torch.testing.assert_close(sp[name], one[name], rtol=0, atol=1e-4, msg=name)
+    model = AutoModelForCausalLM.from_pretrained(runs["sp"] / "final")
+    assert model.config.num_attention_heads == MODEL["num_attention_heads"]
+
+
+def test_a_resume_with_tiling_and_offload_continues_the_run(runs):
+    resumed, sp = _losses(runs["resumed"]), _losses(runs["sp"])
+    assert sorted(resumed) == [(3, "eval_loss"), (3, "loss")]
+    for key, value in resumed.items():
+        assert value == pytest.approx(sp[key], rel=1e-4), key
+    weights = load_file(runs["resumed"] / "final" / "model.safetensors")
+    for name, tensor in load_file(runs["sp"] / "final" / "model.safetensors").items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-4, msg=name)
+
+
+def test_a_sequence_parallel_checkpoint_resumes_on_one_process(runs):
+    resumed, sp = _losses(runs["elsewhere"]), _losses(runs["sp"])
+    assert sorted(resumed) == [(3, "eval_loss"), (3, "loss")]
+    for key, value in resumed.items():
+        assert value == pytest.approx(sp[key], rel=1e-4), key
+    # ZeRO-3 shards over both ranks of the group: one process needs the universal form.
+    assert (runs["elsewhere"] / "checkpoint-2" / "universal" / "COMPLETE").exists()
+
+
+def test_a_layout_the_model_cannot_split_is_refused_before_loading(tmp_path):
+    model = json.dumps({**MODEL, "num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 192})
+    out = tmp_path / "bad"
+    proc = launch(
+        [*COMMON, "--output_dir", str(out), "--sequence_parallel_size", "4", "--model_config_overrides", model],
+        launcher="python", check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr
+    assert "sequence_parallel_size: 4 does not divide the model's 6 attention heads" in err
+    assert "4 and the model's 3 key/value heads do not divide one another" in err
+    assert "4 does not divide the 1 ranks of this run" in err
+    assert not (out / "metrics.jsonl").exists()
