@@ -105,6 +105,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--precision", choices=("fp32", "bf16"))
     p.add_argument("--vocab_size", type=int)
     p.add_argument("--model_config", help="JSON of Llama fields replacing the device's default shape")
+    p.add_argument(
+        "--tile_tokens",
+        type=int,
+        default=0,
+        help="ours_sp_tiled's --tile_tokens (0: the trainer's choice, 256 MiB of fp32 logits per loss tile)",
+    )
     p.add_argument("--learning_rate", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument(
@@ -189,13 +195,20 @@ def make_setups(args: argparse.Namespace, gpus: dict[str, Any] | None) -> list[S
         else None
     )
     tiled_sp = sp if not too_few else 1
+    tiled = [*TILED, "--tile_tokens", str(args.tile_tokens)] if args.tile_tokens else TILED
     all_setups = {
         "ours": Setup("ours", "ours, 1 process", "ours", 1, 1, ["--tiled_loss", "false"]),
         "ours_sp": Setup(
             "ours_sp", f"ours, SP={sp}", "ours", sp, sp, ["--tiled_loss", "false"], skip=too_few
         ),
         "ours_sp_tiled": Setup(
-            "ours_sp_tiled", f"ours, SP={tiled_sp} + tiling, offload, ckpt", "ours", tiled_sp, tiled_sp, TILED
+            "ours_sp_tiled",
+            f"ours, SP={tiled_sp} + tiling, offload, ckpt"
+            + (f" (tiles of {args.tile_tokens})" if args.tile_tokens else ""),
+            "ours",
+            tiled_sp,
+            tiled_sp,
+            tiled,
         ),
         "hf": Setup("hf", "HF Trainer, 1 process", "hf", 1, 1),
         "hf_sp": Setup("hf_sp", f"HF Trainer, SP={sp} (ALST)", "hf", sp, sp, skip=too_few),
@@ -394,7 +407,9 @@ class Prober:
             self.data.rows(length)  # warm the tokenisation cache outside the measurement
         cmd = self.command(setup, length, out_dir)
         watch = [sys.executable, "-m", "trainer.bench.peak_rss", "--report", str(report_path),
-                 "--timeout", str(timeout or self.args.probe_timeout)]  # fmt: skip
+                 "--timeout", str(timeout or self.args.probe_timeout),
+                 # Every rank (and launcher) is this interpreter; a JIT compiler under a rank is not.
+                 "--only", sys.executable]  # fmt: skip
         if self.args.device == "cpu":
             watch += ["--cap_bytes", str(self.cap)]
         report_path.unlink(missing_ok=True)
@@ -431,6 +446,8 @@ class Prober:
             largest_process=largest.get("cmd", "")[:160],
             launcher_peak_rss_bytes=rss["launcher_peak_rss_bytes"] if setup.ranks > 1 else None,
             launcher_is_largest=rss["launcher_is_largest"] if setup.ranks > 1 else None,
+            # Processes left out of the measure (DeepSpeed compiling an op under a rank), if any.
+            excluded_peak_rss_bytes=rss["excluded_peak_rss_bytes"] or None,
             rank0_metric_peak_bytes=max(
                 (r.get("peak_memory_allocated_bytes", 0) for r in rows), default=None
             ),

@@ -102,3 +102,12 @@ def test_watcher_stops_the_tree_at_the_cap():
                    cap_bytes=200 * 2**20, interval=0.05)  # fmt: skip
     assert report["stopped"] == "cap" and report["returncode"] == -9
     assert report["wall_s"] < 20 and report["peak_rss_bytes"] > 200 * 2**20
+
+
+def test_watcher_leaves_out_processes_of_another_program():
+    # The child runs python under another argv[0], as a compiler would be another program.
+    child = f"import subprocess, sys; subprocess.run(['allocator', '-c', {ALLOCATE!r}], executable=sys.executable)"
+    report = watch([sys.executable, "-c", child], cap_bytes=200 * 2**20, interval=0.05, only=sys.executable)
+    assert report["stopped"] is None and report["returncode"] == 0  # the cap holds the counted ones only
+    assert report["peak_rss_bytes"] < 100 * 2**20 <= 300 * 2**20 <= report["excluded_peak_rss_bytes"]
+    assert [row["counted"] for row in report["processes"]] == [False, True]

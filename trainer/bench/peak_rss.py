@@ -13,11 +13,15 @@ A launcher's ranks are grandchildren of this process, so their memory is not our
   single descendant that was waited for (the launchers wait for their ranks), which also covers a
   peak reached after the last poll.
 
-The report (JSON, to ``--report`` or stdout) holds ``peak_rss_bytes`` (the larger of the two),
-every process seen with its own peak, the launcher's (the command's own process) peak, whether the
-tree was stopped (for the cap, the timeout, or a SIGTERM/SIGINT sent to this process), the exit
-code and the wall time. This module imports
-nothing but the standard library, so it adds little to the machine's memory.
+``--only PROGRAM`` measures only the processes started as ``PROGRAM`` (``argv[0]``): DeepSpeed
+may compile an op just in time under a rank, and a compiler's peak is not the run's. When it
+leaves any process out, ``ru_maxrss`` (which may be that process's) is reported but not used; a
+training rank reaches its peak during its steps, long before it exits, so the polled figure holds it.
+
+The report (JSON, to ``--report`` or stdout) holds ``peak_rss_bytes``, every process seen with its
+own peak, the launcher's (the command's own process) peak, whether the tree was stopped (for the
+cap, the timeout, or a SIGTERM/SIGINT sent to this process), the exit code and the wall time. This
+module imports nothing but the standard library, so it adds little to the machine's memory.
 """
 
 from __future__ import annotations
@@ -74,12 +78,12 @@ def peak_rss_kib(pid: int) -> int | None:
     return None
 
 
-def _command_line(pid: int) -> str:
+def _argv(pid: int) -> list[str]:
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return ""
-    return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)[:300]
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
 def _kill_tree(root: int) -> None:
@@ -100,8 +104,13 @@ def watch(
     env: dict[str, str] | None = None,
     cwd: str | None = None,
     stdout: object = None,
+    only: str | None = None,
 ) -> dict:
-    """Run ``cmd`` to its end (or until the cap or the timeout stops it) and return the report."""
+    """Run ``cmd`` to its end (or until the cap or the timeout stops it) and return the report.
+
+    ``only``: count only the processes whose program (``argv[0]``) is this one, say the Python
+    interpreter of a training run and its ranks; others (a compiler DeepSpeed runs to build an op
+    just in time) are listed with ``counted: false`` and neither measured nor held to the cap."""
     start = time.monotonic()
     # A SIGTERM or SIGINT to this process stops the command's tree too: it runs in a session of
     # its own, so a signal to our process group (a timeout, ^C) would not reach it.
@@ -119,11 +128,14 @@ def watch(
             kib = peak_rss_kib(pid)
             if kib is None:
                 continue
-            row = seen.setdefault(pid, {"pid": pid, "cmd": _command_line(pid), "peak_rss_bytes": 0})
+            row = seen.setdefault(pid, {"pid": pid, "cmd": "", "counted": True, "peak_rss_bytes": 0})
             row["peak_rss_bytes"] = max(row["peak_rss_bytes"], kib * PAGE_KIB)
-            if not row["cmd"]:
-                row["cmd"] = _command_line(pid)
-            if cap_bytes is not None and row["peak_rss_bytes"] > cap_bytes and stopped is None:
+            if not row["cmd"]:  # read once; a fork shows its parent's until it execs
+                argv = _argv(pid)
+                row["cmd"] = " ".join(argv)[:300]
+                row["counted"] = only is None or (bool(argv) and argv[0] == only)
+            over = cap_bytes is not None and row["peak_rss_bytes"] > cap_bytes
+            if over and row["counted"] and stopped is None:
                 stopped = "cap"
         if stopped is None and timeout is not None and time.monotonic() - start > timeout:
             stopped = "timeout"
@@ -139,9 +151,14 @@ def watch(
         signal.signal(sig, handler)
     children_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * PAGE_KIB
     processes = sorted(seen.values(), key=lambda row: -row["peak_rss_bytes"])
-    polled = processes[0]["peak_rss_bytes"] if processes else 0
+    counted = [row for row in processes if row["counted"]]
+    excluded = max((row["peak_rss_bytes"] for row in processes if not row["counted"]), default=0)
+    polled = counted[0]["peak_rss_bytes"] if counted else 0
     launcher = seen.get(proc.pid, {}).get("peak_rss_bytes", 0)
-    peak = max(children_peak, polled)
+    # ru_maxrss is the largest of all descendants, excluded ones too: with any process left out it
+    # may be that one's (its last peak after the last look), so only the polled figures count.
+    left_out = any(not row["counted"] for row in processes)
+    peak = polled if left_out else max(children_peak, polled)
     if stopped is None and cap_bytes is not None and peak > cap_bytes:
         stopped = "over_cap_at_exit"  # the peak came after the last poll; the run itself finished
     return {
@@ -149,10 +166,12 @@ def watch(
         "returncode": returncode,
         "wall_s": wall,
         "peak_rss_bytes": peak,
-        "largest": processes[0] if processes else None,
+        "largest": counted[0] if counted else None,
+        "excluded_peak_rss_bytes": excluded,
+        "children_ru_maxrss_bytes": children_peak,
         "launcher_peak_rss_bytes": launcher,
         # Only meaningful when the command is a launcher of other processes.
-        "launcher_is_largest": bool(processes) and processes[0]["pid"] == proc.pid and len(processes) > 1,
+        "launcher_is_largest": bool(counted) and counted[0]["pid"] == proc.pid and len(counted) > 1,
         "processes": processes,
         "cap_bytes": cap_bytes,
         "stopped": stopped,
@@ -169,11 +188,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, help="stop the whole tree after this many seconds")
     p.add_argument("--interval", type=float, default=0.1, help="seconds between two looks at /proc")
     p.add_argument("--report", type=Path, help="write the JSON report here (default: stdout)")
+    p.add_argument(
+        "--only", help="measure only processes whose argv[0] is this program (e.g. the interpreter)"
+    )
     args = p.parse_args(argv[:split])
     cmd = argv[split + 1 :]
     if not cmd:
         p.error("no command after --")
-    report = watch(cmd, args.cap_bytes, args.timeout, args.interval)
+    report = watch(cmd, args.cap_bytes, args.timeout, args.interval, only=args.only)
     text = json.dumps(report, indent=1)
     if args.report:
         args.report.write_text(text + "\n")
