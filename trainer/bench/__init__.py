@@ -10,5 +10,12 @@
 - ``loop_overhead``: the loop around the engine without the model
   (``deepspeed --num_gpus 2 --module trainer.bench.loop_overhead``).
 
+And of ``scripts/bench_long_context.py`` (the longest sequence each setup trains under a cap):
+
+- ``long_context``: the setups, the length search, judging a probe, the summary and the table.
+- ``peak_rss``: runs a command and reports the peak RSS of its largest process, stopping the tree
+  at a cap (``python -m trainer.bench.peak_rss``).
+- ``hf_long_context``: HF Trainer's training script, with or without HF's own Ulysses SP.
+
 Nothing here is imported by ``import trainer``: the benchmark is optional and loads on its own.
 """
