@@ -87,6 +87,8 @@ def main(argv: list[str]) -> int:
                 sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"
             ),
         )
+    if args.gradient_checkpointing:  # only when asked: transformers 5 warns that the name is deprecated
+        extra.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     # HF refuses a DeepSpeed value that differs from its own argument: state the dict's values.
     adam = ds_config.get("optimizer", {}).get("params", {})
     schedule = ds_config.get("scheduler", {}).get("params", {})
@@ -113,8 +115,6 @@ def main(argv: list[str]) -> int:
         report_to="none",
         disable_tqdm=True,
         remove_unused_columns=False,
-        gradient_checkpointing=args.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
         **extra,
     )
 
