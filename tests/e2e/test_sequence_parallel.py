@@ -43,12 +43,12 @@ def _losses(out: Path) -> dict[tuple[int, str], float]:
 
 def _peak(out: Path, cmd: list[str], nproc: int) -> int:
     """Run under the peak-RSS wrapper; the largest process's peak in bytes."""
-    report = out.parent / f"{out.name}.rss"
-    wrapped = ["-m", "tests.helpers.peak_rss", str(report), "--"]
+    report = out.parent / f"{out.name}.rss.json"
+    wrapped = ["-m", "trainer.bench.peak_rss", "--report", str(report), "--"]
     start = [str(BIN / "python")] if nproc == 1 else [str(BIN / "deepspeed"), "--num_gpus", str(nproc),
                                                        "--master_port", str(free_port())]  # fmt: skip
     launch([*wrapped, *start, *cmd], launcher="python")
-    return int(report.read_text())
+    return json.loads(report.read_text())["peak_rss_bytes"]
 
 
 @pytest.fixture(scope="module")
