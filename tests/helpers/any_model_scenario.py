@@ -93,9 +93,12 @@ def task(name: str):
         model = BertForMaskedLM(BertConfig(**bert))
         width = max(map(len, text))
         masked = [[t if g.random() < 0.3 else -100 for t in row] for row in text]
+        hidden = [
+            [1 if m != -100 else t for t, m in zip(r, mr, strict=True)]
+            for r, mr in zip(text, masked, strict=True)
+        ]
         rows = {
-            "input_ids": [[1 if m != -100 else t for t, m in zip(r, mr)] + [0] * (width - len(r))
-                          for r, mr in zip(text, masked)],  # fmt: skip
+            "input_ids": [r + [0] * (width - len(r)) for r in hidden],
             "attention_mask": [[1] * len(t) + [0] * (width - len(t)) for t in text],
             "labels": [m + [-100] * (width - len(m)) for m in masked],
         }
@@ -137,8 +140,12 @@ def run(out: Path, name: str, grad_acc: int, stage: int) -> None:
         report_to="none",
         disable_tqdm=True,
         seed=0,
-        deepspeed={"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
-                   "gradient_accumulation_steps": "auto", "train_batch_size": "auto"},  # fmt: skip
+        deepspeed={
+            "zero_optimization": zero,
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto",
+        },  # fmt: skip
     )
     trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data, data_collator=collator)
     trainer.train()
