@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +180,18 @@ def test_seq2seq_arguments_keep_the_generation_settings(tmp_path):
     assert args.to_dict()["generation_config"]["max_new_tokens"] == 5
     with pytest.raises(ConfigError, match="^generation_num_beams: "):
         Seq2SeqTrainingArguments(generation_num_beams=0)
+
+
+def test_importing_the_arguments_loads_neither_torch_nor_transformers():
+    code = (
+        "import sys, trainer\n"
+        "args = trainer.Seq2SeqTrainingArguments(predict_with_generate=True)\n"
+        "assert args.push_to_hub is False and trainer.TrainingArguments().hub_model_id is None\n"
+        "loaded = [m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_docs_list_the_refused_fields_as_the_table_does():
