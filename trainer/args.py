@@ -69,18 +69,9 @@ LogLevel = Literal["passive", "debug", "info", "warning", "error", "critical"]
 REPORT_TO = {"mlflow": "mlflow", "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 
 
-class TrainingArguments(HFArgumentHelpers, hf_fields.HFFields, ArgsModel):
-    """HF's ``TrainingArguments``: every HF field, with HF's names, meanings and defaults (those
-    with no implementation here come from ``hf_fields.HFFields``), plus this trainer's own fields."""
-
-    _hf_deepspeed: Any = PrivateAttr(None)
-
-    def __init__(self, /, **data: Any) -> None:
-        """Built in code or by HfArgumentParser, under ZeRO-3 a script's model is then built
-        partitioned, as with HF's. Not as part of a ``RunConfig``: a run builds its model itself."""
-        super().__init__(**data)
-        if not IN_RUN_CONFIG.get():
-            self._hf_deepspeed = zero3_init(self)
+class TrainingFields(HFArgumentHelpers, ArgsModel):
+    """The fields of ``TrainingArguments`` this trainer implements: HF's, with HF's names and
+    meanings, and its own; and their validation."""
 
     output_dir: str = Field("output", description="Where metrics, checkpoints and the final export go.")
     num_train_epochs: float = Field(1.0, gt=0, description="Epochs to train when max_steps is -1.")
@@ -390,7 +381,7 @@ class TrainingArguments(HFArgumentHelpers, hf_fields.HFFields, ArgsModel):
         return data
 
     @model_validator(mode="after")
-    def _precision_flags(self) -> TrainingArguments:
+    def _precision_flags(self) -> TrainingFields:
         if self.bf16 and self.fp16:
             raise ValueError("bf16, fp16: both enabled; choose one")
         flag = "bf16" if self.bf16 else "fp16" if self.fp16 else None
@@ -399,7 +390,7 @@ class TrainingArguments(HFArgumentHelpers, hf_fields.HFFields, ArgsModel):
         return self
 
     @model_validator(mode="after")
-    def _best_model_is_checkpointed(self) -> TrainingArguments:
+    def _best_model_is_checkpointed(self) -> TrainingFields:
         """As HF's: the best model is reloaded from the checkpoint saved when it was evaluated, so
         checkpoints must be saved at evaluations."""
         if not self.load_best_model_at_end:
@@ -422,6 +413,20 @@ class TrainingArguments(HFArgumentHelpers, hf_fields.HFFields, ArgsModel):
     def requested_precision(self) -> Precision:
         """The precision asked for: the HF-style flags win over the ``precision`` field's default."""
         return "bf16" if self.bf16 else "fp16" if self.fp16 else self.precision
+
+
+class TrainingArguments(hf_fields.HFFields, TrainingFields):
+    """HF's ``TrainingArguments``: every HF field at HF's default (those with no implementation here
+    from ``hf_fields.HFFields``, after ours in ``to_dict`` and ``--help``), plus this trainer's own."""
+
+    _hf_deepspeed: Any = PrivateAttr(None)
+
+    def __init__(self, /, **data: Any) -> None:
+        """Built in code or by HfArgumentParser, under ZeRO-3 a script's model is then built
+        partitioned, as with HF's. Not as part of a ``RunConfig``: a run builds its model itself."""
+        super().__init__(**data)
+        if not IN_RUN_CONFIG.get():
+            self._hf_deepspeed = zero3_init(self)
 
 
 class Seq2SeqTrainingArguments(TrainingArguments):

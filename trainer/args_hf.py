@@ -166,11 +166,9 @@ def dataclass_fields(model: type[BaseModel]) -> dict[str, dataclasses.Field]:
     (and to ``dataclasses.fields``/``asdict``): one field per model field, its description as the
     flag's help. A bool defaulting to True keeps its default, so the parser adds ``--no_<field>``;
     HF's parser reads the default of a field it takes as a list (``list[str] | None`` too) from its
-    factory. HF's fields this trainer refuses come last, so ``--help`` starts with what works."""
+    factory. A refused HF field's help says so."""
     specs = []
-    for name, info in sorted(
-        model.model_fields.items(), key=lambda item: bool(hf_fields.refused_note(item[0]))
-    ):
+    for name, info in model.model_fields.items():
         default = info.get_default(call_default_factory=True)
         shown: dict[str, Any] = {"default": default} if default is True else {"default": Unstated(default)}
         if list in {get_origin(t) for t in (info.annotation, *get_args(info.annotation))}:
