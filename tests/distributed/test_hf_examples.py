@@ -217,9 +217,10 @@ class Runs:
     def _run(self, name: str, kind: str) -> Path:
         task = TASKS[name]
         out = self.root / kind / name
-        args = {**COMMON, **{k: v.replace("{in}", str(self.root)) if isinstance(v, str) else v
-                             for k, v in task.args.items()}}  # fmt: skip
-        args["output_dir"] = str(out)
+        given = {
+            k: v.replace("{in}", str(self.root)) if isinstance(v, str) else v for k, v in task.args.items()
+        }
+        args = {**COMMON, **given, "output_dir": str(out)}
         script = HELPERS / task.script if kind == "hf" else self.root / f"ours_{task.script}"
         if kind == "ours_2":
             args["deepspeed"] = str(self.root / "ds.json")
@@ -249,7 +250,8 @@ def test_hf_reference_run(runs, name):
     """The harness itself: each script runs end to end with transformers' Trainer."""
     out = runs.out(name, "hf")
     files = {p.name for p in out.iterdir()}
-    assert files >= RESULT_FILES | set(TASKS[name].outputs), sorted(RESULT_FILES - files)
+    expected = RESULT_FILES | set(TASKS[name].outputs)
+    assert files >= expected, sorted(expected - files)
     rows = step_rows(out)
     assert [row["step"] for row in rows] == list(range(1, COMMON["max_steps"] + 1))
     assert all(math.isfinite(row["loss"]) and row["grad_norm"] > 0 for row in rows)
@@ -283,7 +285,8 @@ def test_one_process_writes_what_hf_writes(runs, name):
 def test_two_ranks_zero3(runs, name):
     out = runs.out(name, "ours_2")
     files = {p.name for p in out.iterdir()}
-    assert files >= RESULT_FILES | set(TASKS[name].outputs), sorted(RESULT_FILES - files)
+    expected = RESULT_FILES | set(TASKS[name].outputs)
+    assert files >= expected, sorted(expected - files)
     state = read(out, "trainer_state.json")
     assert state["global_step"] == COMMON["max_steps"]
     assert all(math.isfinite(row["loss"]) for row in step_rows(out))
