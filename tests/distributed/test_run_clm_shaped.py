@@ -38,6 +38,7 @@ HF_LAYOUT = {
     "tokenizer.json",
     "tokenizer_config.json",
     "training_args.bin",
+    "README.md",  # the model card the script's last lines write
 }
 # What only ours writes: the DeepSpeed config it ran and the log rows (docs/observability.md).
 OURS_ONLY_FILES = {"ds_config.json", "metrics.jsonl", ".trainer.lock"}
