@@ -14,7 +14,7 @@ import json
 import logging
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, get_origin
+from typing import TYPE_CHECKING, Any, get_args, get_origin
 
 from trainer.config import ConfigError, resolve
 from trainer.config.files import load_source
@@ -159,12 +159,12 @@ def dataclass_fields(model: type[BaseModel]) -> dict[str, dataclasses.Field]:
     """The ``__dataclass_fields__`` that make an argument model a dataclass to ``HfArgumentParser``
     (and to ``dataclasses.fields``/``asdict``): one field per model field, its description as the
     flag's help. A bool defaulting to True keeps its default, so the parser adds ``--no_<field>``;
-    HF's parser reads a list field's default from its factory."""
+    HF's parser reads a list field's default (an optional list's too) from its factory."""
     specs = []
     for name, info in model.model_fields.items():
         default = info.get_default(call_default_factory=True)
         shown: dict[str, Any] = {"default": default} if default is True else {"default": Unstated(default)}
-        if get_origin(info.annotation) is list:
+        if list in {get_origin(info.annotation), *map(get_origin, get_args(info.annotation))}:
             shown = {"default_factory": lambda default=default: Unstated(default)}
         specs.append((name, info.annotation, dataclasses.field(**shown, metadata={"help": info.description})))
     return dataclasses.make_dataclass(model.__name__, specs).__dataclass_fields__

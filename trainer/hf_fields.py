@@ -79,16 +79,8 @@ ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
         (True,),
         "datasets are always cut to the model's inputs (input_ids, labels, position_ids, attention_mask)",
     ),
-    "label_names": ((None, ["labels"]), "the labels are always the `labels` column"),
     "eval_do_concat_batches": ((True,), "predictions are always concatenated over batches"),
     "eval_use_gather_object": ((False,), "predictions are gathered as arrays, padded with -100"),
-    "eval_accumulation_steps": (
-        (None,),
-        "predictions stay on the device until the end of predict; "
-        "use preprocess_logits_for_metrics to shrink them",
-    ),
-    "include_for_metrics": (((), []), "compute_metrics gets predictions and labels only"),
-    "batch_eval_metrics": ((False,), "compute_metrics runs once, over the whole evaluation set"),
     "average_tokens_across_devices": (
         (True,),
         "the loss is always divided by the window's target tokens on all ranks, which is what keeps "
