@@ -344,8 +344,11 @@ def test_batch_eval_metrics_sees_each_batch_then_computes_the_result_as_hf(tmp_p
             assert_same(numpy_of(ours_value), numpy_of(hfs))
     assert one.metrics["test_calls"] == hf.metrics["test_calls"] == 3  # the last call's result
     assert_same(one.predictions, hf.predictions)  # predict keeps the predictions
+    held: list[int] = []
+    add = RowStore.add
+    monkeypatch.setattr(RowStore, "add", lambda store, part: held.append(len(part["index"])) or add(store, part))
     kept = ours(model, rows, collator, compute_metrics=Recorder(), per_batch=True, returned=False)
-    assert kept.predictions is None and kept.label_ids is None  # evaluate: never all held
+    assert kept.predictions is None and kept.label_ids is None and held == []  # evaluate: never held
     # Two ranks: each step's rows of both ranks, in dataset order; every row once.
     two = Recorder()
     on_rank_zero_of_two(
@@ -403,3 +406,13 @@ def test_concat_pads_as_hfs_nested_concat():
     for part in parts[1:]:
         theirs = nested_concat(theirs, part, padding_index=-100)
     assert_same(concat(parts), theirs)
+
+
+def test_a_tuple_output_loses_its_loss_as_hfs_does(tmp_path):
+    """A model returning tuples (``return_dict=False``) puts its loss first; HF's drops it."""
+    model, rows, collator = task("classification")
+    model.config.return_dict = False
+    hf = hf_predict(tmp_path, model, rows, collator)
+    one = ours(model, rows, collator)
+    assert one.predictions.shape == (7, 3)
+    assert_same(one.predictions, hf.predictions)
