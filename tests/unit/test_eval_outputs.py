@@ -250,6 +250,26 @@ def test_without_labels_a_compute_loss_override_is_not_called():
     assert (float(loss), float(count), outputs.logits.shape) == (0.0, 0.0, (2, 3))
 
 
+def test_a_compute_loss_override_that_pops_the_labels_evaluates_the_builtin_loss():
+    """HF's documented override pops ``labels`` from its inputs; the batch's count must not change."""
+    model, rows, collator = task("classification")
+
+    def popping(model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        loss = torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="sum")
+        loss = loss / (num_items_in_batch or len(labels))
+        return (loss, outputs) if return_outputs else loss
+
+    batch = collator(rows[:3])
+    model.eval()
+    with torch.no_grad():
+        builtin = objective_for(model).eval_sum(model, dict(batch))
+        override = objective_for(model, compute_loss=popping).eval_sum(model, batch)
+    assert "labels" in batch and float(override[1]) == float(builtin[1]) == 3.0
+    assert float(override[0]) == pytest.approx(float(builtin[0]), rel=1e-6)
+
+
 # ---- label_names and ignore_keys ---------------------------------------------------------------
 
 
@@ -346,7 +366,9 @@ def test_batch_eval_metrics_sees_each_batch_then_computes_the_result_as_hf(tmp_p
     assert_same(one.predictions, hf.predictions)  # predict keeps the predictions
     held: list[int] = []
     add = RowStore.add
-    monkeypatch.setattr(RowStore, "add", lambda store, part: held.append(len(part["index"])) or add(store, part))
+    monkeypatch.setattr(
+        RowStore, "add", lambda store, part: held.append(len(part["index"])) or add(store, part)
+    )
     kept = ours(model, rows, collator, compute_metrics=Recorder(), per_batch=True, returned=False)
     assert kept.predictions is None and kept.label_ids is None and held == []  # evaluate: never held
     # Two ranks: each step's rows of both ranks, in dataset order; every row once.

@@ -71,8 +71,10 @@ class Objective(ABC):
             outputs = forward(**batch)
             zero = torch.zeros((), device=next(v.device for v in batch.values() if torch.is_tensor(v)))
             return zero, zero, outputs
-        loss, outputs = self.loss_sum(forward, batch, float(self.count(batch)))
-        loss = loss / max(self.count(batch), 1.0)
+        # Counted first, and the forward given a copy: a compute_loss override may pop the labels.
+        count = float(self.count(batch))
+        loss, outputs = self.loss_sum(forward, dict(batch), count)
+        loss = loss / max(count, 1.0)
         rows = torch.tensor(float(batch_rows(batch)), device=loss.device)
         return loss * rows, rows, outputs
 
