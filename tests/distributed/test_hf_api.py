@@ -164,13 +164,21 @@ def test_predict_and_evaluate_metrics(run):
 
 def test_a_compute_loss_override_trains_what_the_builtin_loss_trains(run):
     _, ranks, _ = run
+    rows = ranks[0]["reference"]["rows"]
     for res in ranks:
         runs = res["compute_loss"]
         base = runs["builtin"]
         assert len(base["losses"]) == 2 and base["losses"][0] != base["losses"][1]
+        sums, targets = base["row_sums"], [len(r) - 1 for r in rows]
+        # Evaluated, the built-in causal loss is token-weighted; an override's is HF's: the mean of
+        # the batch means, each weighted by its rows.
+        assert base["eval_loss"] == pytest.approx(sum(sums) / sum(targets), rel=1e-5)
+        batches = [[i for i in b if i >= 0] for b in batches_of_two_ranks(len(rows), 8)]  # HF's default size
+        means = [sum(sums[i] for i in b) / sum(targets[i] for i in b) for b in batches]
+        hf_mean = sum(m * len(b) for m, b in zip(means, batches, strict=True)) / len(rows)
         for name in ("hand", "super"):
             assert runs[name]["losses"] == pytest.approx(base["losses"], rel=1e-6)
-            assert runs[name]["eval_loss"] == pytest.approx(base["eval_loss"], rel=1e-6)
+            assert runs[name]["eval_loss"] == pytest.approx(hf_mean, rel=1e-5)
             assert runs[name]["weights"] == pytest.approx(base["weights"], rel=1e-5, abs=1e-7)
     # num_items_in_batch is the window's target tokens on both ranks, for each of its micro-batches;
     # in evaluation, the batch's own.

@@ -22,6 +22,7 @@ from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOu
 import trainer.predictions
 from trainer import Trainer, TrainingArguments
 from trainer.data import CausalLMCollator
+from trainer.engine import causal_lm_loss_sum
 from trainer.throughput import flops_per_token_for_model
 
 out = Path([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])
@@ -219,7 +220,12 @@ def loss_run(cls, name):
     t.train()
     losses = [r["loss"] for r in t.state.log_history if "loss" in r]
     weights = torch.cat([p.detach().flatten() for p in t.model.parameters()]).tolist()[::97]
-    return {"losses": losses, "eval_loss": t.evaluate()["eval_loss"], "weights": weights}
+    eval_loss = t.evaluate()["eval_loss"]
+    t.model.eval()
+    with torch.no_grad():  # each test row's summed token loss, alone through the trained model
+        sums = [float(causal_lm_loss_sum(t.model(input_ids=torch.tensor([r])).logits, torch.tensor([r])))
+                for r in test["input_ids"]]  # fmt: skip
+    return {"losses": losses, "eval_loss": eval_loss, "weights": weights, "row_sums": sums}
 
 
 uneven = test.select(list(range(13)) * 2)  # 26 rows of 8-32 tokens: 2 windows of 2 x 2 rows per rank
