@@ -163,7 +163,7 @@ options["batch"] = {"calls": batched.calls, "eval_calls": metrics["eval_calls"],
 hf.args.batch_eval_metrics, hf.args.prediction_loss_only = False, True
 found = hf.predict(test)
 options["loss_only"] = {
-    "none": (found.predictions, found.label_ids) == (None, None),
+    "none": found.predictions is None and found.label_ids is None,
     "metrics": found.metrics,
 }
 hf.args.prediction_loss_only = False
