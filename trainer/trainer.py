@@ -53,7 +53,7 @@ from trainer.distributed import (
     print_main,
 )
 from trainer.engine import Engine, Objective, batch_rows, build_engine, is_causal_lm, objective_for
-from trainer.evaluation import eval_batches, evaluation_loop
+from trainer.evaluation import Predictions, eval_batches, evaluation_loop
 from trainer.export import export_hf
 from trainer.faults import fault_plan
 from trainer.guard import NonfiniteGuard
@@ -311,12 +311,14 @@ class Trainer(ResultsAPI, NonfiniteGuard):
     ) -> dict[str, float]:
         """HF's evaluate: ``{prefix}_loss``, the ``compute_metrics`` results,
         ``{prefix}_runtime``/``_samples_per_second``/``_steps_per_second`` and ``epoch``, on every
-        rank; logged as a row. ``ignore_keys`` is accepted for HF's signature: only logits are kept."""
+        rank; logged as a row. ``ignore_keys``: model outputs left out of the predictions."""
         dataset = model_columns(eval_dataset) if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer.evaluate: no eval_dataset")
         predictions = self.compute_metrics is not None and not self.args.prediction_loss_only
-        output = self._evaluation_loop(dataset, metric_key_prefix, predictions)
+        # With batch_eval_metrics, HF's evaluate keeps no predictions (that is its point); predict does.
+        returned = not self.args.batch_eval_metrics
+        output = self._evaluation_loop(dataset, metric_key_prefix, predictions, ignore_keys, returned)
         metrics = {**output.metrics, "epoch": self.state.epoch}
         self._log({**metrics, "step": self.state.global_step})
         self._fire("on_evaluate", metrics=metrics)
@@ -327,23 +329,30 @@ class Trainer(ResultsAPI, NonfiniteGuard):
     ) -> PredictionOutput:
         """HF's predict: the predictions (logits, or what ``preprocess_logits_for_metrics`` makes of
         them) and labels of every sample in dataset order, padded with -100, and the metrics
-        (``{prefix}_loss``, ...), on every rank."""
-        output = self._evaluation_loop(model_columns(test_dataset), metric_key_prefix, True)
+        (``{prefix}_loss``, ... where the set has labels), on every rank."""
+        dataset, predictions = model_columns(test_dataset), not self.args.prediction_loss_only
+        output = self._evaluation_loop(dataset, metric_key_prefix, predictions, ignore_keys)
         return PredictionOutput(
             predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics
         )
 
-    def _evaluation_loop(self, dataset: Dataset, prefix: str, with_predictions: bool) -> EvalLoopOutput:
+    def _evaluation_loop(
+        self,
+        dataset: Dataset,
+        prefix: str,
+        with_predictions: bool,
+        ignore_keys: list[str] | None = None,
+        returned: bool = True,
+    ) -> EvalLoopOutput:
         self._ensure_engine(max(self.state.max_steps, 1))
         start, bs, (world, rank) = time.time(), self.args.per_device_eval_batch_size, self._data_ranks
+        hooks = (self.preprocess_logits_for_metrics, self.compute_metrics, ignore_keys, returned)
         output = evaluation_loop(
             self.engine,
             eval_batches(dataset, self.data_collator, bs, rank, world),
             len(dataset),
             prefix,
-            with_predictions,
-            self.preprocess_logits_for_metrics,
-            self.compute_metrics if with_predictions else None,
+            Predictions.from_args(self.args, *hooks) if with_predictions else None,
             collectives=lambda: self.watchdog.phase("eval"),
         )
         steps = math.ceil(len(dataset) / (bs * world))
@@ -431,6 +440,7 @@ class Trainer(ResultsAPI, NonfiniteGuard):
             self.model,
             self.compute_loss if overridden else None,
             getattr(self.args, "label_smoothing_factor", 0.0),
+            self.args.label_names,
         )
         if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             enable_gradient_checkpointing(self.model)
