@@ -49,6 +49,8 @@ class Predictions:
     per_batch: bool = False  # batch_eval_metrics
     returned: bool = True
     ignore_keys: tuple[str, ...] | None = None  # None: the model config's keys_to_ignore_at_inference
+    # predict_with_generate: a batch's (generated ids, its labels padded alike) in place of its logits
+    generate: Callable[[Batch], tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     @classmethod
     def from_args(
@@ -58,6 +60,7 @@ class Predictions:
         compute_metrics: Callable[..., Any] | None,
         ignore_keys: list[str] | None = None,
         returned: bool = True,
+        generate: Callable[[Batch], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     ) -> Predictions:
         return cls(
             preprocess,
@@ -67,6 +70,7 @@ class Predictions:
             args.batch_eval_metrics,
             returned,
             None if ignore_keys is None else tuple(ignore_keys),
+            generate,
         )
 
 
@@ -165,7 +169,11 @@ def _forward(
         return {}, sums
     keep = torch.tensor([i >= 0 for i in rows])
     targets = _labels(batch, objective.label_names, engine.device) if labelled else None
-    logits = _logits(outputs, engine.module, predictions.ignore_keys)
+    if predictions.generate is not None:
+        logits, padded = predictions.generate(batch)
+        targets = padded if targets is not None else None
+    else:
+        logits = _logits(outputs, engine.module, predictions.ignore_keys)
     kept = predictions.preprocess(logits, targets) if predictions.preprocess is not None else logits
     part: Part = {"index": np.array(rows)[keep.numpy()], "predictions": select_rows(kept, keep)}
     if targets is not None:

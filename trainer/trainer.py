@@ -352,12 +352,17 @@ class Trainer(ResultsAPI, NonfiniteGuard):
             eval_batches(dataset, self.data_collator, bs, rank, world),
             len(dataset),
             prefix,
-            Predictions.from_args(self.args, *hooks) if with_predictions else None,
+            Predictions.from_args(self.args, *hooks, self._generation()) if with_predictions else None,
             collectives=lambda: self.watchdog.phase("eval"),
         )
         steps = math.ceil(len(dataset) / (bs * world))
         output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
         return output
+
+    def _generation(self) -> Callable[[dict[str, torch.Tensor]], Any] | None:
+        """What produces predictions in place of the logits: nothing here (``Seq2SeqTrainer``
+        generates)."""
+        return None
 
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
