@@ -119,6 +119,11 @@ class TrainingArguments(HFArgumentHelpers, _Args):
     data_seed: int | None = Field(
         None, description="Seed of the data order (the sampler's shuffle); default: seed."
     )
+    remove_unused_columns: bool = Field(
+        True,
+        description="Drop the dataset columns the model's forward takes no argument for (labels are kept); "
+        "false keeps every column, for a collator or transform that reads them.",
+    )
     do_train: bool = Field(
         False, description="HF's flag for scripts (whether to train); the Trainer does not read it."
     )

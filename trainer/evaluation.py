@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
-from trainer.data import IGNORE_INDEX, MODEL_INPUTS, pad_stack
+from trainer.data import IGNORE_INDEX, pad_stack
 from trainer.distributed import all_gather_object, all_reduce_sum
 from trainer.engine import Batch, Engine, count_targets
 
@@ -42,7 +42,7 @@ def eval_batches(
     for start in range(0, len(indices), batch_size):
         chunk = indices[start : start + batch_size]
         batch = collator([dataset[i if i >= 0 else 0] for i in chunk])
-        batch = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
+        batch = dict(batch)  # all the collator made reaches the model, as in HF's loop
         pad_rows = torch.tensor([i < 0 for i in chunk])
         batch["labels"] = batch["labels"].masked_fill(pad_rows[:, None], IGNORE_INDEX)
         yield batch, chunk

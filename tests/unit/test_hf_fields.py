@@ -35,8 +35,9 @@ def test_a_refused_field_says_why_whatever_its_value(name):
     assert f"{name}: HF's field, refused: {REFUSED[name]}" in str(err.value)
 
 
-@pytest.mark.parametrize(("name", "other"), [("remove_unused_columns", False), ("label_names", ["label"]),
-                                             ("average_tokens_across_devices", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "other"), [("label_names", ["label"]), ("average_tokens_across_devices", False)]
+)
 def test_a_field_fixed_to_our_behaviour_is_accepted_there_and_refused_elsewhere(name, other):
     for value in ONLY[name][0]:
         assert TrainingArguments(**{name: value}).to_dict() == TrainingArguments().to_dict()
