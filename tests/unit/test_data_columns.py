@@ -4,7 +4,9 @@ evaluation batches keeping everything the collator made. Tiny HF models built fr
 
 from __future__ import annotations
 
+import json
 import logging
+import textwrap
 from types import SimpleNamespace
 
 import datasets
@@ -26,6 +28,7 @@ from transformers import (
     default_data_collator,
 )
 
+from tests.helpers.launch import launch
 from tests.helpers.sft_data import tokenizer as bpe_tokenizer
 from trainer.args import TrainingArguments
 from trainer.data import CausalLMCollator, ResumableDistributedSampler, default_collator_for, model_columns
@@ -215,3 +218,51 @@ def test_training_and_evaluation_batches_keep_all_the_collator_made():
     assert set(window[0]) == {"input_ids", "labels", "token_type_ids"}
     (batch, _), *_ = eval_batches(rows, collate, 2, rank=0, world_size=1)
     assert set(batch) == {"input_ids", "labels", "token_type_ids"}
+
+
+# ---- through the Trainer, as a user script builds it --------------------------------------------
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import datasets
+    from transformers import BertConfig, BertForSequenceClassification, DataCollatorWithPadding
+    from tests.helpers.sft_data import tokenizer
+    from trainer import Trainer, TrainingArguments
+
+    out = sys.argv[1]
+    glue = datasets.Dataset.from_dict({"input_ids": [[5, 6]], "token_type_ids": [[0, 1]], "label": [1],
+                                       "sentence": ["a b"]})
+    model = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=37))
+    tok = tokenizer()
+
+    def collate(rows):
+        return {"rows": len(rows)}
+
+    def build(**fields):
+        return Trainer(model=model, args=TrainingArguments(output_dir=out, **fields), train_dataset=glue,
+                       eval_dataset=glue, processing_class=tok)
+
+    pruned, kept = build(), build(remove_unused_columns=False)
+    given = Trainer(model=model, args=TrainingArguments(output_dir=out), train_dataset=glue, data_collator=collate)
+    result = {
+        "train": pruned.train_dataset.column_names,
+        "eval": pruned.eval_dataset.column_names,
+        "kept": kept.train_dataset.column_names,
+        "padding": isinstance(pruned.data_collator, DataCollatorWithPadding),
+        "given": given.data_collator is collate,
+    }
+    json.dump(result, open(f"{out}/result.json", "w"))
+    """
+)
+
+
+def test_the_trainer_prunes_and_picks_its_collator_as_hfs_does(tmp_path):
+    script = tmp_path / "columns.py"
+    script.write_text(SCRIPT)
+    launch([str(script), str(tmp_path)], launcher="python", timeout=600)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["train"] == result["eval"] == ["input_ids", "token_type_ids", "label"]
+    assert result["kept"] == ["input_ids", "token_type_ids", "label", "sentence"]
+    assert result["padding"] and result["given"]
