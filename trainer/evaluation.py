@@ -25,7 +25,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 
 from trainer.data import IGNORE_INDEX, pad_stack
 from trainer.distributed import all_gather_object, all_reduce_sum
-from trainer.engine import Batch, Engine, count_targets
+from trainer.engine import Batch, Engine
 
 PAD_INDEX = -100  # HF's padding of predictions and labels of different lengths
 Row = tuple[int, Any, np.ndarray]  # (dataset index, this sample's predictions, its labels)
@@ -34,8 +34,8 @@ Row = tuple[int, Any, np.ndarray]  # (dataset index, this sample's predictions, 
 def eval_batches(
     dataset: Any, collator: Callable, batch_size: int, rank: int, world_size: int
 ) -> Iterator[tuple[Batch, list[int]]]:
-    """This rank's share of ``dataset`` as (batch, dataset indices); -1 marks a padding row, whose
-    labels are all masked so it adds nothing to the loss."""
+    """This rank's share of ``dataset`` as (batch, dataset indices); -1 marks a padding row (a copy
+    of row 0), which ``_forward`` keeps out of the loss and the predictions."""
     n = len(dataset)
     indices = list(range(rank, n, world_size))
     indices += [-1] * (math.ceil(n / world_size) - len(indices))
@@ -43,9 +43,23 @@ def eval_batches(
         chunk = indices[start : start + batch_size]
         batch = collator([dataset[i if i >= 0 else 0] for i in chunk])
         batch = dict(batch)  # all the collator made reaches the model, as in HF's loop
-        pad_rows = torch.tensor([i < 0 for i in chunk])
-        batch["labels"] = batch["labels"].masked_fill(pad_rows[:, None], IGNORE_INDEX)
         yield batch, chunk
+
+
+def without_padding_rows(batch: Batch, indices: list[int], token_exact: bool) -> tuple[Batch, float]:
+    """(the batch to forward, the weight of its loss). Ranks run the same number of forwards
+    (ZeRO-3 and the pipeline need it), so a shard that ran out forwards padding rows. A token-exact
+    causal loss masks their labels, keeping every rank's shapes; a model's own loss is a mean that
+    cannot leave rows out, so they are cut, and a batch of padding alone counts for nothing."""
+    real = torch.tensor([i >= 0 for i in indices])
+    if bool(real.all()):
+        return batch, 1.0
+    if token_exact:
+        return {**batch, "labels": batch["labels"].masked_fill(~real[:, None], IGNORE_INDEX)}, 1.0
+    if not bool(real.any()):
+        return {k: v[:1] if torch.is_tensor(v) else v for k, v in batch.items()}, 0.0
+    rows = len(indices)
+    return {k: v[real] if torch.is_tensor(v) and len(v) == rows else v for k, v in batch.items()}, 1.0
 
 
 def evaluation_loop(
@@ -87,27 +101,39 @@ def _forward(
     with_predictions: bool,
     preprocess: Callable[[torch.Tensor, torch.Tensor], Any] | None,
 ) -> tuple[torch.Tensor, list[Row]]:
-    """([summed loss, target tokens] of this rank on the device, this rank's prediction rows)."""
+    """([summed loss, its count] of this rank on the device, this rank's prediction rows)."""
     # In the loss's own fp32, summed batch by batch as training sums its windows.
     sums = torch.zeros(2, device=engine.device)
     rows: list[Row] = []
+    token_exact = engine.objective.token_exact_causal
     engine.train(False)
     try:
         for batch, indices in batches:
+            batch, weight = without_padding_rows(batch, indices, token_exact)
+            loss, count, outputs = engine.eval_step(batch, outputs=with_predictions)
+            sums += torch.stack([loss.float(), count.float()]) * weight
             if not with_predictions:
-                loss, count = engine.eval_loss_sum(batch)
-                sums += torch.stack([loss, count])
                 continue
-            logits = engine.logits(batch)
-            labels = batch["labels"].to(logits.device)
-            sums[0] += engine.loss_fn(logits, labels)
-            sums[1] += count_targets(batch)
+            logits = _logits(outputs, engine.module)
+            labels = batch["labels"].to(engine.device)
             kept = preprocess(logits, labels) if preprocess is not None else logits
             kept, host_labels = _numpy(kept), batch["labels"].numpy()
-            rows += [(i, _take(kept, j), host_labels[j]) for j, i in enumerate(indices) if i >= 0]
+            real = [i for i in indices if i >= 0] if weight else []
+            rows += [(i, _take(kept, j), host_labels[j]) for j, i in enumerate(real)]
     finally:
         engine.train(True)
     return sums, rows
+
+
+def _logits(outputs: Any, model: torch.nn.Module) -> Any:
+    """HF's predictions of a forward: every output but the loss and the keys the model's config
+    ignores at inference (HF's default: a cache); a single one as itself, several as a tuple."""
+    ignore = set(getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", ["cache"]))
+    if isinstance(outputs, dict):
+        values = tuple(v for k, v in outputs.items() if k not in ignore | {"loss"})
+    else:
+        values = tuple(outputs)
+    return values[0] if len(values) == 1 else values
 
 
 def _numpy(value: Any) -> Any:
