@@ -84,10 +84,6 @@ REFUSED: dict[str, str] = {
 }
 
 ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
-    "remove_unused_columns": (
-        (True,),
-        "datasets are always cut to the model's inputs (input_ids, labels, position_ids, attention_mask)",
-    ),
     "eval_do_concat_batches": ((True,), "predictions are always concatenated over batches"),
     "eval_use_gather_object": ((False,), "predictions are gathered as arrays, padded with -100"),
     "average_tokens_across_devices": (

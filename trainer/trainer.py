@@ -42,7 +42,7 @@ from trainer.callbacks import (
 )
 from trainer.config import resolve
 from trainer.config.files import precision_of
-from trainer.data import ResumableDistributedSampler, default_collator, model_columns
+from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
 from trainer.data.loader import accumulation_windows, data_seed
 from trainer.distributed import (
     all_reduce_sum,
@@ -101,10 +101,10 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         self.model = model
         if getattr(model, "config", None) is not None:  # as HF's: no cache in training or evaluation
             model.config.use_cache = getattr(self.args, "use_cache", False)
-        self.train_dataset = model_columns(train_dataset)
-        self.eval_dataset = model_columns(eval_dataset)
+        self.train_dataset = model_columns(train_dataset, model, self.args, "training")
+        self.eval_dataset = model_columns(eval_dataset, model, self.args, "evaluation")
         self.processing_class = processing_class or tokenizer
-        self.data_collator = data_collator or default_collator(self.processing_class)
+        self.data_collator = data_collator or default_collator_for(model, self.processing_class)
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.client_optimizer, self.client_scheduler = optimizers
@@ -312,7 +312,9 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         """HF's evaluate: ``{prefix}_loss``, the ``compute_metrics`` results,
         ``{prefix}_runtime``/``_samples_per_second``/``_steps_per_second`` and ``epoch``, on every
         rank; logged as a row. ``ignore_keys``: model outputs left out of the predictions."""
-        dataset = model_columns(eval_dataset) if eval_dataset is not None else self.eval_dataset
+        dataset = (
+            self.eval_dataset if eval_dataset is None else model_columns(eval_dataset, self.model, self.args)
+        )
         if dataset is None:
             raise ValueError("Trainer.evaluate: no eval_dataset")
         predictions = self.compute_metrics is not None and not self.args.prediction_loss_only
@@ -330,7 +332,8 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         """HF's predict: the predictions (logits, or what ``preprocess_logits_for_metrics`` makes of
         them) and labels of every sample in dataset order, padded with -100, and the metrics
         (``{prefix}_loss``, ... where the set has labels), on every rank."""
-        dataset, predictions = model_columns(test_dataset), not self.args.prediction_loss_only
+        dataset = model_columns(test_dataset, self.model, self.args)
+        predictions = not self.args.prediction_loss_only
         output = self._evaluation_loop(dataset, metric_key_prefix, predictions, ignore_keys)
         return PredictionOutput(
             predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics
