@@ -94,7 +94,8 @@ def task(name: str):
     if name == "masked_lm":
         model = BertForMaskedLM(BertConfig(**bert))
         width = max(map(len, text))
-        masked = [[t if g.random() < 0.3 else -100 for t in row] for row in text]
+        # At least one masked token a row: a row's mean loss over no tokens is 0/0.
+        masked = [[t if k == 0 or g.random() < 0.3 else -100 for k, t in enumerate(row)] for row in text]
         hidden = [
             [1 if m != -100 else t for t, m in zip(r, mr, strict=True)]
             for r, mr in zip(text, masked, strict=True)
@@ -133,7 +134,7 @@ def run(out: Path, name: str, grad_acc: int, stage: int) -> None:
         output_dir=str(out / f"{name}-zero{stage}"),
         max_steps=3,
         per_device_train_batch_size=1,
-        per_device_eval_batch_size=4,
+        per_device_eval_batch_size=1,  # HF weights batch means by rows: one row a batch, any layout
         gradient_accumulation_steps=grad_acc,
         learning_rate=5e-3,
         lr_scheduler_type="constant",

@@ -225,20 +225,24 @@ def test_schedules(schedule, expected):
     assert ds["scheduler"] == expected
 
 
-def test_no_warmup_starts_at_the_peak():
-    ds = resolve(args(learning_rate=1e-3, max_steps=50), 1, CPU)
-    assert ds["scheduler"]["params"]["warmup_min_lr"] == 1e-3
-    ds = resolve(args(learning_rate=1e-3, max_steps=50, lr_scheduler_type="cosine"), 1, CPU)
-    assert ds["scheduler"]["params"]["warmup_min_ratio"] == 1.0
+def test_no_warmup_is_transformers_schedule_and_a_constant_rate_deepspeeds():
+    """Without warmup DeepSpeed's WarmupDecayLR would hold the peak for the whole run (its floor is
+    the peak) and its cosine would hold it for two steps: transformers' schedules run instead."""
+    for kind in ("linear", "cosine"):
+        assert "scheduler" not in resolve(
+            args(learning_rate=1e-3, max_steps=50, lr_scheduler_type=kind), 1, CPU
+        )
+    ds = resolve(args(learning_rate=1e-3, max_steps=50, lr_scheduler_type="constant"), 1, CPU)
+    assert ds["scheduler"]["params"]["warmup_min_lr"] == ds["scheduler"]["params"]["warmup_max_lr"] == 1e-3
 
 
 def test_total_steps_given_by_the_trainer_win_over_max_steps():
-    ds = resolve(args(max_steps=-1), 1, CPU, total_steps=321)
+    ds = resolve(args(max_steps=-1, warmup_steps=5), 1, CPU, total_steps=321)
     assert ds["scheduler"]["params"]["total_num_steps"] == 321
 
 
 def test_total_steps_unknown():
-    assert problems(resolve, args(), 1, CPU) == [
+    assert problems(resolve, args(warmup_steps=5), 1, CPU) == [
         (
             "scheduler.params.total_num_steps",
             "cannot be resolved: max_steps is -1 and the run's number of training steps was not given; set max_steps",
@@ -559,13 +563,15 @@ def test_skip_policy_is_refused_where_deepspeed_applies_non_finite_steps():
         resolve(ok, 2, A100 if ok.precision == "fp16" else CPU)
 
 
-def test_a_one_step_warmup_is_transformers_schedule_unless_the_file_names_one():
-    """DeepSpeed's warmup schedulers warm up over at least two steps; HF's one-step warmup (0, then
-    the peak) is left to transformers' scheduler, so the resolved config has none."""
+def test_a_warmup_under_two_steps_is_transformers_schedule_unless_the_file_names_one():
+    """DeepSpeed's warmup schedulers warm up over at least two steps, and WarmupDecayLR without a
+    warmup never decays; HF's one-step warmup (0, then the peak) and no warmup (the peak, then
+    down) are left to transformers' scheduler, so the resolved config has none."""
     from trainer.steps import client_scheduler
 
-    for warmup in ({"warmup_steps": 1}, {"warmup_ratio": 0.1}):
-        run = args(max_steps=10, learning_rate=1e-2, **warmup)
+    expected = {1: [0.0, 1e-2, 1e-2 * 8 / 9], 0: [1e-2, 1e-2 * 9 / 10, 1e-2 * 8 / 10]}
+    for warmup, fields in ((1, {"warmup_steps": 1}), (1, {"warmup_ratio": 0.1}), (0, {})):
+        run = args(max_steps=10, learning_rate=1e-2, **fields)
         ds = resolve(run, 1, CPU)
         assert "scheduler" not in ds
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2)
@@ -575,7 +581,7 @@ def test_a_one_step_warmup_is_transformers_schedule_unless_the_file_names_one():
             rates.append(optimizer.param_groups[0]["lr"])
             optimizer.step()
             schedule.step()
-        assert rates == pytest.approx([0.0, 1e-2, 1e-2 * 8 / 9])
+        assert rates == pytest.approx(expected[warmup])
     assert resolve(args(max_steps=10, warmup_steps=2), 1, CPU)["scheduler"]["params"]["warmup_num_steps"] == 2
     given = {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto"}}}
     ds = resolve(args(max_steps=10, warmup_steps=1, deepspeed=given), 1, CPU)

@@ -56,15 +56,17 @@ def deepspeed_schedules(args: TrainingArgs) -> bool:
     return args.lr_scheduler_type in _SCHEDULERS and not args.lr_scheduler_kwargs
 
 
-def one_step_warmup(args: TrainingArgs, total_steps: int | None) -> bool:
-    """A warmup of exactly one step (HF's: 0 at the first step, the peak at the second), which
-    DeepSpeed's warmup schedulers stretch to two; transformers' scheduler runs it instead, unless
-    the user's DeepSpeed file names a scheduler of its own."""
+def short_warmup(args: TrainingArgs, total_steps: int | None) -> bool:
+    """A warmup of fewer than two steps, which DeepSpeed's warmup schedulers cannot follow: they
+    stretch it to two steps, and with none ``WarmupDecayLR`` never decays (its floor is the peak).
+    transformers' scheduler runs it instead (HF's: a one-step warmup is 0 at the first step and
+    the peak at the second; none starts at the peak), unless the user's DeepSpeed file names a
+    scheduler of its own. A constant rate has no warmup to follow."""
     if args.lr_scheduler_type == "constant":
         return False
     total = total_steps or (args.max_steps if args.max_steps > 0 else 0)
     warmup = args.warmup_steps if args.warmup_steps > 0 else math.ceil(args.warmup_ratio * total)
-    return warmup == 1
+    return warmup < 2
 
 
 def _set(data: dict[str, Any], path: str, value: Any) -> None:
@@ -485,7 +487,7 @@ def resolve(
     client_scheduler = (
         client_scheduler
         or not deepspeed_schedules(args)
-        or ("scheduler" not in data and one_step_warmup(args, total_steps))
+        or ("scheduler" not in data and short_warmup(args, total_steps))
     )
     return _pool_stages(_run(r, client_optimizer, client_scheduler))
 
