@@ -1,9 +1,10 @@
 """HF's evaluation loop over an Engine: what ``Trainer.evaluate`` and ``Trainer.predict`` run.
 
-Each rank forwards its own share of the dataset (``eval_batches``); shards are padded with fully
-masked rows so every rank runs the same number of forwards, which ZeRO-3 and the pipeline need. The
-loss is the sum of every target token's loss over the number of target tokens, reduced over ranks
-(token-weighted, as the training loss; HF averages per-batch means instead).
+Each rank forwards its own share of the dataset (``eval_batches``, over ``eval_dataloader``);
+shards are padded with fully masked rows so every rank runs the same number of forwards, which
+ZeRO-3 and the pipeline need. The loss is the sum of every target token's loss over the number of
+target tokens, reduced over ranks (token-weighted, as the training loss; HF averages per-batch
+means instead).
 
 With predictions, each batch's logits (and labels) go through ``preprocess_logits_for_metrics`` on
 the rank that computed them, before anything is gathered: only what it returns travels, so an
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, Dataset
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
 from trainer.data import IGNORE_INDEX, MODEL_INPUTS, pad_stack
@@ -31,21 +33,78 @@ PAD_INDEX = -100  # HF's padding of predictions and labels of different lengths
 Row = tuple[int, Any, np.ndarray]  # (dataset index, this sample's predictions, its labels)
 
 
+class EvalShard(Dataset):
+    """This rank's share of an evaluation set: rows ``rank, rank + world_size, ...``, padded to
+    ``ceil(n / world_size)`` rows with copies of row 0 (index -1), so every rank runs as many
+    forwards. Items are (dataset index, row)."""
+
+    def __init__(self, dataset: Any, rank: int, world_size: int):
+        self.dataset = dataset
+        n = len(dataset)
+        self.indices = list(range(rank, n, world_size))
+        self.indices += [-1] * (math.ceil(n / world_size) - len(self.indices))
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, j: int) -> tuple[int, Any]:
+        i = self.indices[j]
+        return i, self.dataset[i if i >= 0 else 0]
+
+
+class MaskPaddingRows:
+    """The Trainer's collator over ``EvalShard`` items: a padding row's labels are all masked, so
+    it adds nothing to the loss (a class, not a closure, so worker processes can pickle it)."""
+
+    def __init__(self, collator: Callable):
+        self.collator = collator
+
+    def __call__(self, items: list[tuple[int, Any]]) -> Batch:
+        batch = self.collator([row for _, row in items])
+        pad_rows = torch.tensor([i < 0 for i, _ in items])
+        if "labels" in batch and pad_rows.any():
+            labels = batch["labels"]
+            batch["labels"] = labels.masked_fill(pad_rows.view(-1, *[1] * (labels.dim() - 1)), IGNORE_INDEX)
+        return batch
+
+
+def eval_dataloader(
+    dataset: Any,
+    collator: Callable,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    drop_last: bool = False,
+    persistent_workers: bool = False,
+    prefetch_factor: int | None = None,
+) -> DataLoader:
+    """This rank's evaluation batches (``EvalShard`` order, padding rows masked): what
+    ``eval_batches`` reads, and ``Trainer.get_eval_dataloader``/``get_test_dataloader`` return."""
+    return DataLoader(
+        EvalShard(dataset, rank, world_size),
+        batch_size=batch_size,
+        shuffle=False,
+        collate_fn=MaskPaddingRows(collator),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        drop_last=drop_last,
+        persistent_workers=num_workers > 0 and persistent_workers,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+    )
+
+
 def eval_batches(
     dataset: Any, collator: Callable, batch_size: int, rank: int, world_size: int
 ) -> Iterator[tuple[Batch, list[int]]]:
     """This rank's share of ``dataset`` as (batch, dataset indices); -1 marks a padding row, whose
-    labels are all masked so it adds nothing to the loss."""
-    n = len(dataset)
-    indices = list(range(rank, n, world_size))
-    indices += [-1] * (math.ceil(n / world_size) - len(indices))
-    for start in range(0, len(indices), batch_size):
-        chunk = indices[start : start + batch_size]
-        batch = collator([dataset[i if i >= 0 else 0] for i in chunk])
+    labels are all masked so it adds nothing to the loss. Every row is evaluated (no drop_last)."""
+    loader = eval_dataloader(dataset, collator, batch_size, rank, world_size)
+    indices = loader.dataset.indices
+    for start, batch in zip(range(0, len(indices), batch_size), loader, strict=True):
         batch = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
-        pad_rows = torch.tensor([i < 0 for i in chunk])
-        batch["labels"] = batch["labels"].masked_fill(pad_rows[:, None], IGNORE_INDEX)
-        yield batch, chunk
+        yield batch, indices[start : start + batch_size]
 
 
 def evaluation_loop(

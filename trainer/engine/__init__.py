@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from trainer.config.errors import ConfigError
-from trainer.engine.core import Batch, Engine, LossFn, weight_decay_groups
+from trainer.engine.core import Batch, Engine, LossFn, is_decayed, weight_decay_groups
 from trainer.engine.deepspeed_engine import ComputeLoss, DeepSpeedEngine
 from trainer.engine.loss import causal_lm_loss_sum, count_targets
 from trainer.engine.pipeline_engine import PipelineEngine
@@ -28,6 +28,7 @@ __all__ = [
     "build_engine",
     "causal_lm_loss_sum",
     "count_targets",
+    "is_decayed",
     "plan_tiling",
     "weight_decay_groups",
 ]
