@@ -101,12 +101,12 @@ def test_the_optimizer_and_scheduler_are_the_engines(run):
         )
         assert opt["other_model"].startswith("ValueError: Trainer.create_optimizer: DeepSpeed builds")
         assert opt["other_optimizer"].startswith("ValueError: Trainer.create_scheduler: DeepSpeed steps")
-        # Built before train(): the 8-step schedule is the one that trains (3 steps of it). Step 3
-        # runs at DeepSpeed's WarmupDecayLR after 2 steps: (8 - 2) / (8 - 1) of the peak (a 3-step
-        # schedule would be at (3 - 2) / (3 - 1)).
+        # Built before train(): the 8-step schedule is the one that trains (4 steps of it). A logged
+        # rate is DeepSpeed's WarmupDecayLR after the step (its warmup lasts at least 2 iterations):
+        # 0, 1/2, then (8 - 3) / (8 - 2) of the peak at step 4, where a 4-step schedule has 1/2.
         early = res["early"]
         assert early["engine_kept"] and early["total_num_steps"] == 8
-        assert early["learning_rates"] == pytest.approx([1e-2, 1e-2, 1e-2 * 6 / 7])
+        assert early["learning_rates"] == pytest.approx([0.0, 5e-3, 1e-2, 1e-2 * 5 / 6])
         # create_optimizer alone: one planned epoch of 20 rows per rank in micro-batches of 2.
         planned = res["planned"]
         assert planned["is_engines"] and planned["total_num_steps"] == 10

@@ -188,8 +188,9 @@ def main() -> None:
 
     # ---- an engine built before train(): create_optimizer_and_scheduler's schedule is kept --------
     early_args = TrainingArguments(
-        output_dir=str(out / "early"), max_steps=3, per_device_train_batch_size=2, logging_steps=1,
-        save_strategy="no", learning_rate=1e-2, lr_scheduler_type="linear", disable_tqdm=True, seed=0,
+        output_dir=str(out / "early"), max_steps=4, per_device_train_batch_size=2, logging_steps=1,
+        save_strategy="no", learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=1, disable_tqdm=True,
+        seed=0,
         report_to="none",
     )  # fmt: skip
     early = Trainer(model=LlamaForCausalLM(tiny_config()), args=early_args, train_dataset=train_ds,
