@@ -88,7 +88,7 @@ def test_log_adds_epoch_and_step_to_the_history_and_metrics_jsonl(run):
 def test_pop_and_remove_callback_on_a_trainer(run):
     _, ranks = run
     for res in ranks:
-        assert res["popped_is_instance"] and res["pop_absent"] is None
+        assert res["popped_is_instance"] and res["pop_absent"] == "NoneType"
         assert res["callbacks"] == ["DefaultFlowCallback", "Forwards", "LogAtStep", "MetricsCallback"]
 
 

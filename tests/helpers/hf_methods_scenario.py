@@ -153,7 +153,7 @@ def main() -> None:
     t.remove_callback(ProgressCallback)
     report["callbacks"] = [type(cb).__name__ for cb in t.callback_handler.callbacks]
     report["popped_is_instance"] = isinstance(metrics_cb, MetricsCallback)
-    report["pop_absent"] = t.pop_callback(ProgressCallback)
+    report["pop_absent"] = type(t.pop_callback(ProgressCallback)).__name__  # NoneType: none was left
     report["on_log_seen"] = log_at.seen
     report["state_epoch"] = t.state.epoch
 
