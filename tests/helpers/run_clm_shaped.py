@@ -1,7 +1,8 @@
 """A causal-LM training script in the shape of transformers' language-modeling example (run_clm):
 argument dataclasses parsed by ``HfArgumentParser`` (flags, or one ``.json`` file), local text files
 through ``datasets``, tokenisation under ``main_process_first``, text grouped into blocks, a model
-built from a config, then train / save / evaluate with the result files HF's examples write.
+built from a config, then train / save / evaluate with the result files HF's examples write, and
+the model card run_clm ends with.
 
 Its only trainer-specific line is the ``Trainer, TrainingArguments`` import below: the test runs it
 as it is (HF's Trainer) and with that line swapped for ``from trainer import ...`` (ours).
@@ -265,6 +266,12 @@ def main():
         metrics["perplexity"] = perplexity
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
+
+    kwargs = {"tasks": "text-generation", "dataset": os.path.basename(data_args.train_file or "")}
+    if training_args.push_to_hub:
+        trainer.push_to_hub(**kwargs)
+    else:
+        trainer.create_model_card(**kwargs)
 
 
 if __name__ == "__main__":
