@@ -10,18 +10,26 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Trainer", "TrainingArguments", "TrainerCallback", "TrainerControl", "TrainerState"]
+__all__ = [
+    "Seq2SeqTrainingArguments",
+    "Trainer",
+    "TrainingArguments",
+    "TrainerCallback",
+    "TrainerControl",
+    "TrainerState",
+]
 
 _LAZY = {
     "Trainer": "trainer.trainer",
     "TrainingArguments": "trainer.args",
+    "Seq2SeqTrainingArguments": "trainer.args",
     "TrainerCallback": "trainer.callbacks",
     "TrainerControl": "trainer.callbacks",
     "TrainerState": "trainer.callbacks",
 }
 
 if TYPE_CHECKING:
-    from trainer.args import TrainingArguments
+    from trainer.args import Seq2SeqTrainingArguments, TrainingArguments
     from trainer.callbacks import TrainerCallback, TrainerControl, TrainerState
     from trainer.trainer import Trainer
 

@@ -1,17 +1,21 @@
-"""Run arguments: HF-style ``TrainingArguments`` plus model and data arguments.
+"""Run arguments: HF-style ``TrainingArguments`` (and ``Seq2SeqTrainingArguments``), and the
+``RunConfig`` that groups them with the model and data arguments.
 
 A run is described by one flat YAML recipe plus ``--field value`` overrides. Every key belongs to
-exactly one of the three argument models below; an unknown key is an error that names it and
-suggests the nearest valid one. No DeepSpeed calls happen here: ``trainer.config.resolve`` turns
-these arguments into a DeepSpeed dict.
+exactly one of the three argument models; an unknown key is an error that names it and suggests the
+nearest valid one. No DeepSpeed calls happen here: ``trainer.config.resolve`` turns these arguments
+into a DeepSpeed dict.
+
+Where the rest lives: ``args_base.py`` the shared base and value helpers, ``hf_fields.py`` HF's
+fields with no implementation here (at HF's defaults, refused when set), ``args_model_data.py`` the
+model and data arguments, ``args_hf.py`` HF's helper methods and the dataclass face.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
-from contextvars import ContextVar
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
@@ -20,14 +24,38 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    field_serializer,
     field_validator,
     model_validator,
 )
 
 from trainer import hf_fields
-from trainer.args_hf import HFArgumentHelpers, Unstated, dataclass_fields, zero3_init
+from trainer.args_base import (
+    IN_RUN_CONFIG,
+    PRECISION_FIELDS,
+    ArgsModel,
+    json_object,
+    stated_by_deepspeed,
+    validation_problems,
+)
+from trainer.args_hf import HFArgumentHelpers, zero3_init
+from trainer.args_model_data import DataArguments, ModelArguments
 from trainer.config.errors import ConfigError, unknown_key_message
-from trainer.config.files import STATED_ARGUMENTS, stated_arguments
+from trainer.config.files import STATED_ARGUMENTS
+
+__all__ = [
+    "PRECISION_FIELDS",
+    "REPORT_TO",
+    "SECTIONS",
+    "DataArguments",
+    "ModelArguments",
+    "RunConfig",
+    "Seq2SeqTrainingArguments",
+    "TrainingArguments",
+    "json_object",
+    "stated_by_deepspeed",
+    "validation_problems",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -35,65 +63,15 @@ Precision = Literal["auto", "fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Strategy = Literal["no", "steps", "epoch"]
 LogLevel = Literal["passive", "debug", "info", "warning", "error", "critical"]
-# text: documents; sft: instruction data whose format is told from its columns; the rest name one.
-DataFormat = Literal["text", "sft", "alpaca", "sharegpt", "messages", "prompt_completion", "prompt_response"]
-PRECISION_FIELDS = ("precision", "bf16", "fp16")
 # The integrations report_to can name (transformers' own callbacks drive them; trainer/reporting.py),
 # each with the module it needs, in the order HF lists them for "all". Rows always go to
 # output_dir/metrics.jsonl as well.
-# Set while a RunConfig validates its sections (pydantic calls their __init__ then too).
-_IN_RUN_CONFIG: ContextVar[bool] = ContextVar("in_run_config", default=False)
 REPORT_TO = {"mlflow": "mlflow", "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 
 
-class _Args(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    def __init__(self, /, **data: Any) -> None:
-        # HfArgumentParser hands over every field: those its user left out come as Unstated, and stay unset.
-        try:
-            super().__init__(**{k: v for k, v in data.items() if not isinstance(v, Unstated)})
-        except ValidationError as err:
-            raise ConfigError(validation_problems(err)) from None  # one line per problem, naming the key
-
-    @classmethod
-    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
-        super().__pydantic_init_subclass__(**kwargs)
-        cls.__dataclass_fields__ = dataclass_fields(cls)  # a dataclass to HfArgumentParser
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unknown_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            known = set(cls.model_fields)
-            for key, value in data.items():
-                if key not in known and cls._refusal(key, value) != "":
-                    raise ValueError(f"{key}: {cls._refusal(key, value) or unknown_key_message(key, known)}")
-            # Keys accepted without a field of ours (HF's, at the value that is our behaviour) are dropped.
-            return {k: v for k, v in data.items() if k in known}
-        return data
-
-    @classmethod
-    def _refusal(cls, key: str, value: Any) -> str | None:
-        """For a key that is no field: why it is refused, "" when it is accepted as it is, None when
-        it is merely unknown."""
-        return None
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
-
-
-class TrainingArguments(HFArgumentHelpers, _Args):
-    """The HF ``TrainingArguments`` fields users reach for, with the same names and meanings."""
-
-    _hf_deepspeed: Any = PrivateAttr(None)
-
-    def __init__(self, /, **data: Any) -> None:
-        """Built in code or by HfArgumentParser, under ZeRO-3 a script's model is then built
-        partitioned, as with HF's. Not as part of a ``RunConfig``: a run builds its model itself."""
-        super().__init__(**data)
-        if not _IN_RUN_CONFIG.get():
-            self._hf_deepspeed = zero3_init(self)
+class TrainingFields(HFArgumentHelpers, ArgsModel):
+    """The fields of ``TrainingArguments`` this trainer implements: HF's, with HF's names and
+    meanings, and its own; and their validation."""
 
     output_dir: str = Field("output", description="Where metrics, checkpoints and the final export go.")
     num_train_epochs: float = Field(1.0, gt=0, description="Epochs to train when max_steps is -1.")
@@ -330,12 +308,6 @@ class TrainingArguments(HFArgumentHelpers, _Args):
             stated = {k: v for k, v in stated.items() if k not in PRECISION_FIELDS}
         return {**stated, **data}
 
-    @classmethod
-    def _refusal(cls, key: str, value: Any) -> str | None:
-        if key not in hf_fields.REFUSED and key not in hf_fields.ONLY:
-            return None
-        return hf_fields.refusal(key, value) or ""
-
     @field_validator("optim", "lr_scheduler_type", mode="before")
     @classmethod
     def _hf_names_we_refuse(cls, value: Any, info: Any) -> Any:
@@ -409,7 +381,7 @@ class TrainingArguments(HFArgumentHelpers, _Args):
         return data
 
     @model_validator(mode="after")
-    def _precision_flags(self) -> TrainingArguments:
+    def _precision_flags(self) -> TrainingFields:
         if self.bf16 and self.fp16:
             raise ValueError("bf16, fp16: both enabled; choose one")
         flag = "bf16" if self.bf16 else "fp16" if self.fp16 else None
@@ -418,7 +390,7 @@ class TrainingArguments(HFArgumentHelpers, _Args):
         return self
 
     @model_validator(mode="after")
-    def _best_model_is_checkpointed(self) -> TrainingArguments:
+    def _best_model_is_checkpointed(self) -> TrainingFields:
         """As HF's: the best model is reloaded from the checkpoint saved when it was evaluated, so
         checkpoints must be saved at evaluations."""
         if not self.load_best_model_at_end:
@@ -443,104 +415,46 @@ class TrainingArguments(HFArgumentHelpers, _Args):
         return "bf16" if self.bf16 else "fp16" if self.fp16 else self.precision
 
 
-class ModelArguments(_Args):
-    model_name_or_path: str | None = Field(
-        None,
-        description="A local HF model directory (or hub name) to fine-tune; None builds from model_config.",
-    )
-    model_type: Literal["llama", "gpt2"] = Field("llama", description="Architecture built from model_config.")
-    model_config_overrides: dict[str, Any] | str | None = Field(  # str: JSON, for HF's parser
-        default_factory=dict, description="Config fields for a model built from scratch (hidden_size, ...)."
-    )
-    tokenizer_name_or_path: str | None = Field(
-        None,
-        description="Tokenizer directory; None uses the model's, or trains a byte-level BPE on the corpus.",
-    )
-    vocab_size: int = Field(4096, ge=256, description="Vocabulary size of a tokenizer trained on the corpus.")
-    trust_remote_code: bool = Field(False, description="Allow model code from the model directory to run.")
-    # LoRA through peft (TRL's names): docs/finetuning.md.
-    use_peft: bool = Field(
-        False, description="Fine-tune LoRA adapters on the frozen model_name_or_path (peft)."
-    )
-    lora_r: int = Field(16, ge=1, description="LoRA rank.")
-    lora_alpha: int = Field(
-        32, ge=1, description="LoRA scaling numerator (alpha / r, or / sqrt(r) with rslora)."
-    )
-    lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
-    lora_target_modules: list[str] | None = Field(
-        None,
-        description="Modules that get adapters: names, or all-linear; None: peft's default for the model.",
-    )
-    lora_modules_to_save: list[str] | None = Field(
-        None, description="Modules trained in full and saved with the adapter (e.g. lm_head, embed_tokens)."
-    )
-    use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by alpha / sqrt(r).")
-    use_dora: bool = Field(False, description="DoRA: weight-decomposed LoRA.")
-    load_in_4bit: bool = Field(
-        False, description="QLoRA: the frozen base in 4-bit NF4 through bitsandbytes (CUDA GPUs only)."
-    )
+class TrainingArguments(hf_fields.HFFields, TrainingFields):
+    """HF's ``TrainingArguments``: every HF field at HF's default (those with no implementation here
+    from ``hf_fields.HFFields``, after ours in ``to_dict`` and ``--help``), plus this trainer's own."""
 
-    @field_validator("model_config_overrides", mode="before")
-    @classmethod
-    def _overrides_json(cls, value: Any) -> Any:
-        return json_object(value)
+    _hf_deepspeed: Any = PrivateAttr(None)
 
-    @field_validator("lora_target_modules", "lora_modules_to_save", mode="before")
-    @classmethod
-    def _one_or_many(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value  # a recipe's `all-linear`
-
-    @model_validator(mode="after")
-    def _lora_needs_a_base(self) -> ModelArguments:
-        if self.use_peft and not self.model_name_or_path:
-            raise ValueError(
-                "use_peft: LoRA adapts an existing model; set model_name_or_path to its directory"
-            )
-        if self.load_in_4bit and not self.use_peft:
-            raise ValueError("load_in_4bit: a 4-bit base cannot be trained in full; add use_peft (QLoRA)")
-        return self
+    def __init__(self, /, **data: Any) -> None:
+        """Built in code or by HfArgumentParser, under ZeRO-3 a script's model is then built
+        partitioned, as with HF's. Not as part of a ``RunConfig``: a run builds its model itself."""
+        super().__init__(**data)
+        if not IN_RUN_CONFIG.get():
+            self._hf_deepspeed = zero3_init(self)
 
 
-class DataArguments(_Args):
-    dataset: str = Field(
-        "stdlib",
-        description="'stdlib' (the Python standard library source), a local file/dir, a directory written by "
-        "save_to_disk, or a hub name.",
+class Seq2SeqTrainingArguments(TrainingArguments):
+    """HF's ``Seq2SeqTrainingArguments``: the training arguments plus how evaluation generates. The
+    values are kept as given, for the Trainer's generation to read."""
+
+    sortish_sampler: bool = Field(False, description="Sample batches of similar lengths, roughly sorted.")
+    predict_with_generate: bool = Field(
+        False, description="Evaluate and predict with generate(), for metrics such as ROUGE and BLEU."
     )
-    dataset_config: str | None = Field(None, description="Hub dataset configuration name.")
-    text_column: str = Field("text", description="Column holding raw text.")
-    data_format: DataFormat = Field(
-        "text",
-        description="text: causal LM on documents; sft: instruction data, its format told from the columns; "
-        "or name it: alpaca, sharegpt, messages, prompt_completion, prompt_response (docs/data.md).",
+    generation_max_length: int | None = Field(
+        None, ge=1, description="max_length of generate() in evaluation; None: the model's generation config."
     )
-    block_size: int = Field(256, ge=8, description="Tokens per training sequence.")
-    packing: bool = Field(
-        True, description="Pack documents (or instruction rows) into blocks instead of padding each."
+    generation_num_beams: int | None = Field(
+        None, ge=1, description="num_beams of generate() in evaluation; None: the model's generation config."
     )
-    long_rows: Literal["error", "drop", "truncate"] = Field(
-        "error",
-        description="Instruction rows longer than block_size: an error naming them, dropped, or cut.",
-    )
-    validation_file: str | None = Field(
-        None,
-        description="Your own eval set (a file or directory, in the train data's format); "
-        "no share of the train data is held out then.",
-    )
-    validation_split_percentage: float = Field(5.0, ge=0, lt=100, description="Share held out for eval.")
-    max_train_samples: int | None = Field(
-        None, ge=1, description="Truncate the training set (for quick runs)."
-    )
-    max_eval_samples: int | None = Field(
-        None, ge=1, description="Truncate the evaluation set (for quick runs)."
-    )
-    preprocessing_num_workers: int | None = Field(None, ge=1, description="Processes for tokenisation.")
-    cache_dir: str | None = Field(
-        None, description="Tokenisation cache (default: ~/.cache/trainer/datasets)."
+    # Any: a transformers GenerationConfig object, kept as it is (this module does not import transformers).
+    generation_config: str | Path | Any | None = Field(
+        None, description="A GenerationConfig, or a model id or directory that holds one, for predictions."
     )
 
+    @field_serializer("generation_config", when_used="json")
+    def _generation_config_json(self, value: Any) -> Any:
+        """A GenerationConfig object as its dict, as HF's ``to_dict`` writes it."""
+        return value.to_dict() if hasattr(value, "to_dict") else value
 
-SECTIONS: dict[str, type[_Args]] = {
+
+SECTIONS: dict[str, type[ArgsModel]] = {
     "training": TrainingArguments,
     "model": ModelArguments,
     "data": DataArguments,
@@ -583,11 +497,11 @@ class RunConfig(BaseModel):
     @model_validator(mode="wrap")
     @classmethod
     def _as_sections(cls, data: Any, handler: Any) -> Any:
-        token = _IN_RUN_CONFIG.set(True)
+        token = IN_RUN_CONFIG.set(True)
         try:
             return handler(data)
         finally:
-            _IN_RUN_CONFIG.reset(token)
+            IN_RUN_CONFIG.reset(token)
 
     @classmethod
     def from_flat(cls, flat: dict[str, Any]) -> RunConfig:
@@ -605,46 +519,9 @@ class RunConfig(BaseModel):
         try:
             return cls(**grouped)
         except ValidationError as err:
-            raise ConfigError(validation_problems(err)) from None
+            raise ConfigError(validation_problems(err, SECTIONS)) from None
 
     def to_flat(self) -> dict[str, Any]:
         return {
             k: v for section in (self.training, self.model, self.data) for k, v in section.to_dict().items()
         }
-
-
-def json_object(value: Any) -> Any:
-    """A mapping field's value: a dict as it is, None as empty, a string as a JSON object (what HF's
-    parser hands over for ``--lr_scheduler_kwargs '{"min_lr_rate": 0.1}'``)."""
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"not a JSON object: {err}") from None
-        if not isinstance(value, dict):
-            raise ValueError("must be a JSON object, like '{\"key\": 1}'")
-    return value
-
-
-def stated_by_deepspeed(source: Any) -> dict[str, Any]:
-    """What a DeepSpeed config states of the training arguments; precision also rules the flags."""
-    stated = stated_arguments(source) if isinstance(source, str | dict) else {}
-    if "precision" in stated:
-        stated.update(bf16=stated["precision"] == "bf16", fp16=stated["precision"] == "fp16")
-    return stated
-
-
-def validation_problems(err: ValidationError) -> list[tuple[str, str]]:
-    problems = []
-    for e in err.errors():
-        loc = [str(p) for p in e["loc"] if str(p) not in SECTIONS]
-        msg = e["msg"].removeprefix("Value error, ")
-        # Our own validators already lead with the key path ("key: message").
-        if not loc and ": " in msg:
-            path, msg = msg.split(": ", 1)
-            problems.append((path, msg))
-        else:
-            problems.append((".".join(loc), msg))
-    return problems

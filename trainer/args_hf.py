@@ -14,8 +14,9 @@ import json
 import logging
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, get_origin
+from typing import TYPE_CHECKING, Any, get_args, get_origin
 
+from trainer import hf_fields
 from trainer.config import ConfigError, resolve
 from trainer.config.files import load_source
 
@@ -115,8 +116,13 @@ class HFArgumentHelpers:
                 barrier(f"main_process_first: {desc}")
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field as JSON-ready values; any ``*_token`` field masked (``<HUB_TOKEN>``), as HF."""
-        return {k: f"<{k.upper()}>" if k.endswith("_token") else v for k, v in super().to_dict().items()}
+        """Every field as JSON-ready values; a ``*_token`` field that holds a token masked
+        (``<HUB_TOKEN>``), as HF's. An unset one stays None (HF masks that too): a mask read back
+        would be a token where none was given."""
+        return {
+            k: f"<{k.upper()}>" if k.endswith("_token") and v is not None else v
+            for k, v in super().to_dict().items()
+        }
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -159,14 +165,16 @@ def dataclass_fields(model: type[BaseModel]) -> dict[str, dataclasses.Field]:
     """The ``__dataclass_fields__`` that make an argument model a dataclass to ``HfArgumentParser``
     (and to ``dataclasses.fields``/``asdict``): one field per model field, its description as the
     flag's help. A bool defaulting to True keeps its default, so the parser adds ``--no_<field>``;
-    HF's parser reads a list field's default from its factory."""
+    HF's parser reads the default of a field it takes as a list (``list[str] | None`` too) from its
+    factory. A refused HF field's help says so."""
     specs = []
     for name, info in model.model_fields.items():
         default = info.get_default(call_default_factory=True)
         shown: dict[str, Any] = {"default": default} if default is True else {"default": Unstated(default)}
-        if get_origin(info.annotation) is list:
+        if list in {get_origin(t) for t in (info.annotation, *get_args(info.annotation))}:
             shown = {"default_factory": lambda default=default: Unstated(default)}
-        specs.append((name, info.annotation, dataclasses.field(**shown, metadata={"help": info.description})))
+        help_text = " ".join(filter(None, (info.description, hf_fields.refused_note(name))))
+        specs.append((name, info.annotation, dataclasses.field(**shown, metadata={"help": help_text})))
     return dataclasses.make_dataclass(model.__name__, specs).__dataclass_fields__
 
 

@@ -1,10 +1,10 @@
 """HF's evaluation loop over an Engine: what ``Trainer.evaluate`` and ``Trainer.predict`` run.
 
-Each rank forwards its own share of the dataset (``eval_batches``, over ``eval_dataloader``);
-shards are padded with fully masked rows so every rank runs the same number of forwards, which
-ZeRO-3 and the pipeline need. The loss is the sum of every target token's loss over the number of
-target tokens, reduced over ranks (token-weighted, as the training loss; HF averages per-batch
-means instead).
+Each rank forwards its own share of the dataset (``eval_batches``, over ``eval_dataloader``); shards
+are padded with copies of row 0, kept out of the loss and the predictions, so every rank runs the
+same number of forwards, which ZeRO-3 and the pipeline need. The loss is the sum of every target
+token's loss over the number of target tokens, reduced over ranks (token-weighted, as the training
+loss; HF averages per-batch means instead).
 
 With predictions, each batch's logits (and labels) go through ``preprocess_logits_for_metrics`` on
 the rank that computed them, before anything is gathered: only what it returns travels, so an
@@ -27,7 +27,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 
 from trainer.data import IGNORE_INDEX, MODEL_INPUTS, pad_stack
 from trainer.distributed import all_gather_object, all_reduce_sum
-from trainer.engine import Batch, Engine, count_targets
+from trainer.engine import Batch, Engine
 
 PAD_INDEX = -100  # HF's padding of predictions and labels of different lengths
 Row = tuple[int, Any, np.ndarray]  # (dataset index, this sample's predictions, its labels)
@@ -35,8 +35,8 @@ Row = tuple[int, Any, np.ndarray]  # (dataset index, this sample's predictions, 
 
 class EvalShard(Dataset):
     """This rank's share of an evaluation set: rows ``rank, rank + world_size, ...``, padded to
-    ``ceil(n / world_size)`` rows with copies of row 0 (index -1), so every rank runs as many
-    forwards. Items are (dataset index, row)."""
+    ``ceil(n / world_size)`` rows with copies of row 0, so every rank runs as many forwards.
+    ``indices`` holds each item's dataset index, -1 for a padding row."""
 
     def __init__(self, dataset: Any, rank: int, world_size: int):
         self.dataset = dataset
@@ -47,25 +47,9 @@ class EvalShard(Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, j: int) -> tuple[int, Any]:
+    def __getitem__(self, j: int) -> Any:
         i = self.indices[j]
-        return i, self.dataset[i if i >= 0 else 0]
-
-
-class MaskPaddingRows:
-    """The Trainer's collator over ``EvalShard`` items: a padding row's labels are all masked, so
-    it adds nothing to the loss (a class, not a closure, so worker processes can pickle it)."""
-
-    def __init__(self, collator: Callable):
-        self.collator = collator
-
-    def __call__(self, items: list[tuple[int, Any]]) -> Batch:
-        batch = self.collator([row for _, row in items])
-        pad_rows = torch.tensor([i < 0 for i, _ in items])
-        if "labels" in batch and pad_rows.any():
-            labels = batch["labels"]
-            batch["labels"] = labels.masked_fill(pad_rows.view(-1, *[1] * (labels.dim() - 1)), IGNORE_INDEX)
-        return batch
+        return self.dataset[i if i >= 0 else 0]
 
 
 def eval_dataloader(
@@ -80,13 +64,13 @@ def eval_dataloader(
     persistent_workers: bool = False,
     prefetch_factor: int | None = None,
 ) -> DataLoader:
-    """This rank's evaluation batches (``EvalShard`` order, padding rows masked): what
-    ``eval_batches`` reads, and ``Trainer.get_eval_dataloader``/``get_test_dataloader`` return."""
+    """This rank's evaluation batches, in ``EvalShard`` order: what ``eval_batches`` reads, and
+    ``Trainer.get_eval_dataloader``/``get_test_dataloader`` return."""
     return DataLoader(
         EvalShard(dataset, rank, world_size),
         batch_size=batch_size,
         shuffle=False,
-        collate_fn=MaskPaddingRows(collator),
+        collate_fn=collator,
         num_workers=num_workers,
         pin_memory=pin_memory,
         drop_last=drop_last,
@@ -98,13 +82,30 @@ def eval_dataloader(
 def eval_batches(
     dataset: Any, collator: Callable, batch_size: int, rank: int, world_size: int
 ) -> Iterator[tuple[Batch, list[int]]]:
-    """This rank's share of ``dataset`` as (batch, dataset indices); -1 marks a padding row, whose
-    labels are all masked so it adds nothing to the loss. Every row is evaluated (no drop_last)."""
+    """This rank's share of ``dataset`` as (batch, dataset indices); -1 marks a padding row (a copy
+    of row 0), which ``_forward`` keeps out of the loss and the predictions. Every row is
+    evaluated (no drop_last)."""
     loader = eval_dataloader(dataset, collator, batch_size, rank, world_size)
     indices = loader.dataset.indices
     for start, batch in zip(range(0, len(indices), batch_size), loader, strict=True):
         batch = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
         yield batch, indices[start : start + batch_size]
+
+
+def without_padding_rows(batch: Batch, indices: list[int], token_exact: bool) -> tuple[Batch, float]:
+    """(the batch to forward, the weight of its loss). Ranks run the same number of forwards
+    (ZeRO-3 and the pipeline need it), so a shard that ran out forwards padding rows. A token-exact
+    causal loss masks their labels, keeping every rank's shapes; a model's own loss is a mean that
+    cannot leave rows out, so they are cut, and a batch of padding alone counts for nothing."""
+    real = torch.tensor([i >= 0 for i in indices])
+    if bool(real.all()):
+        return batch, 1.0
+    if token_exact:
+        return {**batch, "labels": batch["labels"].masked_fill(~real[:, None], IGNORE_INDEX)}, 1.0
+    if not bool(real.any()):
+        return {k: v[:1] if torch.is_tensor(v) else v for k, v in batch.items()}, 0.0
+    rows = len(indices)
+    return {k: v[real] if torch.is_tensor(v) and len(v) == rows else v for k, v in batch.items()}, 1.0
 
 
 def evaluation_loop(
@@ -146,27 +147,39 @@ def _forward(
     with_predictions: bool,
     preprocess: Callable[[torch.Tensor, torch.Tensor], Any] | None,
 ) -> tuple[torch.Tensor, list[Row]]:
-    """([summed loss, target tokens] of this rank on the device, this rank's prediction rows)."""
+    """([summed loss, its count] of this rank on the device, this rank's prediction rows)."""
     # In the loss's own fp32, summed batch by batch as training sums its windows.
     sums = torch.zeros(2, device=engine.device)
     rows: list[Row] = []
+    token_exact = engine.objective.token_exact_causal
     engine.train(False)
     try:
         for batch, indices in batches:
+            batch, weight = without_padding_rows(batch, indices, token_exact)
+            loss, count, outputs = engine.eval_step(batch, outputs=with_predictions)
+            sums += torch.stack([loss.float(), count.float()]) * weight
             if not with_predictions:
-                loss, count = engine.eval_loss_sum(batch)
-                sums += torch.stack([loss, count])
                 continue
-            logits = engine.logits(batch)
-            labels = batch["labels"].to(logits.device)
-            sums[0] += engine.loss_fn(logits, labels)
-            sums[1] += count_targets(batch)
+            logits = _logits(outputs, engine.module)
+            labels = batch["labels"].to(engine.device)
             kept = preprocess(logits, labels) if preprocess is not None else logits
             kept, host_labels = _numpy(kept), batch["labels"].numpy()
-            rows += [(i, _take(kept, j), host_labels[j]) for j, i in enumerate(indices) if i >= 0]
+            real = [i for i in indices if i >= 0] if weight else []
+            rows += [(i, _take(kept, j), host_labels[j]) for j, i in enumerate(real)]
     finally:
         engine.train(True)
     return sums, rows
+
+
+def _logits(outputs: Any, model: torch.nn.Module) -> Any:
+    """HF's predictions of a forward: every output but the loss and the keys the model's config
+    ignores at inference (HF's default: a cache); a single one as itself, several as a tuple."""
+    ignore = set(getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", ["cache"]))
+    if isinstance(outputs, dict):
+        values = tuple(v for k, v in outputs.items() if k not in ignore | {"loss"})
+    else:
+        values = tuple(outputs)
+    return values[0] if len(values) == 1 else values
 
 
 def _numpy(value: Any) -> Any:

@@ -66,17 +66,17 @@ class FaultInjection(TrainerCallback):
     def __init__(self, plan: dict[str, Any]):
         self.plan = dict(plan)
         self.rank = dist_info().rank
-        self._loss_fn: Any = None
+        self._objective: Any = None
 
     def on_step_begin(self, args, state, control, engine=None, **kw):
         if self.plan.get("kind") == "nan" and state.global_step + 1 == self.plan.get("step"):
             self.plan.pop("kind")
-            self._loss_fn = engine.loss_fn
-            engine.loss_fn = lambda logits, labels: self._loss_fn(logits, labels) * float("nan")
+            self._objective = engine.objective
+            engine.objective = NaNLoss(engine.objective)
 
     def on_step_end(self, args, state, control, engine=None, **kw):
-        if self._loss_fn is not None:
-            engine.loss_fn, self._loss_fn = self._loss_fn, None
+        if self._objective is not None:
+            engine.objective, self._objective = self._objective, None
         if fault_due(self.plan, "crash", self.rank, state.global_step):
             crash_now()
         snapshots = snapshot_dir(args.output_dir)
@@ -85,7 +85,24 @@ class FaultInjection(TrainerCallback):
         if fault_due(self.plan, "crash", self.rank, state.global_step, phase="snapshot"):
             engine.save = _crash_after(engine.save, lambda path, *a, **k: snapshots in Path(path).parents)
         if fault_due(self.plan, "crash", self.rank, state.global_step, phase="eval"):
-            engine.eval_loss_sum = _crash_after(engine.eval_loss_sum, lambda *a, **k: True)
+            engine.eval_step = _crash_after(engine.eval_step, lambda *a, **k: True)
+
+
+class NaNLoss:
+    """An objective whose losses are NaN: the wrapped one's, times NaN (its counts unchanged)."""
+
+    def __init__(self, objective: Any):
+        self.objective = objective
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.objective, name)
+
+    def loss_sum(self, *args: Any, **kwargs: Any) -> Any:
+        loss, outputs = self.objective.loss_sum(*args, **kwargs)
+        return loss * float("nan"), outputs
+
+    def token_loss_sum(self, *args: Any) -> Any:
+        return self.objective.token_loss_sum(*args) * float("nan")
 
 
 def _crash_after(method: Callable[..., Any], due: Callable[..., bool]) -> Callable[..., Any]:

@@ -122,8 +122,8 @@ class HFMethods:
 
     def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
         """This rank's evaluation batches, as ``evaluate`` reads them (rows ``rank, rank + world,
-        ...``, the shard padded with masked rows), in batches of ``per_device_eval_batch_size``. A
-        string picks one of a dict of eval datasets, as HF's."""
+        ...``, the shard padded with copies of row 0, which ``loader.dataset.indices`` marks -1), in
+        batches of ``per_device_eval_batch_size``. A string picks one of a dict of eval datasets."""
         if isinstance(eval_dataset, str):
             dataset = model_columns(self.eval_dataset[eval_dataset])
         elif eval_dataset is not None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from trainer import hf_fields
 from trainer.args import SECTIONS, RunConfig, stated_by_deepspeed
 from trainer.config.errors import ConfigError
 from trainer.config.reference import type_name
@@ -141,15 +142,23 @@ def _default_text(field: Any) -> str:
 
 
 def run_help(prog: str = "scripts/train.py") -> str:
-    """The ``--help`` text: every run field with its type, default and description, from the schema."""
+    """The ``--help`` text: every run field with its type, default and description, from the schema;
+    HF's fields that are refused unless left at their default come last, under their own heading."""
     lines = [f"usage: {prog} [--config RECIPE.yaml] [--field value ...]", "", _HELP_INTRO]
     for section, model in SECTIONS.items():
-        lines += ["", f"{section} arguments ({model.__name__}):"]
-        for name, field in model.model_fields.items():
-            lines.append(f"  --{name} {type_name(field.annotation, ' | ')} (default: {_default_text(field)})")
-            lines += textwrap.wrap(
-                field.description or "", width=100, initial_indent=" " * 6, subsequent_indent=" " * 6
-            )
+        fields = model.model_fields.items()
+        refused = [(name, field) for name, field in fields if hf_fields.refused_note(name)]
+        for heading, group in (
+            (f"{section} arguments ({model.__name__}):", [f for f in fields if f not in refused]),
+            ("HF's fields refused unless left at their default:", refused),
+        ):
+            lines += ["", heading] if group else []
+            for name, field in group:
+                lines.append(
+                    f"  --{name} {type_name(field.annotation, ' | ')} (default: {_default_text(field)})"
+                )
+                text = " ".join(filter(None, (field.description, hf_fields.refused_note(name))))
+                lines += textwrap.wrap(text, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)
 
 

@@ -52,8 +52,7 @@ from trainer.distributed import (
     init_distributed,
     print_main,
 )
-from trainer.engine import Engine, build_engine, causal_lm_loss_sum
-from trainer.engine.loss import target_count
+from trainer.engine import Engine, Objective, batch_rows, build_engine, is_causal_lm, objective_for
 from trainer.evaluation import eval_batches, evaluation_loop
 from trainer.export import export_hf
 from trainer.faults import fault_plan
@@ -101,6 +100,8 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         if self.args.tf32 is not None and self.hardware.device == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.args.tf32
         self.model = model
+        if getattr(model, "config", None) is not None:  # as HF's: no cache in training or evaluation
+            model.config.use_cache = getattr(self.args, "use_cache", False)
         self.train_dataset = model_columns(train_dataset)
         self.eval_dataset = model_columns(eval_dataset)
         self.processing_class = processing_class or tokenizer
@@ -239,7 +240,7 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         rank stops, commits and divides the loss alike. It also counts the window's samples and
         non-padding input tokens on all ranks (HF's ``num_input_tokens_seen``, and the run's FLOPs).
         Returns the window's target tokens on all ranks, and its (samples, input tokens) on this one."""
-        counts = (sum(len(b["input_ids"]) for b in window), sum(int(non_padding_tokens(b)) for b in window))
+        counts = (sum(batch_rows(b) for b in window), sum(int(non_padding_tokens(b)) for b in window))
         local = [
             self.engine.local_targets(window),
             1.0 if self.preemption.received else 0.0,
@@ -350,13 +351,19 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
-        """HF's override point: one micro-batch's loss over ``num_items_in_batch``, the target tokens of
-        its accumulation window on all ranks (of the batch, in evaluation), so a window's micro-batches
-        on all ranks add up to its token mean. Only an override runs in the loop (this is its super)."""
-        labels = (inputs := dict(inputs)).pop("labels")
-        outputs = model(**inputs)
-        loss = causal_lm_loss_sum(outputs.logits, labels) / (num_items_in_batch or target_count(labels))
+        """HF's override point: one micro-batch's loss over ``num_items_in_batch``, the labelled items
+        (target tokens for a causal LM) of its accumulation window on all ranks, so a window's
+        micro-batches on all ranks add up to its mean; None where the model takes no loss kwargs (the
+        micro-batch's own mean, as HF's). Only an override runs in the loop (this is its super)."""
+        objective = self._model_objective()
+        items = float(num_items_in_batch or objective.count(inputs))
+        loss_sum, outputs = objective.loss_sum(model, inputs, items)
+        loss = loss_sum / max(items, 1.0)
         return (loss, outputs) if return_outputs else loss
+
+    def _model_objective(self) -> Objective:
+        """The objective of the model without an override: what ``compute_loss``'s super computes."""
+        return objective_for(self.model, label_smoothing=getattr(self.args, "label_smoothing_factor", 0.0))
 
     def save_model(self, output_dir: str | None = None) -> Path | None:
         """An HF export (config, safetensors, tokenizer) of the current weights; default: output_dir."""
@@ -418,6 +425,11 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
             )
         check_resolved(self.ds_config, self.args, self.dist.world_size)
         overridden = type(self).compute_loss is not Trainer.compute_loss  # HF's override point, in use
+        objective = objective_for(
+            self.model,
+            self.compute_loss if overridden else None,
+            getattr(self.args, "label_smoothing_factor", 0.0),
+        )
         if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             enable_gradient_checkpointing(self.model)
         with self.watchdog.phase("init"):
@@ -428,8 +440,8 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
                 lr_scheduler=self.client_scheduler or client_scheduler(self.args, total_steps),
                 weight_decay=self.args.weight_decay,
                 gradient_checkpointing=self.args.gradient_checkpointing,
-                compute_loss=self.compute_loss if overridden else None,
-                tiling=tiling_for(self.args, self.model, self.run_config, loss_overridden=overridden),
+                objective=objective,
+                tiling=tiling_for(self.args, self.model, self.run_config, objective.token_exact_causal),
             )
         if self.dist.is_main:
             out = Path(self.args.output_dir)
@@ -573,7 +585,9 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
     # ---- small helpers -------------------------------------------------------------------------
 
     def _flops_per_token(self) -> float | None:
-        if getattr(self.model, "config", None) is None or self.train_dataset is None:
+        """A causal LM's model FLOPs per token (MFU); None for other models, whose rows are not
+        token blocks."""
+        if not is_causal_lm(self.model) or self.train_dataset is None:
             return None
         return flops_per_token_for_model(self.model, len(self.train_dataset[0]["input_ids"]))
 

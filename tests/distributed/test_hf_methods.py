@@ -52,15 +52,20 @@ def test_eval_and_test_loaders_yield_what_evaluate_and_predict_forward(run):
     _, ranks = run
     for rank, res in enumerate(ranks):
         evals = res["eval_loader"]["batches"]
-        # 13 rows on 2 ranks: 7 each (rank 1's last a masked copy of row 0), in batches of 4 and 3.
+        # 13 rows on 2 ranks: 7 each, in batches of 4 and 3; rank 1's last is a copy of row 0.
+        assert res["eval_loader"]["indices"] == [*range(rank, 13, 2), *([-1] if rank else [])]
         assert [len(b["input_ids"]) for b in evals] == [4, 3]
+        forwarded = [json.loads(json.dumps(b)) for b in evals]
+        if rank == 1:
+            padding = evals[-1]["input_ids"][-1]
+            assert padding[: len(res["eval_row0"])] == res["eval_row0"]
+            # evaluate forwards it with its labels masked: it adds nothing to the loss.
+            forwarded[-1]["labels"][-1] = [-100] * len(padding)
         for phase in ("eval@2", "eval@4", "evaluate"):
-            assert res["forwards"][phase] == evals, phase
+            assert res["forwards"][phase] == forwarded, phase
         assert res["forwards"]["predict"] == res["test_loader"]["batches"]
         assert [len(b["input_ids"]) for b in res["test_loader"]["batches"]] == [4, 1]  # 9 rows: 5 each
         assert (res["eval_loader"]["num_examples"], res["test_loader"]["num_examples"]) == (13, 9)
-        pad = evals[-1]["labels"][-1]
-        assert all(t == -100 for t in pad) == (rank == 1)
 
 
 def test_log_adds_epoch_and_step_to_the_history_and_metrics_jsonl(run):

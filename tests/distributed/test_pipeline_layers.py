@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from trainer.args import TrainingArguments
 from trainer.config import Hardware, resolve
-from trainer.engine import PipelineEngine, causal_lm_loss_sum
+from trainer.engine import CausalLM, PipelineEngine, causal_lm_loss_sum
 from trainer.engine.pipeline_engine import WindowLoss
 from trainer.engine.pipeline_layers import assemble_hf_state_dict, pipeline_layers, stage_state_dict
 
@@ -145,7 +145,7 @@ def test_resolved_pipeline_config_pools_accumulation_and_batch_over_the_stages()
 def test_window_loss_scales_for_deepspeed_and_keeps_the_plain_sum():
     logits = torch.randn(2, 5, VOCAB, generator=torch.Generator().manual_seed(0))
     labels = torch.tensor([[1, 2, 3, -100, -100], [4, 5, 6, 7, 8]])
-    loss = WindowLoss(SimpleNamespace(loss_fn=causal_lm_loss_sum))
+    loss = WindowLoss(SimpleNamespace(objective=CausalLM()))
     loss.start(scale=0.25)
     out1, out2 = loss(logits, labels), loss(logits[:1], labels[:1])
     plain = causal_lm_loss_sum(logits, labels)

@@ -39,7 +39,7 @@ HF_LAYOUT = {
     "tokenizer.json",
     "tokenizer_config.json",
     "training_args.bin",
-    "README.md",
+    "README.md",  # the model card the script's last lines write
 }
 # What only ours writes: the DeepSpeed config it ran and the log rows (docs/observability.md).
 OURS_ONLY_FILES = {"ds_config.json", "metrics.jsonl", ".trainer.lock"}
@@ -259,7 +259,7 @@ def test_both_trainers_write_the_model_card_run_clm_ends_with(ours, hf):
     assert (hp["num_devices"], hp["total_train_batch_size"]) == ("2", "8")  # 2 ranks x 2 x 2; HF ran 1
     assert hp["distributed_type"] == "DeepSpeed ZeRO-3"
     for text in (head, hf_head):
-        assert "This model was trained from scratch on the train.txt dataset." in text
+        assert "This model was trained from scratch on an unknown dataset." in text
         assert "- generated_from_trainer\n" in text and "- Loss: " in text and "- Accuracy: " in text
     # Ours tabulates every logging step (HF's table only evaluations inside training: none here).
     logged = [row for row in results(ours[0], "trainer_state")["log_history"] if "loss" in row]

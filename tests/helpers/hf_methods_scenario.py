@@ -44,7 +44,7 @@ def plain(batch: dict) -> dict:
 
 class Forwards(TrainerCallback):
     """What the engine is given, by phase: each training window's micro-batches, and each
-    evaluation forward's batch (``engine.logits``: evaluate and predict with compute_metrics)."""
+    evaluation forward's batch (``engine.eval_step``: evaluate and predict)."""
 
     def __init__(self) -> None:
         self.phase = "train"
@@ -56,17 +56,17 @@ class Forwards(TrainerCallback):
         if self.wrapped:
             return
         self.wrapped = True
-        train_window, logits = engine.train_window, engine.logits
+        train_window, eval_step = engine.train_window, engine.eval_step
 
         def recording_window(window, tokens):
             self.windows.append([plain(b) for b in window])
             return train_window(window, tokens)
 
-        def recording_logits(batch):
+        def recording_eval_step(batch, outputs=False):
             self.evals.setdefault(self.phase, []).append(plain(batch))
-            return logits(batch)
+            return eval_step(batch, outputs=outputs)
 
-        engine.train_window, engine.logits = recording_window, recording_logits
+        engine.train_window, engine.eval_step = recording_window, recording_eval_step
 
     def on_step_end(self, args, state, control, **kw):
         self.phase = f"eval@{state.global_step}"
@@ -132,7 +132,12 @@ def main() -> None:
         "num_tokens_3": t.num_tokens(train_dl, max_steps=3),
     }
     eval_dl = t.get_eval_dataloader()
-    report["eval_loader"] = {"batches": [plain(b) for b in eval_dl], "num_examples": t.num_examples(eval_dl)}
+    report["eval_loader"] = {
+        "batches": [plain(b) for b in eval_dl],
+        "indices": eval_dl.dataset.indices,
+        "num_examples": t.num_examples(eval_dl),
+    }
+    report["eval_row0"] = eval_ds[0]["input_ids"]
     test_dl = t.get_test_dataloader(test_ds)
     report["test_loader"] = {"batches": [plain(b) for b in test_dl], "num_examples": t.num_examples(test_dl)}
 

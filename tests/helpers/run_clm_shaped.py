@@ -2,7 +2,7 @@
 argument dataclasses parsed by ``HfArgumentParser`` (flags, or one ``.json`` file), local text files
 through ``datasets``, tokenisation under ``main_process_first``, text grouped into blocks, a model
 built from a config, then train / save / evaluate with the result files HF's examples write, and
-the model card run_clm ends with.
+the model card (``README.md``).
 
 Its only trainer-specific line is the ``Trainer, TrainingArguments`` import below: the test runs it
 as it is (HF's Trainer) and with that line swapped for ``from trainer import ...`` (ours).
@@ -267,7 +267,7 @@ def main():
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
 
-    kwargs = {"tasks": "text-generation", "dataset": os.path.basename(data_args.train_file or "")}
+    kwargs = {"finetuned_from": None, "tasks": "text-generation"}
     if training_args.push_to_hub:
         trainer.push_to_hub(**kwargs)
     else:

@@ -139,9 +139,10 @@ def test_the_eval_loader_is_what_eval_batches_reads_and_honours_drop_last():
         for got, (want, _) in zip(loader, read, strict=True):
             assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
         assert HFMethods().num_examples(loader) == 7  # the whole set, as HF's
-    # Rank 1's padding row (a copy of row 0) adds nothing: its labels are masked.
-    *_, last = eval_dataloader(ROWS, collator, 3, 1, 2)
-    assert (last["labels"] == -100).all()
+    # Rank 1's padding row is a copy of row 0, marked -1 (evaluate keeps it out of the loss).
+    padded = eval_dataloader(ROWS, collator, 3, 1, 2)
+    *_, last = padded
+    assert padded.dataset.indices[-1] == -1 and last["input_ids"][0].tolist() == ROWS[0]["input_ids"]
     dropped = eval_dataloader(ROWS, collator, 3, 0, 2, drop_last=True)
     assert [len(b["input_ids"]) for b in dropped] == [3]
 

@@ -25,8 +25,8 @@ from trainer import Trainer, TrainingArguments
 from trainer import trainer as trainer_module
 from trainer.callbacks import TrainerState
 from trainer.data import CausalLMCollator
-from trainer.engine import causal_lm_loss_sum
-from trainer.evaluation import eval_batches, evaluation_loop
+from trainer.engine import CausalLM, ModelLoss, causal_lm_loss_sum
+from trainer.evaluation import eval_batches, evaluation_loop, without_padding_rows
 from trainer.results import TrainTotals, format_metrics, save_metrics, save_state, train_metrics
 
 # ---- train metrics -------------------------------------------------------------------------------
@@ -179,13 +179,13 @@ class TinyEngine:
     """The engine members the evaluation loop uses, over a real tiny Llama in this process."""
 
     device = torch.device("cpu")
-    loss_fn = staticmethod(causal_lm_loss_sum)
+    objective = CausalLM()
 
     def __init__(self) -> None:
         torch.manual_seed(0)
         config = LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+            num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, use_cache=False,
         )  # fmt: skip
         self.module = LlamaForCausalLM(config)
         self.modes: list[bool] = []
@@ -195,12 +195,11 @@ class TinyEngine:
         self.module.train(mode)
 
     @torch.no_grad()
-    def logits(self, batch):
-        return self.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-
-    def eval_loss_sum(self, batch):
+    def eval_step(self, batch, outputs=False):
+        out = self.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         labels = batch["labels"]
-        return causal_lm_loss_sum(self.logits(batch), labels), (labels[:, 1:] != -100).sum().float()
+        count = (labels[:, 1:] != -100).sum().float()
+        return causal_lm_loss_sum(out.logits, labels), count, out if outputs else None
 
 
 ROWS = [[(7 * i + k) % 63 + 1 for k in range(3 + 2 * i)] for i in range(7)]  # lengths 3..15
@@ -211,8 +210,17 @@ def test_eval_batches_shard_and_pad_with_masked_rows():
     shards = [list(eval_batches(data, CausalLMCollator(0), 2, rank, 2)) for rank in (0, 1)]
     assert [idx for _, idx in shards[0]] == [[0, 2], [4, 6]]
     assert [idx for _, idx in shards[1]] == [[1, 3], [5, -1]]
-    last = shards[1][-1][0]
-    assert (last["labels"][1] == -100).all() and (last["labels"][0, : len(ROWS[5])] != -100).all()
+    last, weight = without_padding_rows(*shards[1][-1], token_exact=True)
+    assert weight == 1.0 and (last["labels"][1] == -100).all()
+    assert (last["labels"][0, : len(ROWS[5])] != -100).all()
+
+
+def test_padding_rows_are_cut_from_a_models_own_loss_and_a_batch_of_padding_counts_nothing():
+    batch = {"input_ids": torch.arange(6).view(3, 2), "labels": torch.tensor([0.5, 1.5, 2.5])}
+    cut, weight = without_padding_rows(batch, [4, 7, -1], token_exact=False)
+    assert weight == 1.0 and cut["labels"].tolist() == [0.5, 1.5] and cut["input_ids"].shape == (2, 2)
+    alone, weight = without_padding_rows(batch, [-1, -1, -1], token_exact=False)
+    assert weight == 0.0 and alone["labels"].tolist() == [0.5]
 
 
 def test_evaluation_loop_applies_preprocess_before_gathering_and_pads_with_minus_100():
@@ -279,5 +287,6 @@ def test_a_compute_loss_override_is_refused_under_the_pipeline_before_the_engine
     from trainer.config.errors import ConfigError
     from trainer.engine import build_engine
 
-    with pytest.raises(ConfigError, match="^compute_loss: .*pipeline_parallel_size > 1"):
-        build_engine(torch.nn.Linear(2, 2), {"pipeline": {"stages": 2}}, compute_loss=lambda *a, **k: 0)
+    override = ModelLoss(per_item=True, compute_loss=lambda *a, **k: 0)
+    with pytest.raises(ConfigError, match="^compute_loss: pipeline_parallel_size > 1"):
+        build_engine(torch.nn.Linear(2, 2), {"pipeline": {"stages": 2}}, objective=override)

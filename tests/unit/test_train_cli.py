@@ -80,3 +80,17 @@ def test_trainer_train_takes_field_flags_first():
     proc = launch([*DOORS["trainer train"], "--max_step", "3"], launcher="python", timeout=300, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == "error: max_step: unknown key; did you mean max_steps?"
+
+
+def test_a_refused_hf_field_is_refused_at_the_door_before_anything_loads(tmp_path):
+    out = tmp_path / "out"
+    argv = ["scripts/train.py", "--output_dir", str(out), "--push_to_hub", "--hub_model_id", "me/model"]
+    proc = launch(argv, launcher="python", timeout=300, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-2:] == [
+        "error: push_to_hub: HF's field, refused: nothing is uploaded; output_dir/final is an HF model "
+        "directory to push with huggingface_hub",
+        "hub_model_id: HF's field, refused: nothing is uploaded; output_dir/final is an HF model directory "
+        "to push with huggingface_hub",
+    ]
+    assert "Traceback" not in proc.stderr and not out.exists()

@@ -11,24 +11,38 @@ from typing import Any
 import torch
 
 from trainer.config.errors import ConfigError
-from trainer.engine.core import Batch, Engine, LossFn, is_decayed, weight_decay_groups
-from trainer.engine.deepspeed_engine import ComputeLoss, DeepSpeedEngine
+from trainer.engine.core import Batch, Engine, is_decayed, weight_decay_groups
+from trainer.engine.deepspeed_engine import DeepSpeedEngine
 from trainer.engine.loss import causal_lm_loss_sum, count_targets
+from trainer.engine.objectives import (
+    CausalLM,
+    ComputeLoss,
+    ModelLoss,
+    Objective,
+    batch_rows,
+    is_causal_lm,
+    objective_for,
+)
 from trainer.engine.pipeline_engine import PipelineEngine
 from trainer.engine.tiling import Tiling, plan_tiling
 
 __all__ = [
     "Batch",
+    "CausalLM",
     "ComputeLoss",
     "DeepSpeedEngine",
     "Engine",
-    "LossFn",
+    "ModelLoss",
+    "Objective",
     "PipelineEngine",
     "Tiling",
+    "batch_rows",
     "build_engine",
     "causal_lm_loss_sum",
     "count_targets",
+    "is_causal_lm",
     "is_decayed",
+    "objective_for",
     "plan_tiling",
     "weight_decay_groups",
 ]
@@ -41,12 +55,14 @@ def build_engine(
     lr_scheduler: Any = None,
     weight_decay: float = 0.0,
     gradient_checkpointing: bool = False,
-    compute_loss: ComputeLoss | None = None,
+    objective: Objective | None = None,
     tiling: Tiling = Tiling(),
 ) -> Engine:
-    """The engine for ``ds_config``: a pipeline when it has two or more stages. ``compute_loss``: a
-    Trainer subclass's override, which a pipeline cannot run (no stage holds the whole model), nor
-    sequence parallelism (no rank holds a whole row)."""
+    """The engine for ``ds_config``: a pipeline when it has two or more stages. The pipeline,
+    sequence parallelism and the tiled loss compute the token-exact causal-LM loss themselves (no
+    stage holds the whole model, no rank a whole row, no step the whole logits), so they refuse
+    any other objective: a model that is not a causal LM, or a ``compute_loss`` override."""
+    objective = objective or CausalLM()
     sequence_parallel = int(ds_config.get("sequence_parallel_size") or 1)
     stages = int((ds_config.get("pipeline") or {}).get("stages") or 1)
     if tiling != Tiling() and stages > 1:
@@ -54,21 +70,28 @@ def build_engine(
             "tiled_loss, tiled_mlp and offload_activations run with ZeRO 0-3, not with pipeline stages",
             path="tiled_loss",
         )
-    if (sequence_parallel > 1 or tiling.loss) and compute_loss is not None:
+    features = [
+        (sequence_parallel > 1, "sequence_parallel_size > 1 (each rank holds a slice of every row)"),
+        (bool(tiling.loss), "a tiled loss (never the whole logits at once)"),
+        (stages > 1, "pipeline_parallel_size > 1 (the last stage computes the loss)"),
+    ]
+    for on, feature in features:
+        if on and not objective.token_exact_causal:
+            raise ConfigError(
+                f"{feature} computes the causal-LM loss itself; this run's objective is "
+                f"{type(objective).__name__} (a model that is not a causal LM, or a Trainer subclass's "
+                "compute_loss). Drop the override, or run without that feature.",
+                path="compute_loss"
+                if isinstance(objective, ModelLoss) and objective.compute_loss
+                else "model",
+            )
+    if tiling.loss and getattr(objective, "label_smoothing", 0.0):
         raise ConfigError(
-            "a Trainer subclass's compute_loss sees whole rows and logits; with sequence_parallel_size > 1 "
-            "(each rank holds a slice of every row) or a tiled loss the engine computes the causal-LM loss. "
-            "Drop the override, or set tiled_loss false.",
-            path="compute_loss",
+            "label_smoothing_factor with a tiled loss: the tiles compute plain cross-entropy; set "
+            "tiled_loss false or label_smoothing_factor 0",
+            path="label_smoothing_factor",
         )
     if stages > 1:
-        if compute_loss is not None:
-            raise ConfigError(
-                "a Trainer subclass's compute_loss needs the whole model on each rank; with "
-                "pipeline_parallel_size > 1 the last stage computes the causal-LM loss. Drop the override "
-                "or the pipeline.",
-                path="compute_loss",
-            )
         return PipelineEngine(
             model,
             ds_config,
@@ -76,7 +99,8 @@ def build_engine(
             lr_scheduler,
             weight_decay,
             gradient_checkpointing=gradient_checkpointing,
+            objective=objective,
         )
     return DeepSpeedEngine(
-        model, ds_config, optimizer, lr_scheduler, weight_decay, compute_loss, sequence_parallel, tiling
+        model, ds_config, optimizer, lr_scheduler, weight_decay, objective, sequence_parallel, tiling
     )

@@ -5,15 +5,14 @@ over an accumulation window, evaluation forwards, the numbers a logging step rep
 and loading DeepSpeed's shards. ``DeepSpeedEngine`` (ZeRO 0-3) and ``PipelineEngine`` (pipeline
 stages) implement the four abstract methods; everything else here is written once for both.
 
-The loss of a window is the sum of per-token losses divided by the number of target tokens in the
-whole window on all ranks (see ``trainer.engine.loss``). ``loss_fn`` is that per-batch summed loss:
-an engine attribute, so another loss (or a test's fault injection) plugs in without a subclass.
+The loss of a window is the sum of its micro-batches' losses divided by the window's normaliser on
+all ranks; ``objective`` (``trainer.engine.objectives``) says what both are, so the causal-LM
+token-exact loss, any HF model's own loss or a ``compute_loss`` override plug in without a subclass.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any
 
 import deepspeed
@@ -22,10 +21,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 from deepspeed.runtime.utils import clip_grad_norm_
 
 from trainer.checkpoint_writer import FileWriter
-from trainer.engine.loss import causal_lm_loss_sum, count_targets
-
-Batch = dict[str, torch.Tensor]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+from trainer.engine.objectives import Batch, Objective
 
 
 def is_decayed(name: str, param: torch.nn.Parameter) -> bool:
@@ -94,14 +90,14 @@ class Engine(ABC):
     """One DeepSpeed engine behind the interface the Trainer uses.
 
     ``ds`` is DeepSpeed's engine, which only engines touch; ``module`` the HF model (what the
-    export is written from); ``world_size`` the data-parallel size; ``lr_scale`` a rollback's
-    learning-rate cut, applied after the scheduler sets each step's rate."""
+    export is written from); ``objective`` what a step minimises; ``world_size`` the data-parallel
+    size; ``lr_scale`` a rollback's learning-rate cut, applied after the scheduler sets each step's rate."""
 
     ds: Any
     module: torch.nn.Module
     optimizer: Any  # what deepspeed.initialize returned: the (ZeRO-wrapped) optimizer that steps
     lr_scheduler: Any  # and its scheduler (None when the config has none)
-    loss_fn: LossFn = staticmethod(causal_lm_loss_sum)
+    objective: Objective
 
     def _initialize(self, model: torch.nn.Module, config: dict[str, Any], **kwargs: Any) -> None:
         self.ds, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
@@ -124,13 +120,10 @@ class Engine(ABC):
         loss, on the device."""
 
     @abstractmethod
-    def eval_loss_sum(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed loss, target count) of one batch, both on the device; a sum over ranks counts
-        every batch once."""
-
-    @abstractmethod
-    def logits(self, batch: Batch) -> torch.Tensor:
-        """The logits of this rank's batch (a collective, like every forward under ZeRO-3 or a pipeline)."""
+    def eval_step(self, batch: Batch, outputs: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(summed loss, its count, the model's outputs when ``outputs``, else None) of this rank's
+        evaluation batch, on the device; a sum over ranks counts every batch once. A collective, like
+        every forward under ZeRO-3 or a pipeline."""
 
     @abstractmethod
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
@@ -140,21 +133,15 @@ class Engine(ABC):
     # ---- shared ---------------------------------------------------------------------------------
 
     def local_targets(self, window: list[Batch]) -> float:
-        """Target tokens of this rank's window, counted on the host from the CPU batches, so the
-        count can ride the Trainer's host-only vote and never waits on the device stream."""
-        return float(sum(count_targets(b) for b in window))
+        """This rank's share of the window's normaliser (target tokens for a causal LM), counted on
+        the host from the CPU batches, so it can ride the Trainer's host-only vote and never waits
+        on the device stream."""
+        return float(sum(self.objective.count(b) for b in window))
 
-    def model_inputs(self, batch: Batch) -> tuple[torch.Tensor, Batch]:
-        """(labels, model inputs) on the device. Packed rows carry position_ids that restart at each
-        document: then the attention mask is left out, so HF models build a block-diagonal mask from
-        the positions and documents do not attend to each other. Right padding needs no mask in a
-        causal model (no real token looks right), and padded labels are ignored anyway."""
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        labels = batch.pop("labels")
-        if "position_ids" in batch:
-            batch.pop("attention_mask", None)
-            batch["use_cache"] = False
-        return labels, batch
+    def to_device(self, batch: Batch) -> Batch:
+        return {
+            k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+        }
 
     def train(self, mode: bool = True) -> None:
         self.ds.train(mode)

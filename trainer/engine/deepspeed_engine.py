@@ -8,7 +8,6 @@ size, so the update equals one big batch however it is split into micro-batches 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -18,13 +17,10 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
 from trainer.data import IGNORE_INDEX
 from trainer.engine.core import Batch, Engine, weight_decay_groups
-from trainer.engine.loss import count_targets, next_token_targets, target_count, token_loss_sum
+from trainer.engine.loss import next_token_targets
+from trainer.engine.objectives import CausalLM, Objective, causal_inputs
 from trainer.engine.sequence_parallel import SequenceParallel
 from trainer.engine.tiling import Tiling, decoder_and_head, offload_activations, tile_mlp, tiled_loss_sum
-
-# A Trainer subclass's compute_loss, bound: (model, inputs with labels, num_items_in_batch=N) -> one
-# micro-batch's loss divided by N.
-ComputeLoss = Callable[..., torch.Tensor]
 
 
 class DeepSpeedEngine(Engine):
@@ -37,11 +33,11 @@ class DeepSpeedEngine(Engine):
         optimizer: torch.optim.Optimizer | None = None,
         lr_scheduler: Any = None,
         weight_decay: float = 0.0,
-        compute_loss: ComputeLoss | None = None,
+        objective: Objective | None = None,
         sequence_parallel: int = 1,
         tiling: Tiling = Tiling(),
     ):
-        self.compute_loss = compute_loss
+        self.objective = objective or CausalLM()
         self.tiling = tiling
         if tiling.mlp is not None:
             tile_mlp(model, tiling.mlp)
@@ -90,22 +86,17 @@ class DeepSpeedEngine(Engine):
         return super().local_targets(window)
 
     def loss_sum(self, batch: Batch, items: float) -> torch.Tensor:
-        """One micro-batch's summed loss. ``items``: the target tokens a ``compute_loss`` override
-        divides by (its window's on all ranks, or the batch's own in evaluation), multiplied back."""
+        """One micro-batch's summed loss; ``items``: the window's normaliser on all ranks."""
         with offload_activations() if self.tiling.offload else nullcontext():
-            if self.sp is not None or self.tiling.loss:  # a compute_loss override is refused with them
+            if self.sp is not None or self.tiling.loss:  # causal-LM only (build_engine checks)
                 return self._token_loss(*self._shifted_inputs(batch))
-            labels, inputs = self.model_inputs(batch)
-            if self.compute_loss is None:
-                return self.loss_fn(self.ds(**inputs).logits, labels)
-            items = max(items, 1.0)  # a fully padded batch: its loss is 0 either way
-            return self.compute_loss(self.ds, {**inputs, "labels": labels}, num_items_in_batch=items) * items
+            return self.objective.loss_sum(self.ds, self.to_device(batch), items)[0]
 
     def _shifted_inputs(self, batch: Batch) -> tuple[torch.Tensor, Batch]:
         """(next-token targets, model inputs) on the device: this rank's slice under sequence parallelism."""
         if self.sp is not None:
             return self.sp.model_inputs(batch, self.device)
-        labels, inputs = self.model_inputs(batch)
+        labels, inputs = causal_inputs(self.to_device(batch))
         return next_token_targets(labels), inputs
 
     def _token_loss(self, targets: torch.Tensor, inputs: Batch) -> torch.Tensor:
@@ -116,27 +107,20 @@ class DeepSpeedEngine(Engine):
         if self.tiling.loss:
             hidden = self.ds(**inputs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
             return tiled_loss_sum(hidden, self.head, targets, self.tiling.loss)
-        return token_loss_sum(self.ds(**inputs).logits, targets)
+        return self.objective.token_loss_sum(self.ds(**inputs).logits, targets)
 
     @torch.no_grad()
-    def eval_loss_sum(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.sp is not None or self.tiling.loss:
-            targets, inputs = self._shifted_inputs(batch)
-            return self._token_loss(targets, inputs), (targets != IGNORE_INDEX).sum().float()
-        if self.compute_loss is None:
-            labels, inputs = self.model_inputs(batch)
-            return self.loss_fn(self.ds(**inputs).logits, labels), target_count(labels)
-        items = float(count_targets(batch))
-        return self.loss_sum(batch, items), torch.tensor(items, device=self.device)
-
-    @torch.no_grad()
-    def logits(self, batch: Batch) -> torch.Tensor:
-        if self.sp is not None:
+    def eval_step(self, batch: Batch, outputs: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        if self.sp is not None and outputs:
             raise NotImplementedError(
                 "predictions (predict, compute_metrics) with sequence_parallel_size > 1: each rank holds a "
                 "slice of every row's logits; evaluate the loss, or predict in a run without it"
             )
-        return self.ds(**self.model_inputs(batch)[1]).logits
+        if self.sp is not None or (self.tiling.loss and not outputs):
+            targets, inputs = self._shifted_inputs(batch)
+            return self._token_loss(targets, inputs), (targets != IGNORE_INDEX).sum().float(), None
+        loss, count, out = self.objective.eval_sum(self.ds, self.to_device(batch))
+        return loss, count, out if outputs else None
 
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
         """Gathered under ZeRO-3; on rank 0 only. ``trainable_only``: the parameters that train (a

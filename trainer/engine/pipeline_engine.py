@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.engine.core import Batch, Engine, weight_decay_groups
-from trainer.engine.loss import target_count
+from trainer.engine.loss import next_token_targets, target_count
+from trainer.engine.objectives import CausalLM
 from trainer.engine.pipeline_layers import build_pipeline_module, gather_hf_state_dict
 
 
@@ -44,7 +45,7 @@ class WindowLoss:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.keep_logits:
             self.logits.append(logits.detach().float().cpu())
-        loss_sum = self.engine.loss_fn(logits, labels)
+        loss_sum = self.engine.objective.token_loss_sum(logits, next_token_targets(labels))
         count = target_count(labels)
         self.total = loss_sum.detach() if self.total is None else self.total + loss_sum.detach()
         self.count = count if self.count is None else self.count + count
@@ -70,7 +71,9 @@ class PipelineEngine(Engine):
         lr_scheduler: Any = None,
         weight_decay: float = 0.0,
         gradient_checkpointing: bool = False,
+        objective: CausalLM | None = None,
     ):
+        self.objective = objective or CausalLM()
         if optimizer is not None:
             raise ValueError(
                 "pipeline_parallel_size > 1: the optimizer is built per stage from the DeepSpeed config; "
@@ -119,20 +122,18 @@ class PipelineEngine(Engine):
         return self.loss.result(self.device)[0]
 
     @torch.no_grad()
-    def eval_loss_sum(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pipeline's pooled batches on its last stage; zeros on the other stages."""
-        self._forward(batch)
-        return self.loss.result(self.device)
-
-    @torch.no_grad()
-    def logits(self, batch: Batch) -> torch.Tensor:
-        """The stages pool their batches, the last stage computes the logits of all of them, and
-        each stage takes its own back."""
-        self._forward(batch, keep_logits=True)  # the loss function sees each micro-batch's logits
+    def eval_step(self, batch: Batch, outputs: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The pipeline's pooled batches on its last stage (zero loss and count on the others). With
+        ``outputs``, the last stage computes the logits of all of them and each stage takes its own
+        back."""
+        self._forward(batch, keep_logits=outputs)
+        loss, count = self.loss.result(self.device)
+        if not outputs:
+            return loss, count, None
         last = self.loss.logits if self.ds.is_last_stage() else None
         gathered: list[Any] = [None] * self.stages
         dist.all_gather_object(gathered, last, group=self.ds.grid.get_pipe_parallel_group())
-        return gathered[-1][self.ds.stage_id].to(self.device)
+        return loss, count, {"logits": gathered[-1][self.ds.stage_id].to(self.device)}
 
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
         # LoRA (the one use of trainable_only) is refused with a pipeline: every weight trains here.
