@@ -15,7 +15,7 @@ from transformers import get_scheduler
 
 from trainer import checkpoint as ckpt
 from trainer.args import TrainingArguments
-from trainer.config import ConfigError, deepspeed_schedules
+from trainer.config import ConfigError
 from trainer.distributed import print_main
 from trainer.engine import Tiling, plan_tiling
 
@@ -84,12 +84,13 @@ def check_resolved(ds_config: dict[str, Any], args: TrainingArguments, world_siz
 
 
 def client_scheduler(
-    args: TrainingArguments, total_steps: int
+    args: TrainingArguments, total_steps: int, ds_config: dict[str, Any]
 ) -> Callable[[torch.optim.Optimizer], Any] | None:
-    """transformers' ``get_scheduler`` for a schedule DeepSpeed's schedulers cannot express (None when
-    they can), as the callable ``deepspeed.initialize`` calls with the optimizer it built. DeepSpeed
-    then steps it after every optimizer step and saves its state in every checkpoint."""
-    if deepspeed_schedules(args):
+    """transformers' ``get_scheduler`` where the resolved DeepSpeed config has no scheduler (one
+    DeepSpeed's schedulers cannot express, or a one-step warmup), as the callable
+    ``deepspeed.initialize`` calls with the optimizer it built; None where the config has one.
+    DeepSpeed then steps it after every optimizer step and saves its state in every checkpoint."""
+    if "scheduler" in ds_config:
         return None
     warmup = args.warmup_steps if args.warmup_steps > 0 else math.ceil(args.warmup_ratio * total_steps)
 

@@ -437,7 +437,8 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
                 self.model,
                 self.ds_config,
                 optimizer=self.client_optimizer,
-                lr_scheduler=self.client_scheduler or client_scheduler(self.args, total_steps),
+                lr_scheduler=self.client_scheduler
+                or client_scheduler(self.args, total_steps, self.ds_config),
                 weight_decay=self.args.weight_decay,
                 gradient_checkpointing=self.args.gradient_checkpointing,
                 objective=objective,

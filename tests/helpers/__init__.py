@@ -8,4 +8,8 @@
 - ``hf_trainer_script``: an ordinary HF Trainer script; a test runs it with our Trainer import.
 - ``run_clm_shaped``: an HF example script in run_clm's shape (argument dataclasses, ``--deepspeed``);
   a test runs it with our import and with transformers' Trainer, and compares their output dirs.
+- ``run_mlm_shaped``, ``run_classification_shaped``, ``run_ner_shaped``,
+  ``run_image_classification_shaped``, ``run_summarization_shaped``: the other HF example scripts'
+  shapes (``hf_example_common``: what they share; ``hf_examples_data``: their tokenizers and data
+  files, built locally); ``tests/distributed/test_hf_examples.py`` runs them with each Trainer.
 """

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainer.args import RunConfig, TrainingArguments
 from trainer.config import ConfigError, Hardware, generate, load_deepspeed_json, resolve
@@ -556,3 +557,26 @@ def test_skip_policy_is_refused_where_deepspeed_applies_non_finite_steps():
         args(nonfinite_policy="stop", zero_stage=0, max_steps=10),
     ):
         resolve(ok, 2, A100 if ok.precision == "fp16" else CPU)
+
+
+def test_a_one_step_warmup_is_transformers_schedule_unless_the_file_names_one():
+    """DeepSpeed's warmup schedulers warm up over at least two steps; HF's one-step warmup (0, then
+    the peak) is left to transformers' scheduler, so the resolved config has none."""
+    from trainer.steps import client_scheduler
+
+    for warmup in ({"warmup_steps": 1}, {"warmup_ratio": 0.1}):
+        run = args(max_steps=10, learning_rate=1e-2, **warmup)
+        ds = resolve(run, 1, CPU)
+        assert "scheduler" not in ds
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2)
+        schedule = client_scheduler(run, 10, ds)(optimizer)
+        rates = []
+        for _ in range(3):
+            rates.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            schedule.step()
+        assert rates == pytest.approx([0.0, 1e-2, 1e-2 * 8 / 9])
+    assert resolve(args(max_steps=10, warmup_steps=2), 1, CPU)["scheduler"]["params"]["warmup_num_steps"] == 2
+    given = {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto"}}}
+    ds = resolve(args(max_steps=10, warmup_steps=1, deepspeed=given), 1, CPU)
+    assert ds["scheduler"]["params"]["warmup_num_steps"] == 1 and client_scheduler(args(), 10, ds) is None

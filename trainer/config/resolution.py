@@ -56,6 +56,17 @@ def deepspeed_schedules(args: TrainingArgs) -> bool:
     return args.lr_scheduler_type in _SCHEDULERS and not args.lr_scheduler_kwargs
 
 
+def one_step_warmup(args: TrainingArgs, total_steps: int | None) -> bool:
+    """A warmup of exactly one step (HF's: 0 at the first step, the peak at the second), which
+    DeepSpeed's warmup schedulers stretch to two; transformers' scheduler runs it instead, unless
+    the user's DeepSpeed file names a scheduler of its own."""
+    if args.lr_scheduler_type == "constant":
+        return False
+    total = total_steps or (args.max_steps if args.max_steps > 0 else 0)
+    warmup = args.warmup_steps if args.warmup_steps > 0 else math.ceil(args.warmup_ratio * total)
+    return warmup == 1
+
+
 def _set(data: dict[str, Any], path: str, value: Any) -> None:
     *parents, last = path.split(".")
     node = data
@@ -471,7 +482,11 @@ def resolve(
             [("scheduler", f"lr_scheduler_type={args.lr_scheduler_type} (with lr_scheduler_kwargs={args.lr_scheduler_kwargs}) "
               "is built by transformers' get_scheduler, which DeepSpeed's schedulers cannot express; remove the section")]
         )  # fmt: skip
-    client_scheduler = client_scheduler or not deepspeed_schedules(args)
+    client_scheduler = (
+        client_scheduler
+        or not deepspeed_schedules(args)
+        or ("scheduler" not in data and one_step_warmup(args, total_steps))
+    )
     return _pool_stages(_run(r, client_optimizer, client_scheduler))
 
 
