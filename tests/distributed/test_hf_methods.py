@@ -48,24 +48,33 @@ def test_the_train_loader_yields_the_micro_batches_training_consumed(run):
     assert not first & second and len(first | second) == 40  # the ranks' shards split the data
 
 
+def padding_masked(loader: dict) -> list[dict]:
+    """The loader's batches as evaluate forwards them: a padding row's labels masked."""
+    batches = [json.loads(json.dumps(b)) for b in loader["batches"]]
+    rows = [row for b in batches for row in b["labels"]]
+    for i, row in zip(loader["indices"], rows, strict=True):
+        if i == -1:
+            row[:] = [-100] * len(row)
+    return batches
+
+
 def test_eval_and_test_loaders_yield_what_evaluate_and_predict_forward(run):
     _, ranks = run
     for rank, res in enumerate(ranks):
-        evals = res["eval_loader"]["batches"]
+        evals, tests = res["eval_loader"], res["test_loader"]
         # 13 rows on 2 ranks: 7 each, in batches of 4 and 3; rank 1's last is a copy of row 0.
-        assert res["eval_loader"]["indices"] == [*range(rank, 13, 2), *([-1] if rank else [])]
-        assert [len(b["input_ids"]) for b in evals] == [4, 3]
-        forwarded = [json.loads(json.dumps(b)) for b in evals]
+        assert evals["indices"] == [*range(rank, 13, 2), *([-1] if rank else [])]
+        assert [len(b["input_ids"]) for b in evals["batches"]] == [4, 3]
         if rank == 1:
-            padding = evals[-1]["input_ids"][-1]
+            padding = evals["batches"][-1]["input_ids"][-1]
             assert padding[: len(res["eval_row0"])] == res["eval_row0"]
-            # evaluate forwards it with its labels masked: it adds nothing to the loss.
-            forwarded[-1]["labels"][-1] = [-100] * len(padding)
         for phase in ("eval@2", "eval@4", "evaluate"):
-            assert res["forwards"][phase] == forwarded, phase
-        assert res["forwards"]["predict"] == res["test_loader"]["batches"]
-        assert [len(b["input_ids"]) for b in res["test_loader"]["batches"]] == [4, 1]  # 9 rows: 5 each
-        assert (res["eval_loader"]["num_examples"], res["test_loader"]["num_examples"]) == (13, 9)
+            assert res["forwards"][phase] == padding_masked(evals), phase
+        # 9 rows: 5 each, in batches of 4 and 1.
+        assert tests["indices"] == [*range(rank, 9, 2), *([-1] if rank else [])]
+        assert res["forwards"]["predict"] == padding_masked(tests)
+        assert [len(b["input_ids"]) for b in tests["batches"]] == [4, 1]
+        assert (evals["num_examples"], tests["num_examples"]) == (13, 9)
 
 
 def test_log_adds_epoch_and_step_to_the_history_and_metrics_jsonl(run):
@@ -107,8 +116,8 @@ def test_the_optimizer_and_scheduler_are_the_engines(run):
         assert opt["other_model"].startswith("ValueError: Trainer.create_optimizer: DeepSpeed builds")
         assert opt["other_optimizer"].startswith("ValueError: Trainer.create_scheduler: DeepSpeed steps")
         # Built before train(): the 8-step schedule is the one that trains (4 steps of it). A logged
-        # rate is DeepSpeed's WarmupDecayLR after the step (its warmup lasts at least 2 iterations):
-        # 0, 1/2, then (8 - 3) / (8 - 2) of the peak at step 4, where a 4-step schedule has 1/2.
+        # rate is DeepSpeed's WarmupDecayLR after the step (2 warmup steps): 0, 1/2, then
+        # (8 - 3) / (8 - 2) of the peak at step 4, where a 4-step schedule has 1/2.
         early = res["early"]
         assert early["engine_kept"] and early["total_num_steps"] == 8
         assert early["learning_rates"] == pytest.approx([0.0, 5e-3, 1e-2, 1e-2 * 5 / 6])

@@ -139,7 +139,11 @@ def main() -> None:
     }
     report["eval_row0"] = eval_ds[0]["input_ids"]
     test_dl = t.get_test_dataloader(test_ds)
-    report["test_loader"] = {"batches": [plain(b) for b in test_dl], "num_examples": t.num_examples(test_dl)}
+    report["test_loader"] = {
+        "batches": [plain(b) for b in test_dl],
+        "indices": test_dl.dataset.indices,
+        "num_examples": t.num_examples(test_dl),
+    }
 
     t.train()
     forwards.phase = "evaluate"
@@ -194,7 +198,7 @@ def main() -> None:
     # ---- an engine built before train(): create_optimizer_and_scheduler's schedule is kept --------
     early_args = TrainingArguments(
         output_dir=str(out / "early"), max_steps=4, per_device_train_batch_size=2, logging_steps=1,
-        save_strategy="no", learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=1, disable_tqdm=True,
+        save_strategy="no", learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=2, disable_tqdm=True,
         seed=0,
         report_to="none",
     )  # fmt: skip
