@@ -255,7 +255,8 @@ def test_both_trainers_write_the_model_card_run_clm_ends_with(ours, hf):
     (hp, head, table), (hf_hp, hf_head, _) = card(ours[0]), card(hf[0])
     for key in ("learning_rate", "train_batch_size", "eval_batch_size", "seed", "gradient_accumulation_steps",
                 "lr_scheduler_type", "lr_scheduler_warmup_steps", "training_steps"):  # fmt: skip
-        assert hp[key] == hf_hp[key], key
+        # HF 5 writes warmup_steps as a float (a value below 1 is a ratio there); ours is a step count.
+        assert hp[key] == hf_hp[key] or float(hp[key]) == float(hf_hp[key]), key
     assert (hp["num_devices"], hp["total_train_batch_size"]) == ("2", "8")  # 2 ranks x 2 x 2; HF ran 1
     assert hp["distributed_type"] == "DeepSpeed ZeRO-3"
     for text in (head, hf_head):
