@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from transformers.modelcard import TASK_MAPPING, TASK_TAG_TO_NAME_MAPPING
+from transformers.modelcard import METRIC_TAGS, TASK_MAPPING, TASK_TAG_TO_NAME_MAPPING
 
 CARD_NAME = "README.md"
 TRAINER_TAG = "generated_from_trainer"  # HF's tag for a card its Trainer wrote; hub filters use it
@@ -53,10 +53,10 @@ class ModelCard:
 
     def render(self) -> str:
         results = eval_results(self.log_history)
-        parts = [f"---\n{yaml.safe_dump(self.metadata(results), sort_keys=False)}---\n"]
+        parts = [f"---\n{yaml.safe_dump(self.metadata(results), sort_keys=False)}---\n\n"]
         parts.append(
             "<!-- Written by the Trainer's create_model_card from the run's arguments, its DeepSpeed "
-            "config and its log history. Proofread and complete it. -->\n"
+            "config and its log history. Proofread and complete it. -->\n\n"
         )
         parts.append(f"# {self.model_name}\n\n{self._summary()}")
         if results:
@@ -104,12 +104,15 @@ class ModelCard:
         meta["tags"] = self.tags
         if self.dataset_tags:
             meta["datasets"] = self.dataset_tags
-        meta["model-index"] = [{"name": self.model_name, "results": self._index_results(results or {})}]
+        tagged = {k: v for k, v in (results or {}).items() if k in METRIC_TAGS}  # metrics the hub knows
+        if tagged:
+            meta["metrics"] = list(tagged)
+        meta["model-index"] = [{"name": self.model_name, "results": self._index_results(tagged)}]
         return meta
 
     def _index_results(self, results: dict[str, Any]) -> list[dict[str, Any]]:
-        """One entry per (task, dataset) with the final eval metrics; an entry without all three is
-        left out, as the hub rejects it."""
+        """One entry per (task, dataset) with the final eval metrics the hub knows (accuracy, f1,
+        ...; not the loss); an entry without all three is left out, as the hub rejects it."""
         metrics = [{"name": _title(k), "type": k, "value": _plain(v)} for k, v in results.items()]
         if not (self.tasks and self.dataset_tags and metrics):
             return []
