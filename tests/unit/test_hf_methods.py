@@ -206,7 +206,8 @@ def test_a_card_rendered_from_a_history():
     assert meta == {
         "library_name": "transformers",
         "tags": ["t"],
-        "model-index": [{"name": "m", "results": []}],
+        "metrics": ["accuracy"],  # the hub's metric tags among the eval results (not the loss)
+        "model-index": [{"name": "m", "results": []}],  # no dataset: no result entry
     }
     assert "This model was trained from scratch on an unknown dataset.\n" in body
     assert "- Loss: 1.9\n- Accuracy: 0.3\n" in body
