@@ -51,9 +51,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PUSH_REFUSED = (
-    "Trainer.push_to_hub: nothing is uploaded from this trainer (no hub access; the push_to_hub "
-    "field is refused for the same reason). save_model() and create_model_card() leave an HF model "
-    "directory in output_dir: upload it with huggingface_hub's upload_folder."
+    "Trainer.push_to_hub: nothing is uploaded from this trainer (no hub access; setting the "
+    "push_to_hub field is refused for the same reason). save_model() and create_model_card() leave "
+    "an HF model directory in output_dir: upload it with huggingface_hub's upload_folder."
 )
 SEARCH_REFUSED = (
     "Trainer.hyperparameter_search: not supported, as every trial needs its own DeepSpeed engine "
