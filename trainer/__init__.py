@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 __all__ = [
+    "Seq2SeqTrainer",
     "Seq2SeqTrainingArguments",
     "Trainer",
     "TrainingArguments",
@@ -22,6 +23,7 @@ __all__ = [
 _LAZY = {
     "Trainer": "trainer.trainer",
     "TrainingArguments": "trainer.args",
+    "Seq2SeqTrainer": "trainer.seq2seq",
     "Seq2SeqTrainingArguments": "trainer.args",
     "TrainerCallback": "trainer.callbacks",
     "TrainerControl": "trainer.callbacks",
@@ -31,6 +33,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from trainer.args import Seq2SeqTrainingArguments, TrainingArguments
     from trainer.callbacks import TrainerCallback, TrainerControl, TrainerState
+    from trainer.seq2seq import Seq2SeqTrainer
     from trainer.trainer import Trainer
 
 

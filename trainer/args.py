@@ -176,6 +176,28 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
     prediction_loss_only: bool = Field(
         False, description="evaluate() computes the loss only: no predictions gathered, no compute_metrics."
     )
+    label_names: list[str] | None = Field(
+        None,
+        description="The batch keys holding the labels (predict returns them as label_ids, a tuple for several); "
+        "default: the label arguments of the model's forward (labels; start_positions and end_positions "
+        "for question answering).",
+    )
+    include_for_metrics: list[str] = Field(
+        default_factory=list,
+        description="What compute_metrics also gets: inputs (the model's main input, gathered as the "
+        "predictions are), loss (each row's batch loss).",
+    )
+    batch_eval_metrics: bool = Field(
+        False,
+        description="Call compute_metrics(EvalPrediction, compute_result) after every evaluation batch, "
+        "compute_result true on the last, instead of once over the set: evaluate holds no predictions.",
+    )
+    eval_accumulation_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Move the predictions kept so far to host memory every N evaluation batches; "
+        "default: they stay on the device until the end.",
+    )
     eval_on_start: bool = Field(False, description="Evaluate once before the first step.")
     eval_strategy: Strategy = Field("no", description="When to evaluate: no, steps or epoch.")
     eval_steps: int | None = Field(None, ge=1, description="Evaluate every N steps (default: logging_steps).")
@@ -340,6 +362,14 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
     def _yaml_no(cls, value: Any) -> Any:
         # YAML 1.1 reads a bare `no` in a recipe as False.
         return "no" if value is False else value
+
+    @field_validator("include_for_metrics")
+    @classmethod
+    def _metric_inputs(cls, value: list[str]) -> list[str]:
+        unknown = [repr(v) for v in value if v not in ("inputs", "loss")]
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: include_for_metrics takes inputs and loss")
+        return value
 
     @field_validator("report_to", mode="before")
     @classmethod

@@ -84,20 +84,8 @@ REFUSED: dict[str, str] = {
 }
 
 ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
-    "remove_unused_columns": (
-        (True,),
-        "datasets are always cut to the model's inputs (input_ids, labels, position_ids, attention_mask)",
-    ),
-    "label_names": ((None, ["labels"]), "the labels are always the `labels` column"),
     "eval_do_concat_batches": ((True,), "predictions are always concatenated over batches"),
     "eval_use_gather_object": ((False,), "predictions are gathered as arrays, padded with -100"),
-    "eval_accumulation_steps": (
-        (None,),
-        "predictions stay on the device until the end of predict; "
-        "use preprocess_logits_for_metrics to shrink them",
-    ),
-    "include_for_metrics": (((), []), "compute_metrics gets predictions and labels only"),
-    "batch_eval_metrics": ((False,), "compute_metrics runs once, over the whole evaluation set"),
     "average_tokens_across_devices": (
         (True,),
         "the loss is always divided by the window's target tokens on all ranks, which is what keeps "
@@ -199,15 +187,6 @@ class HFFields(BaseModel):
     eval_use_gather_object: bool = Field(
         False, description="Gather nested Python objects from every rank in evaluation."
     )
-    eval_accumulation_steps: int | None = Field(
-        None, description="Move predictions to the CPU every N evaluation steps."
-    )
-    include_for_metrics: list[str] = Field(
-        [], description="Also hand compute_metrics the inputs and/or the loss."
-    )
-    batch_eval_metrics: bool = Field(
-        False, description="Call compute_metrics on each batch, accumulating, instead of once."
-    )
     save_only_model: bool = Field(
         False, description="Checkpoints hold the model only, not the optimizer, scheduler and RNG states."
     )
@@ -239,7 +218,6 @@ class HFFields(BaseModel):
     remove_unused_columns: bool = Field(
         True, description="Drop the dataset columns the model's forward does not take."
     )
-    label_names: list[str] | None = Field(None, description="The input keys that hold the labels.")
     train_sampling_strategy: str = Field(
         "random", description="The training sampler: random, sequential, group_by_length, batch_rebalance."
     )

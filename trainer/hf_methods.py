@@ -125,9 +125,9 @@ class HFMethods:
         ...``, the shard padded with copies of row 0, which ``loader.dataset.indices`` marks -1), in
         batches of ``per_device_eval_batch_size``. A string picks one of a dict of eval datasets."""
         if isinstance(eval_dataset, str):
-            dataset = model_columns(self.eval_dataset[eval_dataset])
+            dataset = model_columns(self.eval_dataset[eval_dataset], self.model, self.args)
         elif eval_dataset is not None:
-            dataset = model_columns(eval_dataset)
+            dataset = model_columns(eval_dataset, self.model, self.args)
         else:
             dataset = self.eval_dataset
         if dataset is None:
@@ -136,7 +136,7 @@ class HFMethods:
 
     def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
         """This rank's batches of ``test_dataset``, as ``predict`` reads them."""
-        return self._eval_loader(model_columns(test_dataset))
+        return self._eval_loader(model_columns(test_dataset, self.model, self.args))
 
     def _eval_loader(self, dataset: Any) -> DataLoader:
         world, rank = self._data_ranks

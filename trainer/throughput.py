@@ -92,13 +92,17 @@ def peak_tflops(device_name: str, dtype: str) -> float | None:
 
 
 def non_padding_tokens(batch: dict[str, Any]) -> Any:
-    """Tokens of a batch that are not padding: the attention mask's sum, else every input id.
+    """Tokens of a batch that are not padding: the attention mask's sum, else every input id; a
+    batch of no token ids (an image classifier's ``pixel_values``) has none.
 
     Returns a tensor on the batch's device (summing it does not synchronise); pass it to
     ``StepTimer.step_end`` as is.
     """
     mask = batch.get("attention_mask")
-    return mask.sum() if mask is not None else batch["input_ids"].numel()
+    if mask is not None:
+        return mask.sum()
+    ids = batch.get("input_ids")
+    return ids.numel() if ids is not None else 0
 
 
 class StepTimer:

@@ -42,7 +42,7 @@ from trainer.callbacks import (
 )
 from trainer.config import resolve
 from trainer.config.files import precision_of
-from trainer.data import ResumableDistributedSampler, default_collator, model_columns
+from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
 from trainer.data.loader import accumulation_windows, data_seed
 from trainer.distributed import (
     all_reduce_sum,
@@ -53,7 +53,7 @@ from trainer.distributed import (
     print_main,
 )
 from trainer.engine import Engine, Objective, batch_rows, build_engine, is_causal_lm, objective_for
-from trainer.evaluation import eval_batches, evaluation_loop
+from trainer.evaluation import Predictions, eval_batches, evaluation_loop
 from trainer.export import export_hf
 from trainer.faults import fault_plan
 from trainer.guard import NonfiniteGuard
@@ -102,10 +102,10 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         self.model = model
         if getattr(model, "config", None) is not None:  # as HF's: no cache in training or evaluation
             model.config.use_cache = getattr(self.args, "use_cache", False)
-        self.train_dataset = model_columns(train_dataset)
-        self.eval_dataset = model_columns(eval_dataset)
+        self.train_dataset = model_columns(train_dataset, model, self.args, "training")
+        self.eval_dataset = model_columns(eval_dataset, model, self.args, "evaluation")
         self.processing_class = processing_class or tokenizer
-        self.data_collator = data_collator or default_collator(self.processing_class)
+        self.data_collator = data_collator or default_collator_for(model, self.processing_class)
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.client_optimizer, self.client_scheduler = optimizers
@@ -309,12 +309,16 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
     ) -> dict[str, float]:
         """HF's evaluate: ``{prefix}_loss``, the ``compute_metrics`` results,
         ``{prefix}_runtime``/``_samples_per_second``/``_steps_per_second`` and ``epoch``, on every
-        rank; logged as a row. ``ignore_keys`` is accepted for HF's signature: only logits are kept."""
-        dataset = model_columns(eval_dataset) if eval_dataset is not None else self.eval_dataset
+        rank; logged as a row. ``ignore_keys``: model outputs left out of the predictions."""
+        dataset = (
+            self.eval_dataset if eval_dataset is None else model_columns(eval_dataset, self.model, self.args)
+        )
         if dataset is None:
             raise ValueError("Trainer.evaluate: no eval_dataset")
         predictions = self.compute_metrics is not None and not self.args.prediction_loss_only
-        output = self._evaluation_loop(dataset, metric_key_prefix, predictions)
+        # With batch_eval_metrics, HF's evaluate keeps no predictions (that is its point); predict does.
+        returned = not self.args.batch_eval_metrics
+        output = self._evaluation_loop(dataset, metric_key_prefix, predictions, ignore_keys, returned)
         metrics = {**output.metrics, "epoch": self.state.epoch}
         self._log({**metrics, "step": self.state.global_step})
         self._fire("on_evaluate", metrics=metrics)
@@ -325,28 +329,41 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
     ) -> PredictionOutput:
         """HF's predict: the predictions (logits, or what ``preprocess_logits_for_metrics`` makes of
         them) and labels of every sample in dataset order, padded with -100, and the metrics
-        (``{prefix}_loss``, ...), on every rank."""
-        output = self._evaluation_loop(model_columns(test_dataset), metric_key_prefix, True)
+        (``{prefix}_loss``, ... where the set has labels), on every rank."""
+        dataset = model_columns(test_dataset, self.model, self.args)
+        predictions = not self.args.prediction_loss_only
+        output = self._evaluation_loop(dataset, metric_key_prefix, predictions, ignore_keys)
         return PredictionOutput(
             predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics
         )
 
-    def _evaluation_loop(self, dataset: Dataset, prefix: str, with_predictions: bool) -> EvalLoopOutput:
+    def _evaluation_loop(
+        self,
+        dataset: Dataset,
+        prefix: str,
+        with_predictions: bool,
+        ignore_keys: list[str] | None = None,
+        returned: bool = True,
+    ) -> EvalLoopOutput:
         self._ensure_engine(max(self.state.max_steps, 1))
         start, bs, (world, rank) = time.time(), self.args.per_device_eval_batch_size, self._data_ranks
+        hooks = (self.preprocess_logits_for_metrics, self.compute_metrics, ignore_keys, returned)
         output = evaluation_loop(
             self.engine,
             eval_batches(dataset, self.data_collator, bs, rank, world),
             len(dataset),
             prefix,
-            with_predictions,
-            self.preprocess_logits_for_metrics,
-            self.compute_metrics if with_predictions else None,
+            Predictions.from_args(self.args, *hooks, self._generation()) if with_predictions else None,
             collectives=lambda: self.watchdog.phase("eval"),
         )
         steps = math.ceil(len(dataset) / (bs * world))
         output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
         return output
+
+    def _generation(self) -> Callable[[dict[str, torch.Tensor]], Any] | None:
+        """What produces predictions in place of the logits: nothing here (``Seq2SeqTrainer``
+        generates)."""
+        return None
 
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
@@ -429,6 +446,7 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
             self.model,
             self.compute_loss if overridden else None,
             getattr(self.args, "label_smoothing_factor", 0.0),
+            self.args.label_names,
         )
         if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             enable_gradient_checkpointing(self.model)

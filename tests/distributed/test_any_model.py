@@ -26,7 +26,7 @@ RUNS = [(stage, name) for stage, names in STAGES.items() for name in names]
 PREDICTIONS = {  # predict() on 5 rows: the predictions' and labels' shapes, as HF's Trainer gives them
     "single_label": ([5, 3], [5]),
     "multi_label": ([5, 3], [5, 3]),
-    "regression": ([5], [5]),
+    "regression": ([5, 1], [5]),
     "token_classification": ([5, 11, 5], [5, 11]),
     "masked_lm": ([5, 11, 48], [5, 11]),
     "image_classification": ([5, 4], [5]),

@@ -1,6 +1,6 @@
 """HF's result API (TrainOutput, log/save_metrics, save_state, main_process_first, predict with
-preprocess_logits_for_metrics) on 2 ranks, through the public API under the deepspeed launcher:
-one launch of tests/helpers/hf_api_scenario.py."""
+preprocess_logits_for_metrics, HF's evaluation arguments) on 2 ranks, through the public API under
+the deepspeed launcher: one launch of tests/helpers/hf_api_scenario.py."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def test_predict_gathers_what_preprocess_logits_for_metrics_returns(run):
         assert [c["logits"][0] for c in calls] == [4, 3] * 2  # evaluate, then predict
         assert all(c["logits"][2] == 256 and c["logits"][:2] == c["labels"] for c in calls)
         assert res["preprocess_calls_in_evaluate"] == 2
-        # What went into the gathers: per-sample 1-D int64 ids, never [seq, vocab] logits.
+        # What went into the gathers: each batch's [rows, seq] int64 ids, never [seq, vocab] logits.
         sent = [s for gather in res["gathered"] for s in gather]
         assert sent and all(s.endswith(":int64") and s.count(",") == 1 for s in sent)
         assert res["metric_inputs"] == ["transformers.trainer_utils.EvalPrediction"] * 2
@@ -165,13 +165,21 @@ def test_predict_and_evaluate_metrics(run):
 
 def test_a_compute_loss_override_trains_what_the_builtin_loss_trains(run):
     _, ranks, _ = run
+    rows = ranks[0]["reference"]["rows"]
     for res in ranks:
         runs = res["compute_loss"]
         base = runs["builtin"]
         assert len(base["losses"]) == 2 and base["losses"][0] != base["losses"][1]
+        sums, targets = base["row_sums"], [len(r) - 1 for r in rows]
+        # Evaluated, the built-in causal loss is token-weighted; an override's is HF's: the mean of
+        # the batch means, each weighted by its rows.
+        assert base["eval_loss"] == pytest.approx(sum(sums) / sum(targets), rel=1e-5)
+        batches = [[i for i in b if i >= 0] for b in batches_of_two_ranks(len(rows), 8)]  # HF's default size
+        means = [sum(sums[i] for i in b) / sum(targets[i] for i in b) for b in batches]
+        hf_mean = sum(m * len(b) for m, b in zip(means, batches, strict=True)) / len(rows)
         for name in ("hand", "super"):
             assert runs[name]["losses"] == pytest.approx(base["losses"], rel=1e-6)
-            assert runs[name]["eval_loss"] == pytest.approx(base["eval_loss"], rel=1e-6)
+            assert runs[name]["eval_loss"] == pytest.approx(hf_mean, rel=1e-5)
             assert runs[name]["weights"] == pytest.approx(base["weights"], rel=1e-5, abs=1e-7)
     # num_items_in_batch is the window's target tokens on both ranks, for each of its micro-batches;
     # in evaluation, the batch's own.
@@ -181,3 +189,58 @@ def test_a_compute_loss_override_trains_what_the_builtin_loss_trains(run):
         assert {n for n, _ in calls} == {sum(own for _, own in calls)}
     for rank_items in items:
         assert [n for n, own in rank_items[4:]] == [own for n, own in rank_items[4:]] != []
+
+
+def batches_of_two_ranks(n: int, batch_size: int) -> list[list[int]]:
+    """The evaluation batches of 2 ranks: rank r takes rows r, r + 2, ...; -1 pads rank 1's shard."""
+    shards = [list(range(r, n, 2)) for r in (0, 1)]
+    shards[1] += [-1] * (len(shards[0]) - len(shards[1]))
+    return [s[i : i + batch_size] for s in shards for i in range(0, len(s), batch_size)]
+
+
+def test_include_for_metrics_gives_inputs_and_each_rows_batch_loss(run):
+    _, ranks, _ = run
+    ref = ranks[0]["reference"]
+    rows, sums = ref["rows"], ref["sums"]
+    expected = [0.0] * len(rows)  # each row's batch mean: its batch's token losses over its targets
+    for batch in batches_of_two_ranks(len(rows), 4):
+        real = [i for i in batch if i >= 0]
+        mean = sum(sums[i] for i in real) / sum(len(rows[i]) - 1 for i in real)
+        for i in real:
+            expected[i] = mean
+    for res in ranks:
+        included = res["options"]["include"]
+        assert included["same"]  # eval_accumulation_steps=1: the same predictions
+        (call,) = included["calls"]
+        width = max(map(len, rows))
+        for i, row in enumerate(rows):
+            assert call["inputs"][i][: len(row)] == row
+            assert set(call["inputs"][i][len(row) :]) <= {0, -100} and len(call["inputs"][i]) == width
+        assert call["losses"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_batch_eval_metrics_get_each_steps_rows_of_both_ranks(run):
+    _, ranks, _ = run
+    rows = ranks[0]["reference"]["rows"]
+    for res in ranks:
+        batched = res["options"]["batch"]
+        evaluate = batched["calls"][:2]
+        # Two steps: 4 rows per rank, then 3 (rank 1's last a padding row): 8 rows, then 5.
+        assert [c["compute_result"] for c in evaluate] == [False, True]
+        assert all(c["tensors"] for c in evaluate)  # torch tensors, as HF's batch metrics get
+        labels = [label for c in evaluate for label in c["labels"]]
+        assert [len(c["labels"]) for c in evaluate] == [8, 5]
+        assert [label[: len(row)] for label, row in zip(labels, rows, strict=True)] == rows
+        assert batched["eval_calls"] == 2  # evaluate returns the last call's result
+        assert batched["predict_kept"]  # predict keeps its predictions
+
+
+def test_prediction_loss_only_and_a_set_without_labels(run):
+    _, ranks, _ = run
+    for res in ranks:
+        loss_only = res["options"]["loss_only"]
+        assert loss_only["none"]
+        assert loss_only["metrics"]["test_loss"] == pytest.approx(ranks[0]["reference"]["loss"], rel=1e-5)
+        unlabelled = res["options"]["no_labels"]
+        assert unlabelled["labels"] is None and "test_loss" not in unlabelled["metrics"]
+        assert unlabelled["same"]  # the same predictions as with labels

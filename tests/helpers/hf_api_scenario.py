@@ -1,7 +1,8 @@
 """HF's result API on 2 ranks, written as a user writes it: ``from trainer import Trainer,
 TrainingArguments``, then ``main_process_first``, ``train()``'s TrainOutput, ``log_metrics``,
-``save_metrics``, ``save_state``, ``evaluate``/``predict`` with ``preprocess_logits_for_metrics`` and a
-finished run resumed. Each rank writes what it saw to ``OUT/rank<r>.json``; the test compares.
+``save_metrics``, ``save_state``, ``evaluate``/``predict`` with ``preprocess_logits_for_metrics``, a
+finished run resumed, and HF's evaluation arguments (``include_for_metrics``,
+``eval_accumulation_steps``, ``batch_eval_metrics``, ``prediction_loss_only``, a set without labels). Each rank writes what it saw to ``OUT/rank<r>.json``; the test compares.
 Usage: ``deepspeed --num_gpus 2 tests/helpers/hf_api_scenario.py OUT``.
 """
 
@@ -18,9 +19,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput
 
-import trainer.evaluation
+import trainer.predictions
 from trainer import Trainer, TrainingArguments
 from trainer.data import CausalLMCollator
+from trainer.engine import causal_lm_loss_sum
 from trainer.throughput import flops_per_token_for_model
 
 out = Path([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])
@@ -68,8 +70,9 @@ seen: list[dict] = []  # what preprocess_logits_for_metrics got, on this rank
 metric_inputs: list[str] = []
 
 
-def argmax(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    seen.append({"logits": list(logits.shape), "labels": list(labels.shape), "dtype": str(logits.dtype)})
+def argmax(logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    shape = None if labels is None else list(labels.shape)
+    seen.append({"logits": list(logits.shape), "labels": shape, "dtype": str(logits.dtype)})
     return logits.argmax(-1)
 
 
@@ -81,15 +84,15 @@ def accuracy(p: EvalPrediction) -> dict:
 
 
 gathered: list[list[str]] = []  # (shape, dtype) of the predictions this rank sent to the gather
-_gather = trainer.evaluation.all_gather_object
+_gather = trainer.predictions.all_gather_object
 
 
-def recording_gather(rows):
-    gathered.append([f"{np.shape(r[1])}:{np.asarray(r[1]).dtype}" for r in rows])
-    return _gather(rows)
+def recording_gather(parts):
+    gathered.append([f"{np.shape(p['predictions'])}:{np.asarray(p['predictions']).dtype}" for p in parts])
+    return _gather(parts)
 
 
-trainer.evaluation.all_gather_object = recording_gather
+trainer.predictions.all_gather_object = recording_gather
 
 hf = Trainer(
     model=model,
@@ -110,20 +113,74 @@ hf.save_state()
 hf.save_metrics("probe", {"rank": rank}, combined=False)  # only rank 0's may land
 seen_by_evaluate = list(seen)
 pred = hf.predict(test)
+seen_by_predict, gathered_by_predict = list(seen), list(gathered)
 state_log = list(hf.state.log_history)
 
 # The reference: each row alone through the trained model (ZeRO-0: every rank holds it whole).
 hf.model.eval()
-ref_loss, ref_targets, ref_preds = 0.0, 0, []
+ref_sums, ref_preds = [], []
 with torch.no_grad():
     for row in test["input_ids"]:
         ids = torch.tensor([row])
         logits = hf.model(input_ids=ids).logits[0]
-        ref_loss += torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum").item()
-        ref_targets += len(row) - 1
+        ref_sums.append(torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum").item())
         ref_preds.append(logits.argmax(-1).tolist())
+ref_loss, ref_targets = sum(ref_sums), sum(len(row) - 1 for row in test["input_ids"])
 
 resumed = hf.train(resume_from_checkpoint=True)  # checkpoint-4 ends the run: nothing to train
+
+
+# HF's evaluation arguments, set on the Trainer's arguments as a script would.
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, p, compute_result=None):
+        rows = {"labels": np.asarray(p.label_ids).tolist(), "compute_result": compute_result,
+                "tensors": isinstance(p.predictions, torch.Tensor)}  # fmt: skip
+        if p.inputs is not None:
+            rows["inputs"] = np.asarray(p.inputs).tolist()
+        if p.losses is not None:
+            rows["losses"] = np.asarray(p.losses).tolist()
+        self.calls.append(rows)
+        return {"calls": len(self.calls)}
+
+
+options = {}
+hf.compute_metrics = included = Recorder()
+hf.args.include_for_metrics, hf.args.eval_accumulation_steps = ["inputs", "loss"], 1
+found = hf.predict(test)
+options["include"] = {
+    "calls": included.calls,
+    "same": found.predictions.tolist() == pred.predictions.tolist(),
+}
+hf.args.include_for_metrics, hf.args.eval_accumulation_steps = [], None
+hf.compute_metrics, hf.args.batch_eval_metrics = (batched := Recorder()), True
+metrics = hf.evaluate()
+found = hf.predict(test)
+options["batch"] = {"calls": batched.calls, "eval_calls": metrics["eval_calls"], "predict_kept":
+                    found.predictions.tolist() == pred.predictions.tolist()}  # fmt: skip
+hf.args.batch_eval_metrics, hf.args.prediction_loss_only = False, True
+found = hf.predict(test)
+options["loss_only"] = {
+    "none": found.predictions is None and found.label_ids is None,
+    "metrics": found.metrics,
+}
+hf.args.prediction_loss_only = False
+
+
+def unlabelled(rows):  # a collator that makes no labels: predicting on a test set
+    width = max(len(r["input_ids"]) for r in rows)
+    pads = [width - len(r["input_ids"]) for r in rows]
+    ids = [list(r["input_ids"]) + [0] * n for r, n in zip(rows, pads, strict=True)]
+    mask = [[1] * (width - n) + [0] * n for n in pads]
+    return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+
+
+hf.data_collator = unlabelled
+found = hf.predict(test)
+options["no_labels"] = {"labels": found.label_ids, "metrics": found.metrics,
+                        "same": found.predictions.tolist() == pred.predictions.tolist()}  # fmt: skip
 
 
 # compute_loss overrides with HF's signature, on uneven rows (padding) with accumulation: the loss
@@ -163,7 +220,12 @@ def loss_run(cls, name):
     t.train()
     losses = [r["loss"] for r in t.state.log_history if "loss" in r]
     weights = torch.cat([p.detach().flatten() for p in t.model.parameters()]).tolist()[::97]
-    return {"losses": losses, "eval_loss": t.evaluate()["eval_loss"], "weights": weights}
+    eval_loss = t.evaluate()["eval_loss"]
+    t.model.eval()
+    with torch.no_grad():  # each test row's summed token loss, alone through the trained model
+        sums = [float(causal_lm_loss_sum(t.model(input_ids=torch.tensor([r])).logits, torch.tensor([r])))
+                for r in test["input_ids"]]  # fmt: skip
+    return {"losses": losses, "eval_loss": eval_loss, "weights": weights, "row_sums": sums}
 
 
 uneven = test.select(list(range(13)) * 2)  # 26 rows of 8-32 tokens: 2 windows of 2 x 2 rows per rank
@@ -185,11 +247,17 @@ report = {
     "predictions_dtype": str(pred.predictions.dtype),
     "label_ids": pred.label_ids.tolist(),
     "predict_metrics": pred.metrics,
-    "preprocess_seen": seen,
+    "preprocess_seen": seen_by_predict,
     "preprocess_calls_in_evaluate": len(seen_by_evaluate),
-    "gathered": gathered,
+    "gathered": gathered_by_predict,
+    "options": options,
     "metric_inputs": metric_inputs,
-    "reference": {"loss": ref_loss / ref_targets, "predictions": ref_preds, "rows": list(test["input_ids"])},
+    "reference": {
+        "loss": ref_loss / ref_targets,
+        "predictions": ref_preds,
+        "rows": list(test["input_ids"]),
+        "sums": ref_sums,
+    },  # fmt: skip
     "resumed": {"is_train_output": isinstance(resumed, TrainOutput), "output": list(resumed)},
     "is_world_process_zero": hf.is_world_process_zero(),
     "is_local_process_zero": hf.is_local_process_zero(),

@@ -26,7 +26,7 @@ from trainer import trainer as trainer_module
 from trainer.callbacks import TrainerState
 from trainer.data import CausalLMCollator
 from trainer.engine import CausalLM, ModelLoss, causal_lm_loss_sum
-from trainer.evaluation import eval_batches, evaluation_loop, without_padding_rows
+from trainer.evaluation import Predictions, eval_batches, evaluation_loop, without_padding_rows
 from trainer.results import TrainTotals, format_metrics, save_metrics, save_state, train_metrics
 
 # ---- train metrics -------------------------------------------------------------------------------
@@ -210,17 +210,17 @@ def test_eval_batches_shard_and_pad_with_masked_rows():
     shards = [list(eval_batches(data, CausalLMCollator(0), 2, rank, 2)) for rank in (0, 1)]
     assert [idx for _, idx in shards[0]] == [[0, 2], [4, 6]]
     assert [idx for _, idx in shards[1]] == [[1, 3], [5, -1]]
-    last, weight = without_padding_rows(*shards[1][-1], token_exact=True)
-    assert weight == 1.0 and (last["labels"][1] == -100).all()
+    last, rows = without_padding_rows(*shards[1][-1], token_exact=True)
+    assert rows == [5, -1] and (last["labels"][1] == -100).all()
     assert (last["labels"][0, : len(ROWS[5])] != -100).all()
 
 
 def test_padding_rows_are_cut_from_a_models_own_loss_and_a_batch_of_padding_counts_nothing():
     batch = {"input_ids": torch.arange(6).view(3, 2), "labels": torch.tensor([0.5, 1.5, 2.5])}
-    cut, weight = without_padding_rows(batch, [4, 7, -1], token_exact=False)
-    assert weight == 1.0 and cut["labels"].tolist() == [0.5, 1.5] and cut["input_ids"].shape == (2, 2)
-    alone, weight = without_padding_rows(batch, [-1, -1, -1], token_exact=False)
-    assert weight == 0.0 and alone["labels"].tolist() == [0.5]
+    cut, rows = without_padding_rows(batch, [4, 7, -1], token_exact=False)
+    assert rows == [4, 7] and cut["labels"].tolist() == [0.5, 1.5] and cut["input_ids"].shape == (2, 2)
+    alone, rows = without_padding_rows(batch, [-1, -1, -1], token_exact=False)
+    assert rows == [-1] and alone["labels"].tolist() == [0.5]
 
 
 def test_evaluation_loop_applies_preprocess_before_gathering_and_pads_with_minus_100():
@@ -235,7 +235,11 @@ def test_evaluation_loop_applies_preprocess_before_gathering_and_pads_with_minus
         return {"rows": np.int64(len(p.predictions)), "eval_given": 1.0}
 
     out = evaluation_loop(
-        engine, eval_batches(data, CausalLMCollator(0), 3, 0, 1), len(data), "test", True, argmax, metrics
+        engine,
+        eval_batches(data, CausalLMCollator(0), 3, 0, 1),
+        len(data),
+        "test",
+        Predictions(argmax, metrics),
     )
     assert seen == [((3, 7, 64), (3, 7)), ((3, 13, 64), (3, 13)), ((1, 15, 64), (1, 15))]
     assert out.predictions.dtype == np.int64 and out.predictions.shape == out.label_ids.shape == (7, 15)
@@ -259,7 +263,7 @@ def test_evaluation_loop_without_predictions_gives_the_same_loss():
     engine, data = TinyEngine(), [{"input_ids": r} for r in ROWS]
     plain = evaluation_loop(engine, eval_batches(data, CausalLMCollator(0), 4, 0, 1), len(data))
     logits = evaluation_loop(
-        engine, eval_batches(data, CausalLMCollator(0), 4, 0, 1), len(data), "eval", True
+        engine, eval_batches(data, CausalLMCollator(0), 4, 0, 1), len(data), "eval", Predictions()
     )
     assert plain.predictions is None and plain.label_ids is None
     assert plain.metrics["eval_loss"] == pytest.approx(logits.metrics["eval_loss"], rel=1e-6)
@@ -276,8 +280,7 @@ def test_tuple_outputs_of_preprocess_are_gathered_element_by_element():
         eval_batches(data, CausalLMCollator(0), 4, 0, 1),
         len(data),
         "eval",
-        True,
-        lambda logits, labels: (logits.argmax(-1), logits.max(-1).values.mean(-1)),
+        Predictions(lambda logits, labels: (logits.argmax(-1), logits.max(-1).values.mean(-1))),
     )
     ids, means = out.predictions
     assert ids.shape == (7, 15) and means.shape == (7,)

@@ -135,6 +135,7 @@ def test_non_padding_tokens():
     }
     assert int(non_padding_tokens(batch)) == 6
     assert non_padding_tokens({"input_ids": torch.zeros(2, 4)}) == 8
+    assert non_padding_tokens({"pixel_values": torch.zeros(2, 3, 8, 8), "labels": torch.zeros(2)}) == 0
 
 
 RANK_SCRIPT = textwrap.dedent(

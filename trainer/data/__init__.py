@@ -1,8 +1,10 @@
 """The data pipeline: raw documents -> tokens -> packed blocks -> batches, in a resumable order.
 
 ``get_tokenizer`` loads or trains the tokenizer, ``build_datasets`` returns cached (train, eval)
-datasets, ``CausalLMCollator`` pads batches and ``ResumableDistributedSampler`` orders and shards
-them so a resumed run continues exactly where it stopped. See docs/data.md.
+datasets, ``model_columns`` keeps the columns a model takes (HF's ``remove_unused_columns``),
+``default_collator_for`` picks the collator HF's Trainer would (``CausalLMCollator`` for a causal LM)
+and ``ResumableDistributedSampler`` orders and shards them so a resumed run continues exactly where
+it stopped. See docs/data.md.
 """
 
 from trainer.data.build import PreparedData, build_datasets, prepare_datasets
@@ -12,9 +14,10 @@ from trainer.data.collator import (
     CausalLMCollator,
     SFTCollator,
     default_collator,
-    model_columns,
+    default_collator_for,
     pad_stack,
 )
+from trainer.data.columns import model_columns
 from trainer.data.formats import FORMAT_COLUMNS, resolve_format
 from trainer.data.sampler import ResumableDistributedSampler
 from trainer.data.sources import DataError, corpus_files, default_cache_root
@@ -34,6 +37,7 @@ __all__ = [
     "corpus_files",
     "default_cache_root",
     "default_collator",
+    "default_collator_for",
     "get_tokenizer",
     "model_columns",
     "pad_stack",

@@ -1,26 +1,28 @@
-"""Batching rows of token ids into padded LongTensors for a causal LM."""
+"""Batching rows into tensors: the causal-LM padder, and the Trainer's default collator."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from transformers import (
+    DataCollatorWithPadding,
+    PreTrainedTokenizerBase,
+    SequenceFeatureExtractor,
+    default_data_collator,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.trainer_utils import unwrap_peft_model
 
 from trainer.data.processing import IGNORE_INDEX
 
-# What a causal LM batch may carry to the model and the loss; other dataset columns are dropped.
+# Class names transformers' AutoModelForCausalLM builds: the models whose default collator is ours.
+CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+# The keys of a ``CausalLMCollator`` batch (``position_ids`` only for packed rows).
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
-
-
-def model_columns(dataset: Any) -> Any:
-    """Like HF's remove_unused_columns: keep only what the model and collator consume."""
-    names = getattr(dataset, "column_names", None)
-    if names is None:
-        return dataset
-    extra = [c for c in names if c not in MODEL_INPUTS]
-    return dataset.remove_columns(extra) if extra else dataset
 
 
 def pad_stack(arrays: list[np.ndarray], fill: float) -> np.ndarray:
@@ -35,8 +37,26 @@ def pad_stack(arrays: list[np.ndarray], fill: float) -> np.ndarray:
     return out
 
 
+def is_causal_lm(model: Any) -> bool:
+    """A model transformers lists as a causal LM (a peft wrapper answers for its base model)."""
+    return type(unwrap_peft_model(model)).__name__ in CAUSAL_LM_CLASSES
+
+
+def default_collator_for(model: Any, processing_class: Any) -> Callable[[list[dict[str, Any]]], Any]:
+    """The collator a Trainer given none uses, as HF's picks it: ``DataCollatorWithPadding`` for a
+    tokenizer (or an audio feature extractor), else ``default_data_collator`` (image processors,
+    none). A causal LM is the exception: ``CausalLMCollator`` makes its labels from ``input_ids``
+    (HF's default would leave it without labels, so HF users add a collator that does this) and
+    keeps the default training job's batches what they were."""
+    if is_causal_lm(model):
+        return default_collator(processing_class)
+    if isinstance(processing_class, PreTrainedTokenizerBase | SequenceFeatureExtractor):
+        return DataCollatorWithPadding(processing_class)
+    return default_data_collator
+
+
 def default_collator(tokenizer: Any) -> CausalLMCollator:
-    """The Trainer's collator when none is given: pad with the tokenizer's pad (else EOS, else 0)."""
+    """A causal LM's default collator: pad with the tokenizer's pad (else EOS, else 0)."""
     pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:
         pad = getattr(tokenizer, "eos_token_id", None) or 0

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from trainer.data.collator import MODEL_INPUTS
 from trainer.data.sampler import ResumableDistributedSampler
 
 Batch = dict[str, torch.Tensor]
@@ -50,7 +49,7 @@ def accumulation_windows(
     loader = train_dataloader(dataset, sampler, collate_fn, args, pin_memory)
     window: list[Batch] = []
     for batch in loader:
-        window.append({k: v for k, v in batch.items() if k in MODEL_INPUTS})
+        window.append(dict(batch))  # all the collator made reaches the model, as in HF's loop
         if len(window) == args.gradient_accumulation_steps:
             yield window
             window = []

@@ -125,6 +125,10 @@ class Engine(ABC):
         evaluation batch, on the device; a sum over ranks counts every batch once. A collective, like
         every forward under ZeRO-3 or a pipeline."""
 
+    def generate(self, batch: Batch, **kwargs: Any) -> torch.Tensor:
+        """The model's ``generate`` on this rank's batch (``predict_with_generate``)."""
+        raise NotImplementedError(f"{type(self).__name__}: generation is not supported with this engine")
+
     @abstractmethod
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
         """The whole HF model's weights on rank 0 (collective); None on other ranks. ``trainable_only``:

@@ -122,6 +122,17 @@ class DeepSpeedEngine(Engine):
         loss, count, out = self.objective.eval_sum(self.ds, self.to_device(batch))
         return loss, count, out if outputs else None
 
+    @torch.no_grad()
+    def generate(self, batch: Batch, **kwargs: Any) -> torch.Tensor:
+        """The HF model's ``generate`` on this rank's batch, labels left out. Under ZeRO-3 every
+        forward gathers weights from all ranks, so a rank that finished keeps stepping until all
+        have (HF's ``synced_gpus``)."""
+        if self.sp is not None:
+            raise NotImplementedError("generation with sequence_parallel_size > 1: no rank holds a whole row")
+        inputs = {k: v for k, v in self.to_device(batch).items() if k != "labels"}
+        kwargs.setdefault("synced_gpus", bool(self.ds.zero_optimization_partition_weights()))
+        return self.module.generate(**inputs, **kwargs)
+
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
         """Gathered under ZeRO-3; on rank 0 only. ``trainable_only``: the parameters that train (a
         LoRA adapter's), each gathered alone, so the frozen base is never assembled."""

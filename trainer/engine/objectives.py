@@ -15,7 +15,9 @@ total; the loop never branches on which objective runs.
   model's forward under the same rules, as HF's does.
 
 Evaluation asks ``eval_sum``: HF's evaluation loss is the mean of batch losses weighted by their
-rows; the causal-LM objective keeps its token-weighted mean.
+rows; the causal-LM objective keeps its token-weighted mean. A batch without its labels
+(``label_names``: predicting on a test set) is forwarded alone and counts for nothing, as HF's
+``prediction_step`` reports no loss for it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.utils import find_labels
 
 from trainer.data import IGNORE_INDEX
 from trainer.engine.loss import count_targets, next_token_targets
@@ -44,6 +47,12 @@ class Objective(ABC):
     #: The next-token loss over shifted targets: what the pipeline, sequence parallelism and the
     #: tiled loss compute themselves (they never hold a whole row's logits on one rank).
     token_exact_causal: bool = False
+    #: The batch keys that hold the targets (HF's ``label_names``).
+    label_names: tuple[str, ...] = ("labels",)
+
+    def labelled(self, batch: Batch) -> bool:
+        """HF's ``has_labels``: the batch carries every label (none named: no loss to compute)."""
+        return bool(self.label_names) and all(batch.get(k) is not None for k in self.label_names)
 
     @abstractmethod
     def count(self, batch: Batch) -> float:
@@ -56,9 +65,16 @@ class Objective(ABC):
 
     def eval_sum(self, forward: Forward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """(summed loss, its count, model outputs) of one evaluation batch: by default HF's
-        weighting, the batch's mean loss counted once per row."""
-        loss, outputs = self.loss_sum(forward, batch, float(self.count(batch)))
-        loss = loss / max(self.count(batch), 1.0)
+        weighting, the batch's mean loss counted once per row. Without labels, the forward alone (a
+        ``compute_loss`` override is not called, as HF's) and a zero loss over a zero count."""
+        if not self.labelled(batch):
+            outputs = forward(**batch)
+            zero = torch.zeros((), device=next(v.device for v in batch.values() if torch.is_tensor(v)))
+            return zero, zero, outputs
+        # Counted first, and the forward given a copy: a compute_loss override may pop the labels.
+        count = float(self.count(batch))
+        loss, outputs = self.loss_sum(forward, dict(batch), count)
+        loss = loss / max(count, 1.0)
         rows = torch.tensor(float(batch_rows(batch)), device=loss.device)
         return loss * rows, rows, outputs
 
@@ -210,14 +226,23 @@ def accepts_loss_kwargs(model: torch.nn.Module) -> bool:
 
 
 def objective_for(
-    model: torch.nn.Module, compute_loss: ComputeLoss | None = None, label_smoothing: float = 0.0
+    model: torch.nn.Module,
+    compute_loss: ComputeLoss | None = None,
+    label_smoothing: float = 0.0,
+    label_names: list[str] | None = None,
 ) -> Objective:
     """The objective a Trainer runs for ``model``: token-exact causal LM for a causal LM, the
-    model's own loss otherwise, and a ``compute_loss`` override in place of either's forward."""
+    model's own loss otherwise, and a ``compute_loss`` override in place of either's forward.
+    ``label_names``: HF's argument; by default the label arguments of the model's forward, as HF
+    finds them (``labels``; ``start_positions``/``end_positions`` for question answering)."""
     causal = is_causal_lm(model)
     if compute_loss is None and causal:
-        return CausalLM(label_smoothing)
-    config = getattr(unwrap_model(model), "config", None)
-    if getattr(config, "problem_type", None) == "multi_label_classification":
-        label_smoothing = 0.0  # HF's Trainer turns it off there too: labels are not classes
-    return ModelLoss(accepts_loss_kwargs(model), causal, compute_loss, label_smoothing)
+        objective: Objective = CausalLM(label_smoothing)
+    else:
+        config = getattr(unwrap_model(model), "config", None)
+        if getattr(config, "problem_type", None) == "multi_label_classification":
+            label_smoothing = 0.0  # HF's Trainer turns it off there too: labels are not classes
+        objective = ModelLoss(accepts_loss_kwargs(model), causal, compute_loss, label_smoothing)
+    names = label_names if label_names is not None else find_labels(type(unwrap_model(model)))
+    objective.label_names = tuple(names)
+    return objective
