@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,8 @@ from tqdm.auto import tqdm
 
 from trainer.args import TrainingArguments
 from trainer.metrics import MetricsWriter
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,7 +97,30 @@ class CallbackHandler:
         self.callbacks = list(callbacks)
 
     def add(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
-        self.callbacks.append(callback() if isinstance(callback, type) else callback)
+        """Append a callback; a class is instantiated. A second one of a class is allowed, with a
+        warning, as HF's handler does (two progress bars or metric writers are rarely meant)."""
+        instance = callback() if isinstance(callback, type) else callback
+        if any(type(cb) is type(instance) for cb in self.callbacks):
+            logger.warning("a second %s was added to the Trainer's callbacks", type(instance).__name__)
+        self.callbacks.append(instance)
+
+    def pop(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
+        """Remove and return the callback: the first instance of a class, or the instance itself
+        (compared with ``==``); None when there is none, as HF's ``pop_callback``."""
+        for cb in self.callbacks:
+            found = isinstance(cb, callback) if isinstance(callback, type) else cb == callback
+            if found:
+                self.callbacks.remove(cb)
+                return cb
+        return None
+
+    def remove(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        """As HF's ``remove_callback``: a class removes its first instance (none is no error); an
+        instance that is not there raises ``ValueError``, as removing it from a list does."""
+        if isinstance(callback, type):
+            self.pop(callback)
+        else:
+            self.callbacks.remove(callback)
 
     def fire(self, event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw):
         """Run ``event`` on every callback, as HF's handler does: a callback may change the control it
@@ -165,18 +191,24 @@ class ProgressCallback(TrainerCallback):
 
 class MetricsCallback(TrainerCallback):
     """Writes every log row to ``metrics.jsonl`` on the main rank, with its step (``report_to``'s
-    integrations are transformers' own callbacks: trainer/reporting.py)."""
+    integrations are transformers' own callbacks: trainer/reporting.py). Rows logged outside
+    ``train()`` (an ``evaluate()`` or ``Trainer.log`` after it) are written too, so the file holds
+    every row of ``state.log_history``."""
 
     def __init__(self) -> None:
         self.writer = None
 
     def on_train_begin(self, args, state, control, **kw):
-        self.writer = MetricsWriter(args.output_dir, is_main=state.is_world_process_zero)
+        if self.writer is None:
+            self.writer = MetricsWriter(args.output_dir, is_main=state.is_world_process_zero)
 
     def on_log(self, args, state, control, logs=None, **kw):
-        if self.writer is not None and logs:
-            # As HF's, the logs callbacks get carry no step; the row records the state's.
-            self.writer.write({"step": state.global_step, **logs})
+        if not logs:
+            return
+        if self.writer is None:
+            self.writer = MetricsWriter(args.output_dir, is_main=state.is_world_process_zero)
+        # As HF's, the logs callbacks get carry no step; the row records the state's.
+        self.writer.write({"step": state.global_step, **logs})
 
     def on_train_end(self, args, state, control, **kw):
         if self.writer is not None:

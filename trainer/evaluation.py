@@ -1,11 +1,11 @@
 """HF's evaluation loop over an Engine: what ``Trainer.evaluate`` and ``Trainer.predict`` run.
 
-Each rank forwards its own share of the dataset (``eval_batches``); shards are padded with rows
-that count for nothing so every rank runs the same number of forwards, which ZeRO-3 and the pipeline
-need. The loss is the objective's: a causal LM's is the sum of every target token's loss over the
-number of target tokens on all ranks (token-weighted, as the training loss; HF averages per-batch
-means instead), any other model's the mean of its batch losses weighted by their rows, as HF's. A
-set without labels (``label_names``) has no loss, as HF's.
+Each rank forwards its own share of the dataset (``eval_batches``, over ``eval_dataloader``); shards
+are padded with rows that count for nothing so every rank runs the same number of forwards, which
+ZeRO-3 and the pipeline need. The loss is the objective's: a causal LM's is the sum of every target
+token's loss over the number of target tokens on all ranks (token-weighted, as the training loss; HF
+averages per-batch means instead), any other model's the mean of its batch losses weighted by their
+rows, as HF's. A set without labels (``label_names``) has no loss, as HF's.
 
 With predictions, each batch's outputs (and labels) go through ``preprocess_logits_for_metrics`` on
 the rank that computed them, before anything is gathered: only what it returns travels, so an
@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, Dataset
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
 from trainer.data import IGNORE_INDEX
@@ -74,19 +75,63 @@ class Predictions:
         )
 
 
+class EvalShard(Dataset):
+    """This rank's share of an evaluation set: rows ``rank, rank + world_size, ...``, padded to
+    ``ceil(n / world_size)`` rows with copies of row 0, so every rank runs as many forwards.
+    ``indices`` holds each item's dataset index, -1 for a padding row."""
+
+    def __init__(self, dataset: Any, rank: int, world_size: int):
+        self.dataset = dataset
+        n = len(dataset)
+        self.indices = list(range(rank, n, world_size))
+        self.indices += [-1] * (math.ceil(n / world_size) - len(self.indices))
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, j: int) -> Any:
+        i = self.indices[j]
+        return self.dataset[i if i >= 0 else 0]
+
+
+def eval_dataloader(
+    dataset: Any,
+    collator: Callable,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    drop_last: bool = False,
+    persistent_workers: bool = False,
+    prefetch_factor: int | None = None,
+) -> DataLoader:
+    """This rank's evaluation batches, in ``EvalShard`` order: what ``eval_batches`` reads, and
+    ``Trainer.get_eval_dataloader``/``get_test_dataloader`` return."""
+    return DataLoader(
+        EvalShard(dataset, rank, world_size),
+        batch_size=batch_size,
+        shuffle=False,
+        collate_fn=collator,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        drop_last=drop_last,
+        persistent_workers=num_workers > 0 and persistent_workers,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+    )
+
+
 def eval_batches(
     dataset: Any, collator: Callable, batch_size: int, rank: int, world_size: int
 ) -> Iterator[tuple[Batch, list[int]]]:
     """This rank's share of ``dataset`` as (batch, dataset indices); -1 marks a padding row (a copy
-    of row 0), which ``_forward`` keeps out of the loss and the predictions."""
-    n = len(dataset)
-    indices = list(range(rank, n, world_size))
-    indices += [-1] * (math.ceil(n / world_size) - len(indices))
-    for start in range(0, len(indices), batch_size):
-        chunk = indices[start : start + batch_size]
-        batch = collator([dataset[i if i >= 0 else 0] for i in chunk])
+    of row 0), which ``_forward`` keeps out of the loss and the predictions. Every row is
+    evaluated (no drop_last)."""
+    loader = eval_dataloader(dataset, collator, batch_size, rank, world_size)
+    indices = loader.dataset.indices
+    for start, batch in zip(range(0, len(indices), batch_size), loader, strict=True):
         batch = dict(batch)  # all the collator made reaches the model, as in HF's loop
-        yield batch, chunk
+        yield batch, indices[start : start + batch_size]
 
 
 def without_padding_rows(batch: Batch, indices: list[int], token_exact: bool) -> tuple[Batch, list[int]]:

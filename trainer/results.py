@@ -15,7 +15,8 @@
   loss is not finite is left out, and a finished run resumed, which trains no step, reports 0.0;
 - ``epoch``: ``state.epoch`` at the end.
 
-``log_metrics``, ``save_metrics`` and ``save_state`` write what HF's do, on the main process only.
+``log_metrics``, ``save_metrics`` and ``save_state`` write what HF's do, on the main process only;
+``metrics_format`` formats as ``log_metrics`` prints.
 """
 
 from __future__ import annotations
@@ -128,3 +129,8 @@ class ResultsAPI:
         """``{output_dir}/trainer_state.json`` (the TrainerState)."""
         if self.is_world_process_zero():
             save_state(self.args.output_dir, self.state)
+
+    def metrics_format(self, metrics: dict[str, float]) -> dict[str, Any]:
+        """The metrics as ``log_metrics`` prints them: runtimes as h:mm:ss, ``total_flos`` in GF,
+        floats to 4 places (a method, as in HF's Trainer)."""
+        return metrics_format(metrics)

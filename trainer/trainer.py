@@ -57,6 +57,7 @@ from trainer.evaluation import Predictions, eval_batches, evaluation_loop
 from trainer.export import export_hf
 from trainer.faults import fault_plan
 from trainer.guard import NonfiniteGuard
+from trainer.hf_methods import HFMethods
 from trainer.metrics import summary_table
 from trainer.modeling import enable_gradient_checkpointing, is_adapter, param_counts
 from trainer.monitor import memory_stats
@@ -70,7 +71,7 @@ from trainer.steps import check_resolved, client_scheduler, keep_global_batch, p
 from trainer.throughput import StepTimer, flops_per_token_for_model, non_padding_tokens
 
 
-class Trainer(ResultsAPI, NonfiniteGuard):
+class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
     def __init__(
         self,
         model: torch.nn.Module | None = None,
@@ -133,9 +134,6 @@ class Trainer(ResultsAPI, NonfiniteGuard):
 
     def is_local_process_zero(self) -> bool:
         return self.dist.local_rank == 0
-
-    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
-        self.callback_handler.add(callback)
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train to ``max_steps``; returns HF's ``TrainOutput(global_step, training_loss, metrics)``

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -240,6 +241,34 @@ def test_our_run_trained(ours, hf):
     # already partitioned over the ranks, as HF's does.
     assert stdout.count("Built partitioned by ZeRO-3: True") == 2
     assert "Built partitioned by ZeRO-3: True" in hf[1]
+
+
+def card(out: Path) -> tuple[dict[str, str], str, str]:
+    """A model card's hyperparameters, its text before them, and its results table's lines."""
+    head, rest = (out / "README.md").read_text().split("### Training hyperparameters", 1)
+    block, tail = rest.split("### Training results", 1)
+    table = tail.strip().split("\n\n")[0].splitlines() if tail.strip().startswith("|") else []
+    return dict(re.findall(r"^- (\w+): (.*)$", block, re.M)), head, table
+
+
+def test_both_trainers_write_the_model_card_run_clm_ends_with(ours, hf):
+    (hp, head, table), (hf_hp, hf_head, _) = card(ours[0]), card(hf[0])
+    for key in ("learning_rate", "train_batch_size", "eval_batch_size", "seed", "gradient_accumulation_steps",
+                "lr_scheduler_type", "lr_scheduler_warmup_steps", "training_steps"):  # fmt: skip
+        # HF 5 writes warmup_steps as a float (a value below 1 is a ratio there); ours is a step count.
+        assert hp[key] == hf_hp[key] or float(hp[key]) == float(hf_hp[key]), key
+    assert (hp["num_devices"], hp["total_train_batch_size"]) == ("2", "8")  # 2 ranks x 2 x 2; HF ran 1
+    assert hp["distributed_type"] == "DeepSpeed ZeRO-3"
+    # HF's card links the model's empty _name_or_path as a base ("a fine-tuned version of [](...)").
+    assert "This model was trained from scratch on an unknown dataset." in head
+    for text in (head, hf_head):
+        assert "on an unknown dataset.\n" in text and "- Loss: " in text and "- Accuracy: " in text
+        assert "tags:\n- generated_from_trainer\nmetrics:\n- accuracy\n" in text
+    # Ours tabulates every logging step (HF's table only evaluations inside training: none here).
+    logged = [row for row in results(ours[0], "trainer_state")["log_history"] if "loss" in row]
+    assert [int(line.split("|")[3]) for line in table[2:]] == [1, 2, 3, 4]
+    for line, row in zip(table[2:], logged, strict=True):
+        assert float(line.split("|")[1]) == pytest.approx(row["loss"], abs=5e-5)
 
 
 def test_zero3_save_model_is_a_whole_hf_model(ours, hf):

@@ -1,4 +1,4 @@
-"""Accumulation windows of micro-batches for one rank, in the sampler's (resumable) order."""
+"""One rank's training DataLoader and its accumulation windows, in the sampler's (resumable) order."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ def data_seed(args: Any) -> int:
     return args.seed if args.data_seed is None else args.data_seed
 
 
-def accumulation_windows(
+def train_dataloader(
     dataset: Dataset, sampler: ResumableDistributedSampler, collate_fn: Callable, args: Any, pin_memory: bool
-) -> Iterator[list[Batch]]:
-    """Windows of ``gradient_accumulation_steps`` micro-batches; the epoch's last may be shorter."""
+) -> DataLoader:
+    """This rank's micro-batches of one epoch, in the sampler's order: what the training loop reads
+    and what ``Trainer.get_train_dataloader`` returns. ``pin_memory``: the device can use pinned
+    memory (a GPU); ``args.dataloader_pin_memory`` can still turn it off."""
     workers = args.dataloader_num_workers
-    loader = DataLoader(
+    return DataLoader(
         dataset,
         batch_size=args.per_device_train_batch_size,
         sampler=sampler,
@@ -38,6 +40,13 @@ def accumulation_windows(
         persistent_workers=workers > 0 and args.dataloader_persistent_workers,
         prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
     )
+
+
+def accumulation_windows(
+    dataset: Dataset, sampler: ResumableDistributedSampler, collate_fn: Callable, args: Any, pin_memory: bool
+) -> Iterator[list[Batch]]:
+    """Windows of ``gradient_accumulation_steps`` micro-batches; the epoch's last may be shorter."""
+    loader = train_dataloader(dataset, sampler, collate_fn, args, pin_memory)
     window: list[Batch] = []
     for batch in loader:
         window.append(dict(batch))  # all the collator made reaches the model, as in HF's loop

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from trainer.config.errors import ConfigError
-from trainer.engine.core import Batch, Engine, weight_decay_groups
+from trainer.engine.core import Batch, Engine, is_decayed, weight_decay_groups
 from trainer.engine.deepspeed_engine import DeepSpeedEngine
 from trainer.engine.loss import causal_lm_loss_sum, count_targets
 from trainer.engine.objectives import (
@@ -41,6 +41,7 @@ __all__ = [
     "causal_lm_loss_sum",
     "count_targets",
     "is_causal_lm",
+    "is_decayed",
     "objective_for",
     "plan_tiling",
     "weight_decay_groups",

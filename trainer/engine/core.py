@@ -24,14 +24,20 @@ from trainer.checkpoint_writer import FileWriter
 from trainer.engine.objectives import Batch, Objective
 
 
+def is_decayed(name: str, param: torch.nn.Parameter) -> bool:
+    """Whether weight decay applies to a parameter: matrices yes; biases, norms and other 1-d
+    tensors no (the one rule the engines' groups and ``Trainer.get_decay_parameter_names`` share)."""
+    shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 partitions keep the real shape here
+    return len(shape) >= 2 and not name.endswith(".bias")
+
+
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Two parameter groups: decay for matrices, none for biases, norms and other 1-d tensors."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 partitions keep the real shape here
-        (no_decay if len(shape) < 2 or name.endswith(".bias") else decay).append(param)
+        (decay if is_decayed(name, param) else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
@@ -89,6 +95,8 @@ class Engine(ABC):
 
     ds: Any
     module: torch.nn.Module
+    optimizer: Any  # what deepspeed.initialize returned: the (ZeRO-wrapped) optimizer that steps
+    lr_scheduler: Any  # and its scheduler (None when the config has none)
     objective: Objective
 
     def _initialize(self, model: torch.nn.Module, config: dict[str, Any], **kwargs: Any) -> None:
