@@ -314,6 +314,8 @@ class TrainingArguments(HFArgumentHelpers, _Args):
         description="When a checkpoint cannot be written (a full disk, a rank's write error; its partial files "
         "are removed, complete checkpoints kept): stop (exit code 74) or continue training and try the next save.",
     )
+    label_smoothing_factor: float = Field(0.0, ge=0, le=1, description="Label smoothing; 0: none.")
+    neftune_noise_alpha: float | None = Field(None, gt=0, description="NEFTune's noise on input embeddings.")
 
     @model_validator(mode="before")
     @classmethod

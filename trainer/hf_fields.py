@@ -20,8 +20,6 @@ REFUSED: dict[str, str] = {
     "optim_args": "DeepSpeed's optimizer takes named fields (adam_beta1, adam_beta2, adam_epsilon, "
     "weight_decay) or a --deepspeed file's optimizer.params",
     "optim_target_modules": "only GaLore/APOLLO use it, and those optimizers are refused",
-    "label_smoothing_factor": "the loss is the token-summed cross-entropy that keeps accumulation exact; "
-    f"label smoothing is {_NOT_WIRED}",
     "bf16_full_eval": "evaluation runs in the precision DeepSpeed trains in (bf16/fp16/precision)",
     "fp16_full_eval": "evaluation runs in the precision DeepSpeed trains in (bf16/fp16/precision)",
     "activation_checkpointing": "use gradient_checkpointing (the same switch here)",
@@ -36,7 +34,6 @@ REFUSED: dict[str, str] = {
     "liger_kernel_config": f"Liger kernels are {_NOT_WIRED}",
     "use_cache": "the KV cache is off while training (packed rows need it off); generation after "
     "training uses the model config's own use_cache",
-    "neftune_noise_alpha": f"NEFTune noise is {_NOT_WIRED}",
     "torch_empty_cache_steps": f"emptying the CUDA cache on a schedule is {_NOT_WIRED}",
     "auto_find_batch_size": "DeepSpeed fixes the batch when the engine is built; "
     "`trainer plan` finds a micro-batch that fits",

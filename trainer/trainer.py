@@ -60,6 +60,7 @@ from trainer.guard import NonfiniteGuard
 from trainer.metrics import summary_table
 from trainer.modeling import enable_gradient_checkpointing, is_adapter, param_counts
 from trainer.monitor import memory_stats
+from trainer.neftune import NEFTune
 from trainer.ownership import claim_output_dir
 from trainer.recipe import dump_run_config
 from trainer.reporting import reporting_callbacks
@@ -117,6 +118,8 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         self.control = TrainerControl()
         default = [DefaultFlowCallback(), MetricsCallback(), ProgressCallback()]
         default += reporting_callbacks(self.args)  # transformers' own, for report_to; then the user's
+        if self.args.neftune_noise_alpha is not None:
+            default.append(NEFTune(self.args))
         self.callback_handler = CallbackHandler(default + list(callbacks or []))
         self.engine: Engine | None = None
         self.ds_config = ds_config
@@ -365,7 +368,7 @@ class Trainer(ResultsAPI, NonfiniteGuard):
 
     def _model_objective(self) -> Objective:
         """The objective of the model without an override: what ``compute_loss``'s super computes."""
-        return objective_for(self.model, label_smoothing=getattr(self.args, "label_smoothing_factor", 0.0))
+        return objective_for(self.model, label_smoothing=self.args.label_smoothing_factor)
 
     def save_model(self, output_dir: str | None = None) -> Path | None:
         """An HF export (config, safetensors, tokenizer) of the current weights; default: output_dir."""
@@ -430,7 +433,7 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         objective = objective_for(
             self.model,
             self.compute_loss if overridden else None,
-            getattr(self.args, "label_smoothing_factor", 0.0),
+            self.args.label_smoothing_factor,
         )
         if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             enable_gradient_checkpointing(self.model)

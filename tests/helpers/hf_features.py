@@ -1,0 +1,135 @@
+"""HF ``TrainingArguments`` features through the public API, each scenario a few steps of a tiny
+Llama on rows of different lengths (so batches carry padding), written as a user writes them.
+
+Usage: ``python tests/helpers/hf_features.py OUT SCENARIO [SCENARIO...]`` (one process, no launcher);
+each scenario writes ``OUT/<scenario>.json`` for ``tests/unit/test_hf_features.py`` to read.
+Where HF's Trainer is the reference it runs in the same process without DeepSpeed (``use_cpu``),
+on the same model, data, order and seed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainer import Trainer, TrainingArguments
+from trainer.data import CausalLMCollator, ResumableDistributedSampler
+
+VOCAB, ROWS = 32, 32
+SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {}
+
+
+def scenario(fn: Callable[[Path], dict[str, Any]]) -> Callable[[Path], dict[str, Any]]:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def model() -> LlamaForCausalLM:
+    """The same tiny model every time it is built."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         pad_token_id=0)  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def rows(n: int = ROWS, seed: int = 0) -> datasets.Dataset:
+    """Rows of 6 to 24 tokens; row i starts with the token ``1 + i % 31`` (a recorder tells them apart)."""
+    g = np.random.default_rng(seed)
+    ids = [[1 + i % (VOCAB - 1), *g.integers(1, VOCAB, int(g.integers(5, 24))).tolist()] for i in range(n)]
+    return datasets.Dataset.from_dict({"input_ids": ids})
+
+
+COMMON = dict(max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2,
+              lr_scheduler_type="constant", weight_decay=0.0, logging_steps=1, save_strategy="no", report_to="none",
+              disable_tqdm=True, seed=0)  # fmt: skip
+
+
+def ours(
+    out: Path, data: datasets.Dataset | None = None, callbacks: list | None = None, **fields: Any
+) -> Trainer:
+    args = TrainingArguments(output_dir=str(out), **{**COMMON, **fields})
+    evals = rows(4, seed=1) if args.eval_strategy != "no" else None
+    return Trainer(model=model(), args=args, train_dataset=data if data is not None else rows(), eval_dataset=evals,
+                   data_collator=CausalLMCollator(pad_token_id=0), callbacks=callbacks)  # fmt: skip
+
+
+class HFTrainer(transformers.Trainer):
+    """transformers' Trainer reading the rows in our sampler's order (one process, seed 0)."""
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        return ResumableDistributedSampler(len(self.train_dataset), 1, 0, seed=0)
+
+
+class Reseed(transformers.TrainerCallback):
+    """The torch RNG seeded at each step's start, in both Trainers: NEFTune's noise is its only draw."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        torch.manual_seed(1000 + state.global_step)
+
+
+def hf(out: Path, callbacks: list | None = None, **fields: Any) -> HFTrainer:
+    args = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, optim="adamw_torch",
+                                          **{**COMMON, **fields})  # fmt: skip
+    evals = rows(4, seed=1) if args.eval_strategy != "no" else None
+    return HFTrainer(
+        model=model(),
+        args=args,
+        train_dataset=rows(),
+        eval_dataset=evals,
+        data_collator=CausalLMCollator(pad_token_id=0),
+        callbacks=callbacks,
+    )
+
+
+def steps(trainer: Any) -> dict[str, list[float]]:
+    history = [r for r in trainer.state.log_history if "loss" in r and "grad_norm" in r]
+    return {"loss": [r["loss"] for r in history], "grad_norm": [float(r["grad_norm"]) for r in history]}
+
+
+@scenario
+def label_smoothing(out: Path) -> dict[str, Any]:
+    """Per-step losses and grad norms of ours and HF's Trainer, label-smoothed, accumulating 2."""
+    found = {}
+    for factor in (0.0, 0.2):
+        theirs = hf(out / f"hf-{factor}", label_smoothing_factor=factor)
+        theirs.train()
+        mine = ours(out / f"ours-{factor}", label_smoothing_factor=factor)
+        mine.train()
+        found[str(factor)] = {"hf": steps(theirs), "ours": steps(mine)}
+    return found
+
+
+@scenario
+def neftune(out: Path) -> dict[str, Any]:
+    """NEFTune on ours and HF's Trainer: per-step losses, grad norms and the evaluations at steps 2
+    and 4 (4 rows in one batch, where HF's batch mean is the token mean); the hooks left after training."""
+    fields = dict(neftune_noise_alpha=5.0, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8)
+    found = {}
+    for name, build in (("hf", hf), ("ours", ours)):
+        trainer = build(out / name, callbacks=[Reseed()], **fields)
+        trainer.train()
+        evals = [r["eval_loss"] for r in trainer.state.log_history if "eval_loss" in r]
+        hooks = len(trainer.model.get_input_embeddings()._forward_hooks)
+        found[name] = {**steps(trainer), "eval_loss": evals, "hooks_after": hooks}
+    plain = ours(out / "plain")
+    plain.train()
+    found["plain"] = steps(plain)
+    return found
+
+
+if __name__ == "__main__":
+    argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    root = Path(argv[0])
+    for name in argv[1:]:
+        result = SCENARIOS[name](root / name)
+        (root / f"{name}.json").write_text(json.dumps(result, indent=1))

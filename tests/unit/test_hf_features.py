@@ -1,0 +1,118 @@
+"""HF ``TrainingArguments`` features users turn on, with HF's meaning, through the public API.
+
+The scenarios run in one child process (tests/helpers/hf_features.py, plain python, one rank):
+only those of the tests selected, once per session. Where HF's Trainer is the reference it runs in
+the same child without DeepSpeed, on the same model, data, order and seed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.launch import launch
+
+SCRIPT = "tests/helpers/hf_features.py"
+
+
+def uses(name: str) -> Callable[[Callable], Callable]:
+    """Mark a test as reading the results of scenario ``name``."""
+
+    def mark(test: Callable) -> Callable:
+        test.scenario = name
+        return test
+
+    return mark
+
+
+@pytest.fixture(scope="module")
+def results(request, tmp_path_factory) -> dict[str, Any]:
+    """The scenarios the selected tests of this module read, run in one child process."""
+    module = request.module.__name__
+    names = sorted(
+        {
+            item.function.scenario
+            for item in request.session.items
+            if item.module.__name__ == module and hasattr(item.function, "scenario")
+        }
+    )
+    out = tmp_path_factory.mktemp("hf_features")
+    launch([SCRIPT, str(out), *names], launcher="python", timeout=1800)
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in names} | {"out": out}
+
+
+def close(ours: list[float], theirs: list[float], rel: float = 1e-5) -> bool:
+    return len(ours) == len(theirs) > 0 and all(
+        abs(a - b) <= rel * abs(b) for a, b in zip(ours, theirs, strict=True)
+    )
+
+
+@uses("label_smoothing")
+def test_label_smoothing_follows_hfs_trainer_step_by_step(results):
+    """label_smoothing_factor: a causal LM's per-step losses and grad norms equal HF's Trainer's
+    (accumulating 2 micro-batches of padded rows), and smoothing changes them."""
+    runs = results["label_smoothing"]
+    for factor, run in runs.items():
+        for key in ("loss", "grad_norm"):
+            assert close(run["ours"][key], run["hf"][key]), (factor, key, run)
+    assert runs["0.2"]["ours"]["loss"][0] > runs["0.0"]["ours"]["loss"][0] + 1e-3
+
+
+@uses("neftune")
+def test_neftune_follows_hfs_trainer_and_is_removed_after_training(results):
+    """neftune_noise_alpha: with the RNG seeded alike at each step, losses and grad norms equal HF's
+    Trainer's (noise of HF's magnitude, in training only), evaluations too (no noise there), and no
+    hook is left on the embeddings after train()."""
+    run = results["neftune"]
+    for key in ("loss", "grad_norm", "eval_loss"):
+        assert close(run["ours"][key], run["hf"][key]), (key, run)
+    assert len(run["ours"]["eval_loss"]) == 2
+    assert run["ours"]["hooks_after"] == 0
+    assert abs(run["ours"]["loss"][0] - run["plain"]["loss"][0]) > 1e-3  # the noise is there
+
+
+def path(results: dict[str, Any], *parts: str) -> Path:
+    return Path(results["out"], *parts)
+
+
+def test_neftune_noise_has_hfs_magnitude_for_the_whole_row_in_training_only():
+    """Uniform noise within alpha / sqrt(seq_len * hidden), seq_len the whole row's length under
+    sequence parallelism (a rank embeds half of each row with 2); none in eval mode."""
+    import torch
+
+    from trainer.neftune import activate_neftune
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 8)
+
+        def get_input_embeddings(self) -> torch.nn.Module:
+            return self.embed
+
+    model, ids = Model(), torch.arange(8).reshape(2, 4)
+    clean = model.embed(ids)
+    handle = activate_neftune(model, alpha=4.0, sequence_parallel=2)
+    torch.manual_seed(0)
+    noisy = model.embed(ids)
+    torch.manual_seed(0)
+    expected = torch.zeros_like(clean).uniform_(-4.0 / (4 * 2 * 8) ** 0.5, 4.0 / (4 * 2 * 8) ** 0.5)
+    torch.testing.assert_close(noisy - clean, expected, rtol=0, atol=1e-6)
+    model.eval()
+    assert torch.equal(model.embed(ids), clean)
+    handle.remove()
+    model.train()
+    assert torch.equal(model.embed(ids), clean)
+
+
+def test_neftune_is_refused_with_a_pipeline():
+    from trainer.args import TrainingArguments
+    from trainer.config.errors import ConfigError
+    from trainer.neftune import NEFTune
+
+    with pytest.raises(ConfigError, match="neftune_noise_alpha: the pipeline's stages are rebuilt"):
+        NEFTune(TrainingArguments(neftune_noise_alpha=5.0, pipeline_parallel_size=2))
