@@ -34,7 +34,6 @@ REFUSED: dict[str, str] = {
     "liger_kernel_config": f"Liger kernels are {_NOT_WIRED}",
     "use_cache": "the KV cache is off while training (packed rows need it off); generation after "
     "training uses the model config's own use_cache",
-    "torch_empty_cache_steps": f"emptying the CUDA cache on a schedule is {_NOT_WIRED}",
     "auto_find_batch_size": "DeepSpeed fixes the batch when the engine is built; "
     "`trainer plan` finds a micro-batch that fits",
     "logging_nan_inf_filter": "non-finite losses are handled by nonfinite_policy (skip, rollback or stop)",
@@ -67,8 +66,6 @@ REFUSED: dict[str, str] = {
     "length_column_name": "the sampler is a seeded, resumable permutation sharded over ranks",
     "debug": f"HF's debug modes (underflow_overflow, tpu_metrics_debug) are {_NOT_WIRED}",
     "skip_memory_metrics": "memory figures are always in the log rows (metrics.jsonl)",
-    "include_num_input_tokens_seen": "every log row carries tokens_per_second, and trainer_state.json "
-    "num_input_tokens_seen; a per-row count is not logged",
 }
 
 ONLY: dict[str, tuple[tuple[Any, ...], str]] = {

@@ -59,7 +59,7 @@ from trainer.faults import fault_plan
 from trainer.guard import NonfiniteGuard
 from trainer.metrics import summary_table
 from trainer.modeling import enable_gradient_checkpointing, is_adapter, param_counts
-from trainer.monitor import memory_stats
+from trainer.monitor import EmptyDeviceCache, memory_stats
 from trainer.neftune import NEFTune
 from trainer.ownership import claim_output_dir
 from trainer.recipe import dump_run_config
@@ -68,7 +68,13 @@ from trainer.resilience import EXIT_PREEMPTED, PreemptionFlag, Watchdog, save_fa
 from trainer.results import ResultsAPI, TrainTotals, train_metrics
 from trainer.snapshots import Snapshots, snapshot_dir
 from trainer.steps import check_resolved, client_scheduler, keep_global_batch, plan_steps, tiling_for
-from trainer.throughput import StepTimer, flops_per_token_for_model, non_padding_tokens
+from trainer.throughput import (
+    StepTimer,
+    flops_per_token_for_model,
+    non_padding_tokens,
+    tokens_seen,
+    tokens_seen_mode,
+)
 
 
 class Trainer(ResultsAPI, NonfiniteGuard):
@@ -120,6 +126,8 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         default += reporting_callbacks(self.args)  # transformers' own, for report_to; then the user's
         if self.args.neftune_noise_alpha is not None:
             default.append(NEFTune(self.args))
+        if self.args.torch_empty_cache_steps is not None:
+            default.append(EmptyDeviceCache(self.args.torch_empty_cache_steps))
         self.callback_handler = CallbackHandler(default + list(callbacks or []))
         self.engine: Engine | None = None
         self.ds_config = ds_config
@@ -243,13 +251,17 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         """One host-only all-reduce per step carries the window's target tokens, the preemption flag
         and, while an asynchronous save is in flight, each rank's "my files are written", so every
         rank stops, commits and divides the loss alike. It also counts the window's samples and
-        non-padding input tokens on all ranks (HF's ``num_input_tokens_seen``, and the run's FLOPs).
+        input tokens on all ranks (HF's ``num_input_tokens_seen``, and the run's FLOPs): the
+        non-padding ones, or every input id with ``include_num_input_tokens_seen="all"``, as HF counts.
         Returns the window's target tokens on all ranks, and its (samples, input tokens) on this one."""
         counts = (sum(batch_rows(b) for b in window), sum(int(non_padding_tokens(b)) for b in window))
+        mode = tokens_seen_mode(self.args.include_num_input_tokens_seen)
+        seen = counts[1] if mode != "all" else sum(tokens_seen(b, mode) for b in window)
         local = [
             self.engine.local_targets(window),
             1.0 if self.preemption.received else 0.0,
-            *map(float, counts),
+            float(counts[0]),
+            float(seen),
         ]
         saving = self.saver is not None and self.saver.pending
         if saving:
@@ -465,6 +477,8 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         )
 
     def _log(self, logs: dict[str, Any]) -> None:
+        if tokens_seen_mode(self.args.include_num_input_tokens_seen) != "no":  # as HF's, in every row
+            logs = {**logs, "num_input_tokens_seen": self.state.num_input_tokens_seen}
         self.state.log_history.append(logs)
         # As HF's: the history's rows carry the step; the callbacks' logs do not (state.global_step has it).
         self._fire("on_log", logs={k: v for k, v in logs.items() if k != "step"})

@@ -127,6 +127,41 @@ def neftune(out: Path) -> dict[str, Any]:
     return found
 
 
+@scenario
+def tokens_seen(out: Path) -> dict[str, Any]:
+    """include_num_input_tokens_seen: the count in every logged row (train, eval, the run's summary)
+    of ours and HF's Trainer, and in our metrics.jsonl."""
+    found: dict[str, Any] = {}
+    runs = [("hf", "all"), ("ours", "all"), ("hf", "non_padding"), ("ours", "non_padding"), ("ours", True)]
+    for name, mode in runs + [("ours", "no")]:
+        trainer = (hf if name == "hf" else ours)(
+            out / f"{name}-{mode}", include_num_input_tokens_seen=mode, eval_strategy="steps", eval_steps=2
+        )
+        trainer.train()
+        seen = [r.get("num_input_tokens_seen") for r in trainer.state.log_history]
+        found[f"{name}-{mode}"] = {"rows": seen, "keys": [sorted(r) for r in trainer.state.log_history]}
+        if name == "ours":
+            lines = (out / f"{name}-{mode}" / "metrics.jsonl").read_text().splitlines()
+            found[f"{name}-{mode}"]["jsonl"] = [
+                json.loads(line).get("num_input_tokens_seen") for line in lines
+            ]
+    return found
+
+
+@scenario
+def empty_cache(out: Path) -> dict[str, Any]:
+    """torch_empty_cache_steps=2 over 5 steps: the steps at which the device cache is emptied (the
+    callback's emptying function replaced by a recorder; on a CPU it is a no-op anyway)."""
+    from trainer.monitor import EmptyDeviceCache
+
+    trainer = ours(out, torch_empty_cache_steps=2, max_steps=5)
+    emptied: list[int] = []
+    (callback,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, EmptyDeviceCache)]
+    callback.empty = lambda: emptied.append(trainer.state.global_step)
+    trainer.train()
+    return {"emptied": emptied}
+
+
 if __name__ == "__main__":
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     root = Path(argv[0])

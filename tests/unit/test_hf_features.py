@@ -116,3 +116,25 @@ def test_neftune_is_refused_with_a_pipeline():
 
     with pytest.raises(ConfigError, match="neftune_noise_alpha: the pipeline's stages are rebuilt"):
         NEFTune(TrainingArguments(neftune_noise_alpha=5.0, pipeline_parallel_size=2))
+
+
+@uses("tokens_seen")
+def test_num_input_tokens_seen_is_logged_as_hfs_trainer_logs_it(results):
+    """include_num_input_tokens_seen: "all" counts padding, "non_padding" does not, True is "all";
+    every row (train, eval, the run's summary) carries the count HF's Trainer logs, and so does
+    metrics.jsonl; "no" logs none."""
+    runs = results["tokens_seen"]
+    for mode in ("all", "non_padding"):
+        ours, theirs = runs[f"ours-{mode}"], runs[f"hf-{mode}"]
+        assert ours["rows"] == theirs["rows"], mode
+        assert len(ours["rows"]) == 7 and all(isinstance(n, int) and n > 0 for n in ours["rows"])
+        assert ours["jsonl"] == ours["rows"]
+    assert runs["ours-all"]["rows"][-1] > runs["ours-non_padding"]["rows"][-1]  # the padding
+    assert runs["ours-True"]["rows"] == runs["ours-all"]["rows"]
+    assert set(runs["ours-no"]["rows"]) == {None} and set(runs["ours-no"]["jsonl"]) == {None}
+
+
+@uses("empty_cache")
+def test_the_device_cache_is_emptied_every_n_steps(results):
+    """torch_empty_cache_steps=2 over 5 steps: after steps 2 and 4."""
+    assert results["empty_cache"]["emptied"] == [2, 4]
