@@ -125,7 +125,8 @@ class DefaultFlowCallback(TrainerCallback):
         every = args.logging_strategy == "steps" and step % args.logging_steps == 0
         control.should_log = every or (args.logging_first_step and step == 1) or step == state.max_steps
         eval_every = args.eval_steps or args.logging_steps
-        control.should_evaluate = args.eval_strategy == "steps" and step % eval_every == 0
+        eval_due = args.eval_strategy == "steps" and step % eval_every == 0
+        control.should_evaluate = eval_due and args.eval_delay <= step  # HF's: no evaluation before it
         control.should_save = args.save_strategy == "steps" and step % args.save_steps == 0
         if step >= state.max_steps:
             control.should_training_stop = True
@@ -134,7 +135,8 @@ class DefaultFlowCallback(TrainerCallback):
 
     def on_epoch_end(self, args, state, control, **kw):
         control.should_log = control.should_log or args.logging_strategy == "epoch"
-        control.should_evaluate = control.should_evaluate or args.eval_strategy == "epoch"
+        eval_due = args.eval_strategy == "epoch" and args.eval_delay <= state.epoch
+        control.should_evaluate = control.should_evaluate or eval_due
         control.should_save = control.should_save or args.save_strategy == "epoch"
         return control
 

@@ -37,7 +37,6 @@ REFUSED: dict[str, str] = {
     "auto_find_batch_size": "DeepSpeed fixes the batch when the engine is built; "
     "`trainer plan` finds a micro-batch that fits",
     "logging_nan_inf_filter": "non-finite losses are handled by nonfinite_policy (skip, rollback or stop)",
-    "eval_delay": f"delaying the first evaluation is {_NOT_WIRED}; set eval_steps",
     "save_only_model": "a checkpoint always holds what an exact resume needs; the model alone is "
     "output_dir/final (or `trainer export CHECKPOINT OUT`)",
     "save_on_each_node": "every rank writes its own shards into the shared output_dir, rank 0 the rest",

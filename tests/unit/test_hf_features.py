@@ -138,3 +138,54 @@ def test_num_input_tokens_seen_is_logged_as_hfs_trainer_logs_it(results):
 def test_the_device_cache_is_emptied_every_n_steps(results):
     """torch_empty_cache_steps=2 over 5 steps: after steps 2 and 4."""
     assert results["empty_cache"]["emptied"] == [2, 4]
+
+
+def evaluations(callback: Any, args: Any, state: Any, control_type: type, steps: int, per_epoch: int) -> list:
+    """Where ``callback`` evaluates, walking ``steps`` steps of ``per_epoch`` each: ("step", n) and ("epoch", e)."""
+    found = []
+    for step in range(1, steps + 1):
+        state.global_step, state.epoch = step, step / per_epoch
+        control = control_type()
+        callback.on_step_end(args, state, control)
+        if control.should_evaluate:
+            found.append(("step", step))
+        if step % per_epoch == 0:
+            control = control_type()
+            callback.on_epoch_end(args, state, control)
+            if control.should_evaluate:
+                found.append(("epoch", state.epoch))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("strategy", "delay"),
+    [("steps", 0), ("steps", 5), ("steps", 6), ("epoch", 0), ("epoch", 2), ("epoch", 1.5)],
+)
+def test_eval_delay_holds_evaluation_back_as_hfs_flow_does(tmp_path, strategy, delay):
+    """eval_delay: no evaluation before that many steps (eval_strategy steps) or epochs (epoch), the
+    same decisions as transformers' own DefaultFlowCallback over 12 steps of 4 per epoch."""
+    import transformers
+
+    from trainer.args import TrainingArguments
+    from trainer.callbacks import DefaultFlowCallback, TrainerControl, TrainerState
+
+    fields = dict(eval_strategy=strategy, eval_steps=2, eval_delay=delay, save_strategy="no")
+    ours = evaluations(DefaultFlowCallback(), TrainingArguments(**fields), TrainerState(max_steps=12),
+                       TrainerControl, 12, 4)  # fmt: skip
+    hf_args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", **fields
+    )
+    hf_state = transformers.TrainerState(max_steps=12, eval_steps=2, logging_steps=500, save_steps=500)
+    theirs = evaluations(
+        transformers.DefaultFlowCallback(), hf_args, hf_state, transformers.TrainerControl, 12, 4
+    )
+    assert ours == theirs
+    first = {
+        ("steps", 0): 2,
+        ("steps", 5): 6,
+        ("steps", 6): 6,
+        ("epoch", 0): 1,
+        ("epoch", 2): 2,
+        ("epoch", 1.5): 2,
+    }
+    assert ours[0][1] == first[(strategy, delay)]
