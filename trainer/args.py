@@ -318,6 +318,7 @@ class TrainingArguments(HFArgumentHelpers, _Args):
     neftune_noise_alpha: float | None = Field(None, gt=0, description="NEFTune's noise on input embeddings.")
     torch_empty_cache_steps: int | None = Field(None, ge=1, description="Empty GPU cache every N steps.")
     eval_delay: float = Field(0.0, ge=0, description="Epochs or steps (eval_strategy) before evaluating.")
+    save_only_model: bool = Field(False, description="Checkpoints hold only the weights (no resume).")
     include_num_input_tokens_seen: Literal["all", "non_padding", "no"] | bool = Field(
         "no", description="Log num_input_tokens_seen: all input ids, non_padding ones, or no (true: all)."
     )

@@ -37,8 +37,6 @@ REFUSED: dict[str, str] = {
     "auto_find_batch_size": "DeepSpeed fixes the batch when the engine is built; "
     "`trainer plan` finds a micro-batch that fits",
     "logging_nan_inf_filter": "non-finite losses are handled by nonfinite_policy (skip, rollback or stop)",
-    "save_only_model": "a checkpoint always holds what an exact resume needs; the model alone is "
-    "output_dir/final (or `trainer export CHECKPOINT OUT`)",
     "save_on_each_node": "every rank writes its own shards into the shared output_dir, rank 0 the rest",
     "enable_jit_checkpoint": "a checkpoint on SIGTERM/SIGUSR1 is built in (preemption_grace_s)",
     "push_to_hub": _HUB,

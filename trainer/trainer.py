@@ -311,7 +311,7 @@ class Trainer(ResultsAPI, NonfiniteGuard):
     def _save_and_exit_on_preemption(self) -> None:
         if self._guard_finite(allow_rollback=False):
             with self.watchdog.phase("save", self.args.preemption_grace_s):
-                self._save_checkpoint()
+                self._save_checkpoint(resumable=True)
                 self._committed(self.saver.finish)
             print_main(
                 f"Preempted: saved checkpoint-{self.state.global_step}; exiting with {EXIT_PREEMPTED}."
@@ -531,11 +531,14 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         if self.hardware.device == "cuda":
             torch.cuda.synchronize()
 
-    def _save_checkpoint(self) -> None:
+    def _save_checkpoint(self, resumable: bool = False) -> None:
         """Start a checkpoint of this step. on_save fires when it is committed: at once for a
-        synchronous save, at a later step's vote (or the end of training) for an async one."""
+        synchronous save, at a later step's vote (or the end of training) for an async one. With
+        save_only_model it holds the weights alone, unless it must be ``resumable`` (preemption)."""
         final = ckpt.final_dir(self.args.output_dir, self.state.global_step)
-        if getattr(self, "_saved_step", None) == self.state.global_step:
+        model_only = self.args.save_only_model and not resumable
+        saved = getattr(self, "_saved", None)  # (step, weights alone) of this run's last save
+        if saved is not None and saved[0] == self.state.global_step and (model_only or not saved[1]):
             return  # saved already in this run (an epoch-end save on a save_steps multiple)
         if self.state.best_global_step == self.state.global_step:
             self.state.best_model_checkpoint = str(final)
@@ -544,8 +547,8 @@ class Trainer(ResultsAPI, NonfiniteGuard):
             self.saver = ckpt.Saver(
                 self.args, self.dist, self.ds_config, self.run_config, config, self.processing_class
             )
-        self._saved_step = self.state.global_step
-        self._committed(lambda: self.saver.save(self.engine, self.state))
+        self._saved = (self.state.global_step, model_only)
+        self._committed(lambda: self.saver.save(self.engine, self.state, model_only=model_only))
 
     def _finish_save(self) -> None:
         """Commit a pending asynchronous save (collective); a no-op when none is pending."""

@@ -162,6 +162,39 @@ def empty_cache(out: Path) -> dict[str, Any]:
     return {"emptied": emptied}
 
 
+@scenario
+def save_only_model(out: Path) -> dict[str, Any]:
+    """save_only_model with load_best_model_at_end: what each checkpoint holds, the evaluations, the
+    weights after training against the best checkpoint's (read by transformers' from_pretrained and by
+    `trainer export`), and the refused resumes. The higher eval loss ranks best here, so the weights
+    reloaded at the end are not the last step's."""
+    from trainer.checkpoint import CheckpointError
+    from trainer.export import export_checkpoint
+
+    fields = dict(save_only_model=True, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                  load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True)  # fmt: skip
+    trainer = ours(out / "run", **fields)
+    trainer.train()
+    evals = {r["step"]: r["eval_loss"] for r in trainer.state.log_history if "eval_loss" in r}
+    best = Path(trainer.state.best_model_checkpoint)
+    ours_weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    found: dict[str, Any] = {"evals": evals, "best": best.name, "eval_after": trainer.evaluate()["eval_loss"]}
+    found["files"] = {
+        p.name: sorted(f.name for f in p.iterdir()) for p in sorted((out / "run").glob("checkpoint-*"))
+    }
+    hf_weights = LlamaForCausalLM.from_pretrained(best).state_dict()
+    found["from_pretrained_equal"] = all(torch.equal(hf_weights[k], v) for k, v in ours_weights.items())
+    exported = LlamaForCausalLM.from_pretrained(export_checkpoint(best, out / "export")).state_dict()
+    found["export_equal"] = all(torch.equal(exported[k], v) for k, v in ours_weights.items())
+    found["refusals"] = []
+    for spec in (str(out / "run" / "checkpoint-4"), "auto"):
+        try:
+            ours(out / "run", resume_from_checkpoint=spec, max_steps=6).train()
+        except CheckpointError as err:
+            found["refusals"].append(str(err))
+    return found
+
+
 if __name__ == "__main__":
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     root = Path(argv[0])

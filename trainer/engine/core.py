@@ -181,6 +181,27 @@ class Engine(ABC):
         self._loaded(load_optimizer_states)
         return client_state or {}
 
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy a whole model's weights (named as ``full_state_dict`` names them) into the module,
+        for evaluation and the export (``load_best_model_at_end`` from a ``save_only_model``
+        checkpoint); optimizer states are left as they are. Under ZeRO-3 rank 0's copy is
+        partitioned over the ranks as the gather ends."""
+        partitioned = self.ds.zero_optimization_partition_weights()
+        tensors = dict(self.module.named_parameters())
+        missing = sorted(set(tensors) - set(weights))
+        # Buffers the state dict holds (non-persistent ones, like rotary frequencies, it does not).
+        tensors |= {name: b for name, b in self.module.named_buffers() if name in weights}
+        if missing:
+            raise ValueError(f"the saved weights do not match the model: missing {missing[:5]}")
+        for name, tensor in tensors.items():
+            gather = partitioned and isinstance(tensor, torch.nn.Parameter)
+            with (
+                torch.no_grad(),
+                deepspeed.zero.GatheredParameters([tensor], modifier_rank=0, enabled=gather),
+            ):
+                if not gather or self.ds.global_rank == 0:
+                    tensor.copy_(weights[name].to(tensor.dtype))
+
     @abstractmethod
     def _loaded(self, optimizer_states: bool) -> None:
         """What an engine redoes after DeepSpeed loaded a checkpoint into it."""
