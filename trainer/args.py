@@ -319,6 +319,7 @@ class TrainingArguments(HFArgumentHelpers, _Args):
     torch_empty_cache_steps: int | None = Field(None, ge=1, description="Empty GPU cache every N steps.")
     eval_delay: float = Field(0.0, ge=0, description="Epochs or steps (eval_strategy) before evaluating.")
     save_only_model: bool = Field(False, description="Checkpoints hold only the weights (no resume).")
+    restore_callback_states_from_checkpoint: bool = Field(False, description="Resume callback states.")
     include_num_input_tokens_seen: Literal["all", "non_padding", "no"] | bool = Field(
         "no", description="Log num_input_tokens_seen: all input ids, non_padding ones, or no (true: all)."
     )

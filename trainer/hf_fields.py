@@ -46,7 +46,6 @@ REFUSED: dict[str, str] = {
     "hub_always_push": _HUB,
     "hub_revision": _HUB,
     "ignore_data_skip": "a resume restores the sampler's position exactly: nothing is skipped or replayed",
-    "restore_callback_states_from_checkpoint": f"restoring callback states is {_NOT_WIRED}",
     "use_cpu": "DeepSpeed picks the accelerator: set DS_ACCELERATOR=cpu",
     "accelerator_config": _DEEPSPEED_BACKEND,
     "parallelism_config": f"{_DEEPSPEED_BACKEND}, pipeline_parallel_size",

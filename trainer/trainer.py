@@ -37,8 +37,10 @@ from trainer.callbacks import (
     TrainerCallback,
     TrainerControl,
     TrainerState,
+    callback_states,
     greater_is_better,
     metric_key,
+    restore_callback_states,
 )
 from trainer.config import resolve
 from trainer.config.files import precision_of
@@ -162,6 +164,9 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         if checkpoint is not None:
             with self.watchdog.phase("load"):
                 self._load_checkpoint(checkpoint)
+            if args.restore_callback_states_from_checkpoint:
+                stored = self.state.stateful_callbacks
+                self.control = restore_callback_states(self.callback_handler, stored, self.control)
             print_main(f"Resumed from {checkpoint} at step {self.state.global_step}.")
         self._run = TrainTotals()
         self._params = dict(zip(("trainable_params", "total_params"), param_counts(self.model), strict=True))
@@ -548,6 +553,7 @@ class Trainer(ResultsAPI, NonfiniteGuard):
                 self.args, self.dist, self.ds_config, self.run_config, config, self.processing_class
             )
         self._saved = (self.state.global_step, model_only)
+        self.state.stateful_callbacks = callback_states(self.callback_handler.callbacks, self.control)
         self._committed(lambda: self.saver.save(self.engine, self.state, model_only=model_only))
 
     def _finish_save(self) -> None:

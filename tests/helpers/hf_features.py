@@ -195,6 +195,45 @@ def save_only_model(out: Path) -> dict[str, Any]:
     return found
 
 
+@scenario
+def callback_states(out: Path) -> dict[str, Any]:
+    """restore_callback_states_from_checkpoint with transformers' EarlyStoppingCallback (patience 2, no
+    evaluation improves by its threshold): a run stops at step 6 (its evaluations at 2, 4, 6); resumed
+    from checkpoint-4 (one evaluation without improvement counted there), where it stops with and
+    without the flag, and what the checkpoint's trainer_state.json holds."""
+    fields = dict(
+        max_steps=10,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        metric_for_best_model="eval_loss",
+    )
+
+    def stop(patience: int) -> transformers.EarlyStoppingCallback:
+        return transformers.EarlyStoppingCallback(
+            early_stopping_patience=patience, early_stopping_threshold=10.0
+        )
+
+    first = ours(out / "first", callbacks=[stop(2)], **fields)
+    first.train()
+    checkpoint = out / "first" / "checkpoint-4"
+    found: dict[str, Any] = {"first": first.state.global_step}
+    found["saved"] = json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"]
+    # Restored, the saved callback (patience 2, one bad evaluation) replaces the one passed in (patience 5).
+    for name, restore in (("restored", True), ("fresh", False)):
+        trainer = ours(out / name, callbacks=[stop(5 if restore else 2)], resume_from_checkpoint=str(checkpoint),
+                       restore_callback_states_from_checkpoint=restore, **fields)  # fmt: skip
+        trainer.train()
+        (callback,) = [
+            cb
+            for cb in trainer.callback_handler.callbacks
+            if isinstance(cb, transformers.EarlyStoppingCallback)
+        ]
+        found[name] = {"stopped_at": trainer.state.global_step, "patience": callback.early_stopping_patience}
+    return found
+
+
 if __name__ == "__main__":
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     root = Path(argv[0])

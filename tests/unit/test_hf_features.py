@@ -208,3 +208,23 @@ def test_save_only_model_checkpoints_hold_the_weights_and_refuse_a_resume(result
     for line in run["refusals"]:
         assert "\n" not in line and line.startswith("resume_from_checkpoint: ")
         assert "checkpoint-4: saved with save_only_model" in line
+
+
+@uses("callback_states")
+def test_stateful_callbacks_are_saved_and_restored_when_asked(results):
+    """restore_callback_states_from_checkpoint: every checkpoint's state holds HF's stateful_callbacks
+    (transformers' EarlyStoppingCallback and the TrainerControl); resumed with the flag, the saved
+    callback replaces the one passed in (its patience and its count of bad evaluations), so the run
+    stops where the uninterrupted one did; without it the count starts again."""
+    run = results["callback_states"]
+    assert run["first"] == 6
+    assert run["saved"]["EarlyStoppingCallback"] == {
+        "args": {"early_stopping_patience": 2, "early_stopping_threshold": 10.0},
+        "attributes": {"early_stopping_patience_counter": 1},
+    }
+    assert run["saved"]["TrainerControl"]["attributes"] == {}
+    assert set(run["saved"]["TrainerControl"]["args"]) == {
+        "should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log"
+    }  # fmt: skip
+    assert run["restored"] == {"stopped_at": 6, "patience": 2}
+    assert run["fresh"] == {"stopped_at": 8, "patience": 2}
