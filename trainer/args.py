@@ -320,6 +320,10 @@ class TrainingArguments(HFArgumentHelpers, _Args):
     eval_delay: float = Field(0.0, ge=0, description="Epochs or steps (eval_strategy) before evaluating.")
     save_only_model: bool = Field(False, description="Checkpoints hold only the weights (no resume).")
     restore_callback_states_from_checkpoint: bool = Field(False, description="Resume callback states.")
+    train_sampling_strategy: Literal["random", "sequential", "group_by_length"] = Field(
+        "random", description="Training order: random, sequential, or group_by_length (length_column_name)."
+    )
+    length_column_name: str = Field("length", description="Column of lengths for group_by_length.")
     include_num_input_tokens_seen: Literal["all", "non_padding", "no"] | bool = Field(
         "no", description="Log num_input_tokens_seen: all input ids, non_padding ones, or no (true: all)."
     )

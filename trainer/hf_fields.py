@@ -58,8 +58,6 @@ REFUSED: dict[str, str] = {
     "ddp_backend": "the launcher and DeepSpeed choose the backend (nccl on GPUs, gloo on CPUs)",
     "dataloader_multiprocessing_context": f"{_NOT_WIRED}; the DataLoader uses the platform's default",
     "dataloader_in_order": f"{_NOT_WIRED}; batches always come in order (resume depends on it)",
-    "train_sampling_strategy": "the sampler is a seeded, resumable permutation sharded over ranks",
-    "length_column_name": "the sampler is a seeded, resumable permutation sharded over ranks",
     "debug": f"HF's debug modes (underflow_overflow, tpu_metrics_debug) are {_NOT_WIRED}",
     "skip_memory_metrics": "memory figures are always in the log rows (metrics.jsonl)",
 }

@@ -45,7 +45,7 @@ from trainer.callbacks import (
 from trainer.config import resolve
 from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator, model_columns
-from trainer.data.loader import accumulation_windows, data_seed
+from trainer.data.loader import accumulation_windows, data_seed, sample_lengths, train_sampler
 from trainer.distributed import (
     all_reduce_sum,
     barrier,
@@ -110,6 +110,7 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         self.model = model
         if getattr(model, "config", None) is not None:  # as HF's: no cache in training or evaluation
             model.config.use_cache = getattr(self.args, "use_cache", False)
+        self._lengths = sample_lengths(train_dataset, self.args)  # before a length column is cut
         self.train_dataset = model_columns(train_dataset)
         self.eval_dataset = model_columns(eval_dataset)
         self.processing_class = processing_class or tokenizer
@@ -418,9 +419,7 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         plan = plan_steps(args, len(self.train_dataset), self._data_ranks[0])
         state.steps_per_epoch, state.max_steps, state.num_train_epochs = plan
         self._ensure_engine(state.max_steps)
-        return ResumableDistributedSampler(
-            len(self.train_dataset), *self._data_ranks, seed=data_seed(self.args)
-        )
+        return train_sampler(len(self.train_dataset), *self._data_ranks, self.args, self._lengths)
 
     # ---- engine and data -----------------------------------------------------------------------
 

@@ -55,12 +55,18 @@ COMMON = dict(max_steps=4, per_device_train_batch_size=2, gradient_accumulation_
 
 
 def ours(
-    out: Path, data: datasets.Dataset | None = None, callbacks: list | None = None, **fields: Any
+    out: Path,
+    data: datasets.Dataset | None = None,
+    callbacks: list | None = None,
+    collator: Any = None,
+    **fields: Any,
 ) -> Trainer:
     args = TrainingArguments(output_dir=str(out), **{**COMMON, **fields})
     evals = rows(4, seed=1) if args.eval_strategy != "no" else None
-    return Trainer(model=model(), args=args, train_dataset=data if data is not None else rows(), eval_dataset=evals,
-                   data_collator=CausalLMCollator(pad_token_id=0), callbacks=callbacks)  # fmt: skip
+    data = data if data is not None else rows()
+    collator = collator or CausalLMCollator(pad_token_id=0)
+    return Trainer(model=model(), args=args, train_dataset=data, eval_dataset=evals, data_collator=collator,
+                   callbacks=callbacks)  # fmt: skip
 
 
 class HFTrainer(transformers.Trainer):
@@ -232,6 +238,38 @@ def callback_states(out: Path) -> dict[str, Any]:
         ]
         found[name] = {"stopped_at": trainer.state.global_step, "patience": callback.early_stopping_patience}
     return found
+
+
+class Recorder(CausalLMCollator):
+    """The collator, noting the rows it batches by their first token (each row's is its own)."""
+
+    def __init__(self) -> None:
+        super().__init__(pad_token_id=0)
+        self.seen: list[int] = []
+
+    def __call__(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        self.seen += [int(row["input_ids"][0]) for row in batch]
+        return super().__call__(batch)
+
+
+@scenario
+def group_by_length(out: Path) -> dict[str, Any]:
+    """train_sampling_strategy="group_by_length" with length_column_name: the rows two epochs read,
+    uninterrupted and resumed from a checkpoint in the middle of the second, and their lengths as
+    the column states them (the reverse of the true lengths, so the column is what counts)."""
+    data = rows(24)
+    data = data.add_column("n_tokens", [100 - len(ids) for ids in data["input_ids"]])
+    fields = dict(train_sampling_strategy="group_by_length", length_column_name="n_tokens", max_steps=12,
+                  save_strategy="steps", save_steps=9)  # fmt: skip
+    found: dict[str, Any] = {"column": {int(r["input_ids"][0]): r["n_tokens"] for r in data}}
+    whole = Recorder()
+    ours(out / "whole", data, collator=whole, **fields).train()
+    resumed = Recorder()
+    ours(out / "resumed", data, collator=resumed, resume_from_checkpoint=str(out / "whole" / "checkpoint-9"),
+         **fields).train()  # fmt: skip
+    random = Recorder()
+    ours(out / "random", data, collator=random, **{**fields, "train_sampling_strategy": "random"}).train()
+    return found | {"whole": whole.seen, "resumed": resumed.seen, "random": random.seen}
 
 
 if __name__ == "__main__":

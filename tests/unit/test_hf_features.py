@@ -228,3 +228,23 @@ def test_stateful_callbacks_are_saved_and_restored_when_asked(results):
     }  # fmt: skip
     assert run["restored"] == {"stopped_at": 6, "patience": 2}
     assert run["fresh"] == {"stopped_at": 8, "patience": 2}
+
+
+@uses("group_by_length")
+def test_group_by_length_reads_hfs_length_grouped_order_and_resumes_it(results):
+    """train_sampling_strategy="group_by_length" with length_column_name: each epoch's rows come in
+    the order HF's LengthGroupedSampler gives (batch 2 x accumulation 2 on one process) over the
+    column's lengths, the longest first; resumed mid-epoch (checkpoint-9, 36 rows in), the run
+    reads exactly the rest of that order."""
+    import torch
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    run = results["group_by_length"]
+    column = {int(first): n for first, n in run["column"].items()}
+    lengths = [column[i + 1] for i in range(24)]  # row i starts with token i + 1
+    for epoch in (0, 1):
+        hf = get_length_grouped_indices(lengths, 4, generator=torch.Generator().manual_seed(epoch))
+        assert run["whole"][24 * epoch : 24 * (epoch + 1)] == [i + 1 for i in hf], epoch
+        assert column[run["whole"][24 * epoch]] == max(lengths)
+    assert run["resumed"] == run["whole"][36:]
+    assert run["random"] != run["whole"]
