@@ -324,6 +324,9 @@ class TrainingArguments(HFArgumentHelpers, _Args):
         "random", description="Training order: random, sequential, or group_by_length (length_column_name)."
     )
     length_column_name: str = Field("length", description="Column of lengths for group_by_length.")
+    torch_compile: bool = Field(False, description="Compile the model (torch.compile, via DeepSpeed).")
+    torch_compile_backend: str | None = Field(None, description="torch.compile's backend (inductor).")
+    torch_compile_mode: str | None = Field(None, description="torch.compile's mode (max-autotune, ...).")
     include_num_input_tokens_seen: Literal["all", "non_padding", "no"] | bool = Field(
         "no", description="Log num_input_tokens_seen: all input ids, non_padding ones, or no (true: all)."
     )

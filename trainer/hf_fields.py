@@ -27,9 +27,6 @@ REFUSED: dict[str, str] = {
     "use gradient_checkpointing",
     "gradient_checkpointing_kwargs": "checkpointing is always non-reentrant (use_reentrant=False, what "
     "ZeRO-3 needs); no other kwargs are passed",
-    "torch_compile": f"DeepSpeed wraps the model uncompiled; torch.compile is {_NOT_WIRED}",
-    "torch_compile_backend": f"DeepSpeed wraps the model uncompiled; torch.compile is {_NOT_WIRED}",
-    "torch_compile_mode": f"DeepSpeed wraps the model uncompiled; torch.compile is {_NOT_WIRED}",
     "use_liger_kernel": f"Liger kernels are {_NOT_WIRED}",
     "liger_kernel_config": f"Liger kernels are {_NOT_WIRED}",
     "use_cache": "the KV cache is off while training (packed rows need it off); generation after "

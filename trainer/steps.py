@@ -17,7 +17,7 @@ from trainer import checkpoint as ckpt
 from trainer.args import TrainingArguments
 from trainer.config import ConfigError, deepspeed_schedules
 from trainer.distributed import print_main
-from trainer.engine import Tiling, plan_tiling
+from trainer.engine import Tiling, TorchCompile, plan_tiling
 
 
 class StepPlan(NamedTuple):
@@ -64,6 +64,15 @@ def tiling_for(args: TrainingArguments, model: Any, run_config: Any, causal_obje
     tokens = args.per_device_train_batch_size * (block or 0) // args.sequence_parallel_size
     vocab = getattr(text, "vocab_size", None) or 1
     return plan_tiling(mode, args.tiled_mlp, args.offload_activations, args.tile_tokens, vocab, tokens)
+
+
+def torch_compile_for(args: TrainingArguments) -> TorchCompile | None:
+    """HF's torch_compile fields: compiling is on when torch_compile is set or a backend or mode is
+    named, with inductor unless another backend is (as HF's TrainingArguments decide)."""
+    if not (args.torch_compile or args.torch_compile_backend or args.torch_compile_mode):
+        return None
+    options = {"mode": args.torch_compile_mode} if args.torch_compile_mode else {}
+    return TorchCompile(args.torch_compile_backend or "inductor", options)
 
 
 def check_resolved(ds_config: dict[str, Any], args: TrainingArguments, world_size: int) -> None:

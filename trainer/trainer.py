@@ -69,7 +69,14 @@ from trainer.reporting import reporting_callbacks
 from trainer.resilience import EXIT_PREEMPTED, PreemptionFlag, Watchdog, save_failed
 from trainer.results import ResultsAPI, TrainTotals, train_metrics
 from trainer.snapshots import Snapshots, snapshot_dir
-from trainer.steps import check_resolved, client_scheduler, keep_global_batch, plan_steps, tiling_for
+from trainer.steps import (
+    check_resolved,
+    client_scheduler,
+    keep_global_batch,
+    plan_steps,
+    tiling_for,
+    torch_compile_for,
+)
 from trainer.throughput import (
     StepTimer,
     flops_per_token_for_model,
@@ -463,6 +470,7 @@ class Trainer(ResultsAPI, NonfiniteGuard):
                 gradient_checkpointing=self.args.gradient_checkpointing,
                 objective=objective,
                 tiling=tiling_for(self.args, self.model, self.run_config, objective.token_exact_causal),
+                torch_compile=torch_compile_for(self.args),
             )
         if self.dist.is_main:
             out = Path(self.args.output_dir)

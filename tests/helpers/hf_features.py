@@ -25,6 +25,7 @@ from trainer import Trainer, TrainingArguments
 from trainer.data import CausalLMCollator, ResumableDistributedSampler
 
 VOCAB, ROWS = 32, 32
+BACKEND = "inductor"
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {}
 
 
@@ -270,6 +271,23 @@ def group_by_length(out: Path) -> dict[str, Any]:
     random = Recorder()
     ours(out / "random", data, collator=random, **{**fields, "train_sampling_strategy": "random"}).train()
     return found | {"whole": whole.seen, "resumed": resumed.seen, "random": random.seen}
+
+
+@scenario
+def torch_compile(out: Path) -> dict[str, Any]:
+    """torch_compile through DeepSpeed's engine: per-step losses and grad norms, compiled (inductor,
+    which builds on this CPU) and not, whether DeepSpeed's engine says it is compiled, and the graphs
+    dynamo captured."""
+    found: dict[str, Any] = {}
+    for name, fields in (
+        ("eager", {}),
+        ("compiled", {"torch_compile": True, "torch_compile_backend": BACKEND}),
+    ):
+        trainer = ours(out / name, **fields)
+        trainer.train()
+        found[name] = {**steps(trainer), "is_compiled": trainer.engine.ds.is_compiled}
+    found["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # dynamo's captures
+    return found
 
 
 if __name__ == "__main__":

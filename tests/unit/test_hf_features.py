@@ -248,3 +248,14 @@ def test_group_by_length_reads_hfs_length_grouped_order_and_resumes_it(results):
         assert column[run["whole"][24 * epoch]] == max(lengths)
     assert run["resumed"] == run["whole"][36:]
     assert run["random"] != run["whole"]
+
+
+@uses("torch_compile")
+def test_torch_compile_trains_the_same_steps(results):
+    """torch_compile (backend inductor, compiled on this CPU): DeepSpeed's engine compiles the model,
+    dynamo captures its graphs, and the per-step losses and grad norms equal the uncompiled run's."""
+    run = results["torch_compile"]
+    for key in ("loss", "grad_norm"):
+        assert close(run["compiled"][key], run["eager"][key]), (key, run)
+    assert run["compiled"]["is_compiled"] and not run["eager"]["is_compiled"]
+    assert run["graphs"] > 0

@@ -13,6 +13,7 @@ token-exact loss, any HF model's own loss or a ``compute_loss`` override plug in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any
 
 import deepspeed
@@ -22,6 +23,14 @@ from deepspeed.runtime.utils import clip_grad_norm_
 
 from trainer.checkpoint_writer import FileWriter
 from trainer.engine.objectives import Batch, Objective
+
+
+@dataclass(frozen=True)
+class TorchCompile:
+    """HF's torch_compile: the backend and ``torch.compile``'s other options (``mode``)."""
+
+    backend: str = "inductor"
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -91,10 +100,20 @@ class Engine(ABC):
     module: torch.nn.Module
     objective: Objective
 
-    def _initialize(self, model: torch.nn.Module, config: dict[str, Any], **kwargs: Any) -> None:
+    def _initialize(
+        self,
+        model: torch.nn.Module,
+        config: dict[str, Any],
+        torch_compile: TorchCompile | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.ds, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
             model=model, config=config, **kwargs
         )
+        if torch_compile is not None:
+            # DeepSpeed's own compile: the module is compiled in place (its parameter names, the
+            # checkpoints and the export stay as they are) and its ZeRO hooks keep working.
+            self.ds.compile(backend=torch_compile.backend, compile_kwargs=dict(torch_compile.options))
         report_grad_norm(self.ds)
         self.device: torch.device = self.ds.device
         # Under sequence parallelism DeepSpeed leaves dp_world_size unset; a group's ranks share rows.
