@@ -327,6 +327,8 @@ class TrainingArguments(HFArgumentHelpers, _Args):
     torch_compile: bool = Field(False, description="Compile the model (torch.compile, via DeepSpeed).")
     torch_compile_backend: str | None = Field(None, description="torch.compile's backend (inductor).")
     torch_compile_mode: str | None = Field(None, description="torch.compile's mode (max-autotune, ...).")
+    use_liger_kernel: bool = Field(False, description="Liger's Triton kernels in the model (GPUs).")
+    liger_kernel_config: dict[str, bool] | None = Field(None, description="Options of Liger's kernels.")
     include_num_input_tokens_seen: Literal["all", "non_padding", "no"] | bool = Field(
         "no", description="Log num_input_tokens_seen: all input ids, non_padding ones, or no (true: all)."
     )

@@ -27,8 +27,6 @@ REFUSED: dict[str, str] = {
     "use gradient_checkpointing",
     "gradient_checkpointing_kwargs": "checkpointing is always non-reentrant (use_reentrant=False, what "
     "ZeRO-3 needs); no other kwargs are passed",
-    "use_liger_kernel": f"Liger kernels are {_NOT_WIRED}",
-    "liger_kernel_config": f"Liger kernels are {_NOT_WIRED}",
     "use_cache": "the KV cache is off while training (packed rows need it off); generation after "
     "training uses the model config's own use_cache",
     "auto_find_batch_size": "DeepSpeed fixes the batch when the engine is built; "

@@ -60,7 +60,13 @@ from trainer.export import export_hf
 from trainer.faults import fault_plan
 from trainer.guard import NonfiniteGuard
 from trainer.metrics import summary_table
-from trainer.modeling import enable_gradient_checkpointing, is_adapter, param_counts
+from trainer.modeling import (
+    apply_liger_kernel,
+    check_liger,
+    enable_gradient_checkpointing,
+    is_adapter,
+    param_counts,
+)
 from trainer.monitor import EmptyDeviceCache, memory_stats
 from trainer.neftune import NEFTune
 from trainer.ownership import claim_output_dir
@@ -110,6 +116,7 @@ class Trainer(ResultsAPI, NonfiniteGuard):
             raise ValueError("Trainer: model is required")
         self.args = args or TrainingArguments()
         self.hardware = detect_hardware()
+        check_liger(self.args, self.hardware)  # before the process group, the engine or the data
         self.dist = init_distributed(self.hardware, timeout_s=self.args.ddp_timeout)
         hf_logging.set_verbosity(self.args.get_process_log_level())
         if self.args.tf32 is not None and self.hardware.device == "cuda":
@@ -458,6 +465,8 @@ class Trainer(ResultsAPI, NonfiniteGuard):
             self.compute_loss if overridden else None,
             self.args.label_smoothing_factor,
         )
+        if self.args.use_liger_kernel:
+            apply_liger_kernel(self.model, self.args.liger_kernel_config)
         if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             enable_gradient_checkpointing(self.model)
         with self.watchdog.phase("init"):

@@ -259,3 +259,54 @@ def test_torch_compile_trains_the_same_steps(results):
         assert close(run["compiled"][key], run["eager"][key]), (key, run)
     assert run["compiled"]["is_compiled"] and not run["eager"]["is_compiled"]
     assert run["graphs"] > 0
+
+
+LIGER_ON_CPU = (
+    "use_liger_kernel: Liger's kernels are Triton kernels for GPUs and this run is on a CPU; "
+    "set use_liger_kernel false"
+)
+
+
+def test_use_liger_kernel_is_refused_on_a_cpu_before_anything_loads(tmp_path):
+    """use_liger_kernel on this CPU: one line from the Trainer (before its process group or engine)
+    and from build_run (before the tokenizer, the data or the model)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer import Trainer, TrainingArguments
+    from trainer.args import RunConfig
+    from trainer.config.errors import ConfigError
+    from trainer.launch import build_run
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "api"), use_liger_kernel=True))
+    assert str(err.value) == LIGER_ON_CPU
+    with pytest.raises(ConfigError) as err:
+        build_run(RunConfig.from_flat({"output_dir": str(tmp_path / "run"), "use_liger_kernel": True}))
+    assert str(err.value) == LIGER_ON_CPU
+    assert not (tmp_path / "api").exists() and not (tmp_path / "run").exists()
+
+
+def test_use_liger_kernel_on_a_gpu_names_the_package_when_it_is_missing():
+    import importlib.util
+
+    from trainer.args import TrainingArguments
+    from trainer.config.errors import ConfigError
+    from trainer.config.hardware import Hardware
+    from trainer.modeling import check_liger
+
+    if importlib.util.find_spec("liger_kernel") is not None:
+        pytest.skip("liger-kernel is installed here")
+    with pytest.raises(ConfigError) as err:
+        check_liger(TrainingArguments(use_liger_kernel=True), Hardware.cuda("NVIDIA H100", (9, 0)))
+    assert str(err.value) == "use_liger_kernel: needs the liger-kernel package: pip install liger-kernel"
+
+
+def test_use_liger_kernel_is_refused_at_the_command_line_door(tmp_path):
+    proc = launch(["scripts/train.py", "--output_dir", str(tmp_path / "run"), "--use_liger_kernel", "true"],
+                  launcher="python", timeout=600, check=False)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {LIGER_ON_CPU}"
+    assert "Traceback" not in proc.stderr
+    assert {p.name for p in (tmp_path / "run").iterdir()} <= {".trainer.lock"}  # the door's claim, no more
