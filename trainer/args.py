@@ -329,8 +329,8 @@ class TrainingArguments(HFArgumentHelpers, _Args):
     torch_compile_mode: str | None = Field(None, description="torch.compile's mode (max-autotune, ...).")
     use_liger_kernel: bool = Field(False, description="Liger's Triton kernels in the model (GPUs).")
     liger_kernel_config: dict[str, bool] | None = Field(None, description="Options of Liger's kernels.")
-    include_num_input_tokens_seen: Literal["all", "non_padding", "no"] | bool = Field(
-        "no", description="Log num_input_tokens_seen: all input ids, non_padding ones, or no (true: all)."
+    include_num_input_tokens_seen: str | bool = Field(
+        "no", description="Log tokens seen: all/non_padding/no."
     )
 
     @model_validator(mode="before")
@@ -375,6 +375,15 @@ class TrainingArguments(HFArgumentHelpers, _Args):
         # true means the newest complete checkpoint, false none: as a bool (a recipe) or a word (HF's parser).
         switch = {"true": "auto", "false": None}.get(str(value).lower(), value)
         return switch if isinstance(value, bool | str) else value
+
+    @field_validator("include_num_input_tokens_seen")
+    @classmethod
+    def _tokens_seen(cls, value: str | bool) -> str:
+        """HF's values: all (every input id), non_padding or no; true is all and false no, as HF maps them."""
+        value = {True: "all", False: "no"}.get(value, value) if isinstance(value, bool) else value
+        if value not in ("all", "non_padding", "no"):
+            raise ValueError(f"{value!r}: choose all, non_padding or no (true: all, false: no)")
+        return value
 
     @field_validator("tiled_loss", mode="before")
     @classmethod

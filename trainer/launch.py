@@ -24,7 +24,8 @@ from trainer.config import resolve
 from trainer.data import build_datasets, get_tokenizer
 from trainer.distributed import detect_hardware, init_distributed
 from trainer.engine.sequence_parallel import check_layout
-from trainer.modeling import build_model, check_liger, hidden_size_of, model_config
+from trainer.liger import check_liger
+from trainer.modeling import build_model, hidden_size_of, model_config
 from trainer.steps import keep_global_batch, plan_steps
 from trainer.trainer import Trainer
 

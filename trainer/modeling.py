@@ -1,5 +1,4 @@
-"""Building HF causal-LM models: from a config (pretraining) or a local directory (fine-tuning),
-and patching them with Liger's kernels (``use_liger_kernel``).
+"""Building HF causal-LM models: from a config (pretraining) or a local directory (fine-tuning).
 
 Under ZeRO-3 the model is created already partitioned: an ``HfDeepSpeedConfig`` kept alive for the
 model's lifetime makes ``from_config``/``from_pretrained`` run inside ``deepspeed.zero.Init``, so no
@@ -8,7 +7,6 @@ rank ever holds the full model.
 
 from __future__ import annotations
 
-import importlib.util
 import zlib
 from contextlib import nullcontext
 from typing import Any
@@ -26,9 +24,7 @@ from transformers import (
 from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from trainer.args import ModelArguments, TrainingArguments
-from trainer.config import ConfigError
-from trainer.config.hardware import Hardware
+from trainer.args import ModelArguments
 
 # A small Llama that trains visibly on two CPU cores in a few minutes.
 DEFAULT_LLAMA = dict(
@@ -164,26 +160,3 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     # Non-reentrant checkpointing works with ZeRO-3 hooks and inputs that need no grad.
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-
-
-def check_liger(args: TrainingArguments, hardware: Hardware) -> None:
-    """``use_liger_kernel`` refused before anything loads where it cannot work: Liger's kernels are
-    Triton GPU kernels, and liger-kernel is an optional package."""
-    if not args.use_liger_kernel:
-        return
-    if hardware.device != "cuda":
-        raise ConfigError(
-            "Liger's kernels are Triton kernels for GPUs and this run is on a CPU; set use_liger_kernel false",
-            path="use_liger_kernel",
-        )
-    if importlib.util.find_spec("liger_kernel") is None:
-        raise ConfigError("needs the liger-kernel package: pip install liger-kernel", path="use_liger_kernel")
-
-
-def apply_liger_kernel(model: torch.nn.Module, config: dict[str, bool] | None) -> None:
-    """HF's ``use_liger_kernel``: Liger's kernels patched into the model instance (the base model under
-    a peft wrapper), with ``liger_kernel_config`` as the options of ``_apply_liger_kernel_to_instance``."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance  # optional: check_liger ran
-
-    base = model.get_base_model() if is_adapter(model) else model
-    _apply_liger_kernel_to_instance(model=base, **(config or {}))

@@ -101,18 +101,10 @@ def non_padding_tokens(batch: dict[str, Any]) -> Any:
     return mask.sum() if mask is not None else batch["input_ids"].numel()
 
 
-def tokens_seen_mode(value: str | bool) -> str:
-    """HF's ``include_num_input_tokens_seen``: "all", "non_padding" or "no" (True is "all", False "no")."""
-    return {True: "all", False: "no"}.get(value, value) if isinstance(value, bool) else value
-
-
-def tokens_seen(batch: dict[str, Any], mode: str) -> int:
-    """A batch's count towards ``num_input_tokens_seen``: every input id with "all" (padding too, as
-    HF counts), else the non-padding tokens."""
+def input_ids_count(batch: dict[str, Any]) -> int:
+    """Every input id of a batch, padding too: what HF's ``include_num_input_tokens_seen="all"`` counts."""
     ids = batch.get("input_ids")
-    if mode == "all":
-        return ids.numel() if ids is not None else 0
-    return int(non_padding_tokens(batch))
+    return ids.numel() if ids is not None else 0
 
 
 class StepTimer:

@@ -59,14 +59,9 @@ from trainer.evaluation import eval_batches, evaluation_loop
 from trainer.export import export_hf
 from trainer.faults import fault_plan
 from trainer.guard import NonfiniteGuard
+from trainer.liger import apply_liger_kernel, check_liger
 from trainer.metrics import summary_table
-from trainer.modeling import (
-    apply_liger_kernel,
-    check_liger,
-    enable_gradient_checkpointing,
-    is_adapter,
-    param_counts,
-)
+from trainer.modeling import enable_gradient_checkpointing, is_adapter, param_counts
 from trainer.monitor import EmptyDeviceCache, memory_stats
 from trainer.neftune import NEFTune
 from trainer.ownership import claim_output_dir
@@ -83,13 +78,7 @@ from trainer.steps import (
     tiling_for,
     torch_compile_for,
 )
-from trainer.throughput import (
-    StepTimer,
-    flops_per_token_for_model,
-    non_padding_tokens,
-    tokens_seen,
-    tokens_seen_mode,
-)
+from trainer.throughput import StepTimer, flops_per_token_for_model, input_ids_count, non_padding_tokens
 
 
 class Trainer(ResultsAPI, NonfiniteGuard):
@@ -275,8 +264,8 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         non-padding ones, or every input id with ``include_num_input_tokens_seen="all"``, as HF counts.
         Returns the window's target tokens on all ranks, and its (samples, input tokens) on this one."""
         counts = (sum(batch_rows(b) for b in window), sum(int(non_padding_tokens(b)) for b in window))
-        mode = tokens_seen_mode(self.args.include_num_input_tokens_seen)
-        seen = counts[1] if mode != "all" else sum(tokens_seen(b, mode) for b in window)
+        every = self.args.include_num_input_tokens_seen == "all"
+        seen = sum(input_ids_count(b) for b in window) if every else counts[1]
         local = [
             self.engine.local_targets(window),
             1.0 if self.preemption.received else 0.0,
@@ -498,7 +487,7 @@ class Trainer(ResultsAPI, NonfiniteGuard):
         )
 
     def _log(self, logs: dict[str, Any]) -> None:
-        if tokens_seen_mode(self.args.include_num_input_tokens_seen) != "no":  # as HF's, in every row
+        if self.args.include_num_input_tokens_seen != "no":  # as HF's, in every row
             logs = {**logs, "num_input_tokens_seen": self.state.num_input_tokens_seen}
         self.state.log_history.append(logs)
         # As HF's: the history's rows carry the step; the callbacks' logs do not (state.global_step has it).

@@ -294,7 +294,7 @@ def test_use_liger_kernel_on_a_gpu_names_the_package_when_it_is_missing():
     from trainer.args import TrainingArguments
     from trainer.config.errors import ConfigError
     from trainer.config.hardware import Hardware
-    from trainer.modeling import check_liger
+    from trainer.liger import check_liger
 
     if importlib.util.find_spec("liger_kernel") is not None:
         pytest.skip("liger-kernel is installed here")
