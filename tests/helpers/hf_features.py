@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from trainer import Trainer, TrainingArguments
 from trainer.data import CausalLMCollator, ResumableDistributedSampler
@@ -171,35 +172,48 @@ def empty_cache(out: Path) -> dict[str, Any]:
 
 @scenario
 def save_only_model(out: Path) -> dict[str, Any]:
-    """save_only_model with load_best_model_at_end: what each checkpoint holds, the evaluations, the
-    weights after training against the best checkpoint's (read by transformers' from_pretrained and by
-    `trainer export`), and the refused resumes. The higher eval loss ranks best here, so the weights
-    reloaded at the end are not the last step's."""
+    """save_only_model with load_best_model_at_end, under ZeRO 0 and 3: what each checkpoint holds, the
+    evaluations, the weights after training against the best checkpoint's (read by transformers'
+    from_pretrained and by `trainer export`), and the refused resumes. The higher eval loss ranks best
+    here, so the weights reloaded at the end are not the last step's."""
     from trainer.checkpoint import CheckpointError
     from trainer.export import export_checkpoint
 
     fields = dict(save_only_model=True, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
                   load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True)  # fmt: skip
-    trainer = ours(out / "run", **fields)
-    trainer.train()
-    evals = {r["step"]: r["eval_loss"] for r in trainer.state.log_history if "eval_loss" in r}
-    best = Path(trainer.state.best_model_checkpoint)
-    ours_weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    found: dict[str, Any] = {"evals": evals, "best": best.name, "eval_after": trainer.evaluate()["eval_loss"]}
-    found["files"] = {
-        p.name: sorted(f.name for f in p.iterdir()) for p in sorted((out / "run").glob("checkpoint-*"))
-    }
-    hf_weights = LlamaForCausalLM.from_pretrained(best).state_dict()
-    found["from_pretrained_equal"] = all(torch.equal(hf_weights[k], v) for k, v in ours_weights.items())
-    exported = LlamaForCausalLM.from_pretrained(export_checkpoint(best, out / "export")).state_dict()
-    found["export_equal"] = all(torch.equal(exported[k], v) for k, v in ours_weights.items())
+    found: dict[str, Any] = {}
+    for stage in (0, 3):
+        run = out / f"zero{stage}"
+        trainer = ours(run, zero_stage=stage, **fields)
+        trainer.train()
+        evals = {r["step"]: r["eval_loss"] for r in trainer.state.log_history if "eval_loss" in r}
+        best = Path(trainer.state.best_model_checkpoint)
+        weights = trainer.engine.full_state_dict()  # gathered under ZeRO-3
+        unset_hf_deepspeed_config()  # models built below are whole (ZeRO-3's arguments registered theirs)
+        found[f"zero{stage}"] = {
+            "evals": evals,
+            "best": best.name,
+            "eval_after": trainer.evaluate()["eval_loss"],
+            "files": {p.name: sorted(f.name for f in p.iterdir()) for p in sorted(run.glob("checkpoint-*"))},
+            "from_pretrained_equal": equal(LlamaForCausalLM.from_pretrained(best).state_dict(), weights),
+            "export_equal": equal(
+                LlamaForCausalLM.from_pretrained(
+                    export_checkpoint(best, out / f"export{stage}")
+                ).state_dict(),
+                weights,
+            ),
+        }
     found["refusals"] = []
-    for spec in (str(out / "run" / "checkpoint-4"), "auto"):
+    for spec in (str(out / "zero0" / "checkpoint-4"), "auto"):
         try:
-            ours(out / "run", resume_from_checkpoint=spec, max_steps=6).train()
+            ours(out / "zero0", resume_from_checkpoint=spec, max_steps=6).train()
         except CheckpointError as err:
             found["refusals"].append(str(err))
     return found
+
+
+def equal(loaded: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> bool:
+    return loaded.keys() == weights.keys() and all(torch.equal(loaded[k], v) for k, v in weights.items())
 
 
 @scenario

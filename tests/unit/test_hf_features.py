@@ -195,17 +195,25 @@ def test_eval_delay_holds_evaluation_back_as_hfs_flow_does(tmp_path, strategy, d
 def test_save_only_model_checkpoints_hold_the_weights_and_refuse_a_resume(results):
     """save_only_model: each checkpoint is an HF model directory (weights, config, trainer state; no
     DeepSpeed shards, no RNG states) under the usual manifest and marker; load_best_model_at_end
-    reloads the best one's weights (step 2's: its evaluation repeats after training); a resume from
-    it is refused with one line, by path and by "auto"."""
-    run = results["save_only_model"]
-    for name, files in run["files"].items():
-        assert files == sorted(["COMPLETE", "config.json", "ds_config.json", "manifest.json", "model.safetensors",
-                                "trainer_state.json"]), name  # fmt: skip
-    assert run["best"] == "checkpoint-2" and run["evals"]["2"] != run["evals"]["4"]
-    assert run["eval_after"] == pytest.approx(run["evals"]["2"], rel=1e-6)
-    assert run["from_pretrained_equal"] and run["export_equal"]
-    assert len(run["refusals"]) == 2
-    for line in run["refusals"]:
+    reloads the best one's weights (step 2's: its evaluation repeats after training), under ZeRO 0
+    and 3; a resume from it is refused with one line, by path and by "auto"."""
+    files = [
+        "COMPLETE",
+        "config.json",
+        "ds_config.json",
+        "manifest.json",
+        "model.safetensors",
+        "trainer_state.json",
+    ]
+    for stage in ("zero0", "zero3"):
+        run = results["save_only_model"][stage]
+        assert run["files"] == {"checkpoint-2": files, "checkpoint-4": files}, stage
+        assert run["best"] == "checkpoint-2" and run["evals"]["2"] != run["evals"]["4"], stage
+        assert run["eval_after"] == pytest.approx(run["evals"]["2"], rel=1e-6), stage
+        assert run["from_pretrained_equal"] and run["export_equal"], stage
+    refusals = results["save_only_model"]["refusals"]
+    assert len(refusals) == 2
+    for line in refusals:
         assert "\n" not in line and line.startswith("resume_from_checkpoint: ")
         assert "checkpoint-4: saved with save_only_model" in line
 
