@@ -1,7 +1,7 @@
 """HF ``TrainingArguments`` features users turn on, with HF's meaning, through the public API.
 
 The scenarios run in one child process (tests/helpers/hf_features.py, plain python, one rank):
-only those of the tests selected, once per session. Where HF's Trainer is the reference it runs in
+only those the selected tests read, all in one launch. Where HF's Trainer is the reference it runs in
 the same child without DeepSpeed, on the same model, data, order and seed.
 """
 
