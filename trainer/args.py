@@ -314,6 +314,24 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
         description="When a checkpoint cannot be written (a full disk, a rank's write error; its partial files "
         "are removed, complete checkpoints kept): stop (exit code 74) or continue training and try the next save.",
     )
+    label_smoothing_factor: float = Field(0.0, ge=0, le=1, description="Label smoothing; 0: none.")
+    neftune_noise_alpha: float | None = Field(None, gt=0, description="NEFTune's noise on input embeddings.")
+    torch_empty_cache_steps: int | None = Field(None, ge=1, description="Empty GPU cache every N steps.")
+    eval_delay: float = Field(0.0, ge=0, description="Epochs or steps (eval_strategy) before evaluating.")
+    save_only_model: bool = Field(False, description="Checkpoints hold only the weights (no resume).")
+    restore_callback_states_from_checkpoint: bool = Field(False, description="Resume callback states.")
+    train_sampling_strategy: Literal["random", "sequential", "group_by_length"] = Field(
+        "random", description="Training order: random, sequential, or group_by_length (length_column_name)."
+    )
+    length_column_name: str = Field("length", description="Column of lengths for group_by_length.")
+    torch_compile: bool = Field(False, description="Compile the model (torch.compile, via DeepSpeed).")
+    torch_compile_backend: str | None = Field(None, description="torch.compile's backend (inductor).")
+    torch_compile_mode: str | None = Field(None, description="torch.compile's mode (max-autotune, ...).")
+    use_liger_kernel: bool = Field(False, description="Liger's Triton kernels in the model (GPUs).")
+    liger_kernel_config: dict[str, bool] | None = Field(None, description="Options of Liger's kernels.")
+    include_num_input_tokens_seen: str | bool = Field(
+        "no", description="Log tokens seen: all/non_padding/no."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -351,6 +369,15 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
         # true means the newest complete checkpoint, false none: as a bool (a recipe) or a word (HF's parser).
         switch = {"true": "auto", "false": None}.get(str(value).lower(), value)
         return switch if isinstance(value, bool | str) else value
+
+    @field_validator("include_num_input_tokens_seen")
+    @classmethod
+    def _tokens_seen(cls, value: str | bool) -> str:
+        """HF's values: all (every input id), non_padding or no; true is all and false no, as HF maps them."""
+        value = {True: "all", False: "no"}.get(value, value) if isinstance(value, bool) else value
+        if value not in ("all", "non_padding", "no"):
+            raise ValueError(f"{value!r}: choose all, non_padding or no (true: all, false: no)")
+        return value
 
     @field_validator("tiled_loss", mode="before")
     @classmethod

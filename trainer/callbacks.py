@@ -53,6 +53,8 @@ class TrainerState:
     is_hyper_param_search: bool = False
     trial_name: str | None = None
     trial_params: dict[str, Any] | None = None
+    # HF's: the states of stateful callbacks (and the control) at the checkpoint, by class name.
+    stateful_callbacks: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
@@ -72,6 +74,10 @@ class TrainerControl:
     should_save: bool = False
     should_evaluate: bool = False
     should_log: bool = False
+
+    def state(self) -> dict[str, Any]:
+        """HF's ``ExportableState``: the flags, saved with every checkpoint."""
+        return {"args": dataclasses.asdict(self), "attributes": {}}
 
 
 CONTROL_FLAGS = tuple(f.name for f in dataclasses.fields(TrainerControl))
@@ -151,7 +157,8 @@ class DefaultFlowCallback(TrainerCallback):
         every = args.logging_strategy == "steps" and step % args.logging_steps == 0
         control.should_log = every or (args.logging_first_step and step == 1) or step == state.max_steps
         eval_every = args.eval_steps or args.logging_steps
-        control.should_evaluate = args.eval_strategy == "steps" and step % eval_every == 0
+        eval_due = args.eval_strategy == "steps" and step % eval_every == 0
+        control.should_evaluate = eval_due and args.eval_delay <= step  # HF's: no evaluation before it
         control.should_save = args.save_strategy == "steps" and step % args.save_steps == 0
         if step >= state.max_steps:
             control.should_training_stop = True
@@ -160,7 +167,8 @@ class DefaultFlowCallback(TrainerCallback):
 
     def on_epoch_end(self, args, state, control, **kw):
         control.should_log = control.should_log or args.logging_strategy == "epoch"
-        control.should_evaluate = control.should_evaluate or args.eval_strategy == "epoch"
+        eval_due = args.eval_strategy == "epoch" and args.eval_delay <= state.epoch
+        control.should_evaluate = control.should_evaluate or eval_due
         control.should_save = control.should_save or args.save_strategy == "epoch"
         return control
 
@@ -225,6 +233,11 @@ class EarlyStoppingCallback(TrainerCallback):
         self.best: float | None = None
         self.bad_evals = 0
 
+    def state(self) -> dict[str, Any]:
+        """HF's ``ExportableState``: what a resume with restore_callback_states_from_checkpoint rebuilds."""
+        args = {"early_stopping_patience": self.patience, "early_stopping_threshold": self.threshold}
+        return {"args": args, "attributes": {"best": self.best, "bad_evals": self.bad_evals}}
+
     def on_evaluate(self, args, state, control, metrics=None, **kw):
         key = metric_key(args)
         value = (metrics or {}).get(key)
@@ -238,6 +251,47 @@ class EarlyStoppingCallback(TrainerCallback):
             if self.bad_evals >= self.patience:
                 control.should_training_stop = True
         return control
+
+
+def _exportable(callback: Any) -> bool:
+    """HF's test for a callback whose state a checkpoint keeps: transformers' ``ExportableState``."""
+    from transformers.trainer_callback import ExportableState  # loaded with the Trainer already
+
+    return isinstance(callback, ExportableState | TrainerControl | EarlyStoppingCallback)
+
+
+def callback_states(callbacks: list[Any], control: TrainerControl) -> dict[str, Any]:
+    """``TrainerState.stateful_callbacks`` as HF's Trainer writes it: each stateful callback's (and
+    the control's) ``state()`` by class name, a list where several share a class."""
+    states: dict[str, list[Any]] = {}
+    for callback in [*callbacks, control]:
+        if _exportable(callback):
+            states.setdefault(type(callback).__name__, []).append(callback.state())
+    return {name: found[0] if len(found) == 1 else found for name, found in states.items()}
+
+
+def restore_callback_states(
+    handler: CallbackHandler, stored: dict[str, Any], control: TrainerControl
+) -> TrainerControl:
+    """HF's ``restore_callback_states_from_checkpoint``: each saved state replaces the callback of its
+    class passed to the Trainer (rebuilt from the saved arguments, then given the saved attributes),
+    and the control; returns the control. States of classes not passed in are ignored, with a warning."""
+    not_found = []
+    for name, saved in stored.items():
+        passed = [cb for cb in [*handler.callbacks, control] if type(cb).__name__ == name]
+        if not passed:
+            not_found.append(name)
+        for old, state in zip(passed, saved if isinstance(saved, list) else [saved], strict=False):
+            new = type(old)(**state.get("args", {}))
+            for attribute, value in state.get("attributes", {}).items():
+                setattr(new, attribute, value)
+            if old is control:
+                control = new
+            else:
+                handler.callbacks[handler.callbacks.index(old)] = new
+    if not_found:
+        logger.warning("The checkpoint holds states of callbacks this Trainer was not given: %s", not_found)
+    return control
 
 
 def metric_key(args: TrainingArguments) -> str:

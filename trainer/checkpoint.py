@@ -13,6 +13,10 @@ conversion for a new world size. HF exports are trainer/export.py's.
     universal/              only after a resume on another world size: DeepSpeed's universal form
                             of ds/, committed the same way (its own manifest and marker)
 
+With ``save_only_model`` (HF's meaning) a checkpoint holds ``model.safetensors`` (the whole model's
+weights, as the export writes them) in place of ``ds/`` and the RNG states: an HF model directory
+that ``load_best_model_at_end`` and ``trainer export`` read, which no run can resume from.
+
 A checkpoint is written into ``.staging-checkpoint-<step>``; once every rank has voted that its part
 is on disk, rank 0 writes the manifest, renames the directory and writes the marker. A directory
 without the marker is never loaded, counted or kept by rotation. Before anything is loaded, every
@@ -40,11 +44,12 @@ import numpy as np
 import torch
 import yaml
 from deepspeed.checkpoint import ds_to_universal
+from safetensors.torch import load_file
 
 from trainer import disk
 from trainer.args import DataArguments, ModelArguments, RunConfig, TrainingArguments
 from trainer.callbacks import TrainerState
-from trainer.checkpoint_writer import FileWriter, file_entry
+from trainer.checkpoint_writer import FileWriter, file_entry, save_weights
 from trainer.config.files import precision_of
 from trainer.distributed import DistInfo, all_gather_object, barrier, warn
 from trainer.recipe import dump_run_config
@@ -55,6 +60,7 @@ MANIFEST = "manifest.json"
 STAGING = ".staging-"
 DISK_FULL_BYTES = 1 << 20  # free space below this when a write failed: the disk was full
 DS_TAG = "ds"
+WEIGHTS = "model.safetensors"  # a save_only_model checkpoint's weights
 UNIVERSAL = "universal"
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
 # ZeRO (1-3) and the bf16 optimizer shard optimizer states per data-parallel rank in these files.
@@ -357,10 +363,16 @@ class Saver:
         return self._pending is None or self._pending[0].done()
 
     def save(
-        self, engine: Any, state: TrainerState, on_written: Callable[[], None] | None = None
+        self,
+        engine: Any,
+        state: TrainerState,
+        on_written: Callable[[], None] | None = None,
+        model_only: bool = False,
     ) -> Path | None:
         """Start ``checkpoint-<step>``; returns it once committed (synchronous saves), else None.
-        ``on_written`` runs on each rank once its files are handed to the writer (fault injection)."""
+        ``on_written`` runs on each rank once its files are handed to the writer (fault injection).
+        ``model_only`` (``save_only_model``): the weights alone, without DeepSpeed's optimizer and
+        scheduler states or the RNG states."""
         self.finish()
         args, dist = self.args, self.dist
         staging, final = (
@@ -377,8 +389,13 @@ class Saver:
         barrier("save:prepare")
         writer = FileWriter(staging, asynchronous=args.async_save)
         try:
-            engine.save(str(staging), DS_TAG, client_state={"global_step": state.global_step}, writer=writer)
-            writer.save(rng_state(), staging / f"rng_state_{dist.rank}.pt")
+            if model_only:
+                save_weights(engine.full_state_dict(), staging / WEIGHTS)  # collective; rank 0 writes
+            else:
+                engine.save(
+                    str(staging), DS_TAG, client_state={"global_step": state.global_step}, writer=writer
+                )
+                writer.save(rng_state(), staging / f"rng_state_{dist.rank}.pt")
             if dist.is_main:
                 writer.write_text(staging / "trainer_state.json", state.to_json())
                 writer.write_text(
@@ -402,6 +419,7 @@ class Saver:
             "train_batch_size": self.ds_config.get("train_batch_size"),
             "micro_batch_size": self.ds_config.get("train_micro_batch_size_per_gpu"),
             "gradient_accumulation_steps": self.ds_config.get("gradient_accumulation_steps"),
+            "model_only": model_only,
         }
         best = {Path(state.best_model_checkpoint)} if state.best_model_checkpoint else set()
         self._pending = (writer, staging, final, meta, best)
@@ -469,13 +487,29 @@ class Saver:
 # ---- resume (collective) -------------------------------------------------------------------------
 
 
+def resumable(path: Path) -> bool:
+    """Whether a run can resume from ``path``: every checkpoint but a ``save_only_model`` one."""
+    return not read_manifest(path).get("model_only", False)
+
+
+def refuse_model_only(path: Path | None) -> Path | None:
+    """``path``, unless it is a ``save_only_model`` checkpoint, which a resume refuses as HF's does."""
+    if path is not None and not resumable(path):
+        raise CheckpointError(
+            f"{path}: saved with save_only_model (the weights alone, without the optimizer, scheduler and "
+            "RNG states a resume needs); resume from a checkpoint saved without it, or start a new run from "
+            f"these weights (model_name_or_path: {path})"
+        )
+    return path
+
+
 def resume_candidate(spec: str | bool | None, output_dir: str | Path) -> Path | None:
     """The checkpoint ``spec`` names (``auto``/True: the newest complete one), not yet verified:
     what a run plans with before its process group verifies it in ``find_resumable``."""
     if spec in (None, False, ""):
         return None
     path = (complete_checkpoints(output_dir) or [None])[-1] if spec in (True, "auto") else Path(spec)
-    return path if path is not None and is_complete(path) else None
+    return refuse_model_only(path) if path is not None and is_complete(path) else None
 
 
 def find_resumable(
@@ -496,7 +530,7 @@ def find_resumable(
         problems = verify_on_all_ranks(path, dist)
         if problems:
             raise CheckpointError("; ".join(problems))
-        return path
+        return refuse_model_only(path)
     candidates = _candidates(output_dir, snapshots)
     if not candidates:
         if dist.is_main:
@@ -505,7 +539,7 @@ def find_resumable(
     for i, path in enumerate(candidates):
         problems = verify_on_all_ranks(path, dist)
         if not problems:
-            return path
+            return refuse_model_only(path)
         for problem in problems:
             warn(problem)
         fallback = f"falling back to {candidates[i + 1]}" if i + 1 < len(candidates) else "no older one left"
@@ -611,7 +645,14 @@ def universal_copy(path: Path, dist: DistInfo) -> Path:
 
 
 def load(engine: Any, path: Path, dist: DistInfo, restore_rng: bool = True) -> TrainerState:
-    """Load a verified checkpoint into the engine; returns its TrainerState (as saved)."""
+    """Load a verified checkpoint into the engine; returns its TrainerState (as saved). A
+    ``save_only_model`` checkpoint gives its weights alone (``load_best_model_at_end``), and
+    refuses a resume (``restore_rng``)."""
+    if not resumable(path):
+        if restore_rng:
+            refuse_model_only(path)
+        engine.load_weights(load_file(str(path / WEIGHTS)))
+        return TrainerState.load_from_json(path / "trainer_state.json")
     if needs_universal(path, _partitions(engine, dist)):
         engine.load_universal(str(universal_copy(path, dist)), DS_TAG)
     else:

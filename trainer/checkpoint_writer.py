@@ -9,6 +9,9 @@ Asynchronous mode (``async_save``): ``save`` takes a host copy of the state befo
 training loop is blocked only for that copy. A single background thread then serialises the copies
 in order. Nothing is committed until every rank's thread has finished; the commit itself is the
 same as for a synchronous save.
+
+``save_weights`` writes a ``save_only_model`` checkpoint's one weights file on rank 0 (after the
+gather, which blocks anyway); the manifest checksums and fsyncs it like any file without a record.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 
 def file_entry(path: Path) -> dict[str, Any]:
@@ -137,3 +141,17 @@ class FileWriter:
 
     def _record(self, path: Path) -> None:
         self.entries[str(path.relative_to(self.root))] = file_entry(path)
+
+
+def save_weights(state_dict: dict[str, torch.Tensor] | None, path: Path) -> None:
+    """A whole model's weights as one safetensors file (``state_dict`` is None on ranks other than
+    0, which write nothing). Tied weights are stored under each name, as the state dict has them."""
+    if state_dict is None:
+        return
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in state_dict.items():
+        pointer = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.contiguous() if pointer not in seen else tensor.clone()
+        seen.add(pointer)
+    save_file(tensors, str(path), metadata={"format": "pt"})

@@ -5,8 +5,8 @@ Two sources, one writer. ``export_hf`` writes the live weights a run holds (``Tr
 carries the model's HF config and the tokenizer (or, if written without them, a run config they are
 rebuilt from), so nothing but the checkpoint is needed. Its weights come from DeepSpeed's shards
 (consolidated to fp32 by DeepSpeed's own ``zero_to_fp32`` for ZeRO 1-3, read from the model-states
-file for ZeRO-0). Files are checked against the manifest first: DeepSpeed's shards are pickles, and
-only verified files are unpickled.
+file for ZeRO-0; a ``save_only_model`` checkpoint's from its safetensors). Files are checked against
+the manifest first: DeepSpeed's shards are pickles, and only verified files are unpickled.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import yaml
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import trainer.checkpoint as ckpt
@@ -67,7 +68,7 @@ def export_checkpoint(
     if problems:
         raise ckpt.CheckpointError("; ".join(problems))
     config, tokenizer = _model_and_tokenizer(path)
-    state = _consolidated_state(path, ckpt.read_manifest(path).get("zero_stage", 0))
+    state = _consolidated_state(path, ckpt.read_manifest(path))
     run = _run_config(path)
     adapter = run is not None and run.model.use_peft
     if merge and not adapter:
@@ -127,8 +128,10 @@ def _model_and_tokenizer(path: Path) -> tuple[Any, Any]:
     return model_config(run.model, tokenizer, run.data.block_size), tokenizer
 
 
-def _consolidated_state(path: Path, zero_stage: int) -> dict[str, torch.Tensor]:
-    if zero_stage == 0:
+def _consolidated_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    if manifest.get("model_only"):  # save_only_model: the whole model's weights in one file
+        return {k: v.float() for k, v in load_file(str(path / ckpt.WEIGHTS)).items()}
+    if manifest.get("zero_stage", 0) == 0:
         saved = torch.load(
             path / ckpt.DS_TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
         )

@@ -43,7 +43,7 @@ class NonfiniteGuard:
             )
             raise SystemExit(EXIT_NONFINITE)
         self._finish_save()  # a save in flight holds a finite state: the rollback may want it
-        last = ckpt.complete_checkpoints(args.output_dir)
+        last = [p for p in ckpt.complete_checkpoints(args.output_dir) if ckpt.resumable(p)]
         if (
             args.nonfinite_policy == "rollback"
             and allow_rollback

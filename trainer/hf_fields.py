@@ -29,8 +29,6 @@ REFUSED: dict[str, str] = {
     "optim_args": "DeepSpeed's optimizer takes named fields (adam_beta1, adam_beta2, adam_epsilon, "
     "weight_decay) or a --deepspeed file's optimizer.params",
     "optim_target_modules": "only GaLore/APOLLO use it, and those optimizers are refused",
-    "label_smoothing_factor": "the loss is the token-summed cross-entropy that keeps accumulation exact; "
-    f"label smoothing is {_NOT_WIRED}",
     "bf16_full_eval": "evaluation runs in the precision DeepSpeed trains in (bf16/fp16/precision)",
     "fp16_full_eval": "evaluation runs in the precision DeepSpeed trains in (bf16/fp16/precision)",
     "activation_checkpointing": "use gradient_checkpointing (the same switch here)",
@@ -38,21 +36,11 @@ REFUSED: dict[str, str] = {
     "use gradient_checkpointing",
     "gradient_checkpointing_kwargs": "checkpointing is always non-reentrant (use_reentrant=False, what "
     "ZeRO-3 needs); no other kwargs are passed",
-    "torch_compile": f"DeepSpeed wraps the model uncompiled; torch.compile is {_NOT_WIRED}",
-    "torch_compile_backend": f"DeepSpeed wraps the model uncompiled; torch.compile is {_NOT_WIRED}",
-    "torch_compile_mode": f"DeepSpeed wraps the model uncompiled; torch.compile is {_NOT_WIRED}",
-    "use_liger_kernel": f"Liger kernels are {_NOT_WIRED}",
-    "liger_kernel_config": f"Liger kernels are {_NOT_WIRED}",
     "use_cache": "the KV cache is off while training (packed rows need it off); generation after "
     "training uses the model config's own use_cache",
-    "neftune_noise_alpha": f"NEFTune noise is {_NOT_WIRED}",
-    "torch_empty_cache_steps": f"emptying the CUDA cache on a schedule is {_NOT_WIRED}",
     "auto_find_batch_size": "DeepSpeed fixes the batch when the engine is built; "
     "`trainer plan` finds a micro-batch that fits",
     "logging_nan_inf_filter": "non-finite losses are handled by nonfinite_policy (skip, rollback or stop)",
-    "eval_delay": f"delaying the first evaluation is {_NOT_WIRED}; set eval_steps",
-    "save_only_model": "a checkpoint always holds what an exact resume needs; the model alone is "
-    "output_dir/final (or `trainer export CHECKPOINT OUT`)",
     "save_on_each_node": "every rank writes its own shards into the shared output_dir, rank 0 the rest",
     "enable_jit_checkpoint": "a checkpoint on SIGTERM/SIGUSR1 is built in (preemption_grace_s)",
     "push_to_hub": _HUB,
@@ -62,7 +50,6 @@ REFUSED: dict[str, str] = {
     "hub_always_push": _HUB,
     "hub_revision": _HUB,
     "ignore_data_skip": "a resume restores the sampler's position exactly: nothing is skipped or replayed",
-    "restore_callback_states_from_checkpoint": f"restoring callback states is {_NOT_WIRED}",
     "use_cpu": "DeepSpeed picks the accelerator: set DS_ACCELERATOR=cpu",
     "accelerator_config": _DEEPSPEED_BACKEND,
     "parallelism_config": f"{_DEEPSPEED_BACKEND}, pipeline_parallel_size",
@@ -75,12 +62,8 @@ REFUSED: dict[str, str] = {
     "ddp_backend": "the launcher and DeepSpeed choose the backend (nccl on GPUs, gloo on CPUs)",
     "dataloader_multiprocessing_context": f"{_NOT_WIRED}; the DataLoader uses the platform's default",
     "dataloader_in_order": f"{_NOT_WIRED}; batches always come in order (resume depends on it)",
-    "train_sampling_strategy": "the sampler is a seeded, resumable permutation sharded over ranks",
-    "length_column_name": "the sampler is a seeded, resumable permutation sharded over ranks",
     "debug": f"HF's debug modes (underflow_overflow, tpu_metrics_debug) are {_NOT_WIRED}",
     "skip_memory_metrics": "memory figures are always in the log rows (metrics.jsonl)",
-    "include_num_input_tokens_seen": "every log row carries tokens_per_second, and trainer_state.json "
-    "num_input_tokens_seen; a per-row count is not logged",
 }
 
 ONLY: dict[str, tuple[tuple[Any, ...], str]] = {

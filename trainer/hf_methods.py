@@ -26,8 +26,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from trainer.callbacks import TrainerCallback
-from trainer.data import ResumableDistributedSampler, model_columns
-from trainer.data.loader import data_seed, train_dataloader
+from trainer.data import model_columns
+from trainer.data.loader import train_dataloader, train_sampler
 from trainer.engine import is_decayed
 from trainer.evaluation import EvalShard, eval_dataloader
 from trainer.model_card import (
@@ -114,8 +114,7 @@ class HFMethods:
         moves it to another epoch."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        world, rank = self._data_ranks
-        sampler = ResumableDistributedSampler(len(self.train_dataset), world, rank, seed=data_seed(self.args))
+        sampler = train_sampler(len(self.train_dataset), *self._data_ranks, self.args, self._lengths)
         sampler.set_epoch(self.state.epoch_index, self.state.samples_into_epoch)
         pin = self.hardware.device == "cuda"
         return train_dataloader(self.train_dataset, sampler, self.data_collator, self.args, pin_memory=pin)

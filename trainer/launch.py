@@ -24,6 +24,7 @@ from trainer.config import resolve
 from trainer.data import build_datasets, get_tokenizer
 from trainer.distributed import detect_hardware, init_distributed
 from trainer.engine.sequence_parallel import check_layout
+from trainer.liger import check_liger
 from trainer.modeling import build_model, hidden_size_of, model_config
 from trainer.steps import keep_global_batch, plan_steps
 from trainer.trainer import Trainer
@@ -44,6 +45,7 @@ def build_run(
     dataset alone counts as given, so an evaluation-only run loads no training data)."""
     args, model_args, data_args = run_config.training, run_config.model, run_config.data
     hardware = detect_hardware()
+    check_liger(args, hardware)  # before anything loads
     dist = init_distributed(hardware, timeout_s=args.ddp_timeout)
     given_data = train_dataset is not None or eval_dataset is not None
     if tokenizer is None and (not given_data or config is None):

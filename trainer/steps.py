@@ -17,7 +17,7 @@ from trainer import checkpoint as ckpt
 from trainer.args import TrainingArguments
 from trainer.config import ConfigError
 from trainer.distributed import print_main
-from trainer.engine import Tiling, plan_tiling
+from trainer.engine import Tiling, TorchCompile, plan_tiling
 
 
 class StepPlan(NamedTuple):
@@ -54,15 +54,25 @@ def tiling_for(args: TrainingArguments, model: Any, run_config: Any, causal_obje
     """The run's tiling. ``tiled_loss: auto`` judges the largest micro-batch: its rows times the
     block size (the model's longest context without a run config), split over a sequence-parallel
     group; it stays off where the objective is not the token-exact causal LM (a model's own loss, a
-    ``compute_loss`` override) or the pipeline computes the loss."""
+    ``compute_loss`` override), the pipeline computes the loss, or the loss is label-smoothed (the
+    tiles compute plain cross-entropy)."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     block = run_config.data.block_size if run_config else getattr(text, "max_position_embeddings", 0)
-    auto_off = not causal_objective or args.pipeline_parallel_size > 1
+    auto_off = not causal_objective or args.pipeline_parallel_size > 1 or args.label_smoothing_factor > 0
     mode = "false" if auto_off and args.tiled_loss == "auto" else args.tiled_loss
     tokens = args.per_device_train_batch_size * (block or 0) // args.sequence_parallel_size
     vocab = getattr(text, "vocab_size", None) or 1
     return plan_tiling(mode, args.tiled_mlp, args.offload_activations, args.tile_tokens, vocab, tokens)
+
+
+def torch_compile_for(args: TrainingArguments) -> TorchCompile | None:
+    """HF's torch_compile fields: compiling is on when torch_compile is set or a backend or mode is
+    named, with inductor unless another backend is (as HF's TrainingArguments decide)."""
+    if not (args.torch_compile or args.torch_compile_backend or args.torch_compile_mode):
+        return None
+    options = {"mode": args.torch_compile_mode} if args.torch_compile_mode else {}
+    return TorchCompile(args.torch_compile_backend or "inductor", options)
 
 
 def check_resolved(ds_config: dict[str, Any], args: TrainingArguments, world_size: int) -> None:

@@ -105,6 +105,12 @@ def non_padding_tokens(batch: dict[str, Any]) -> Any:
     return ids.numel() if ids is not None else 0
 
 
+def input_ids_count(batch: dict[str, Any]) -> int:
+    """Every input id of a batch, padding too: what HF's ``include_num_input_tokens_seen="all"`` counts."""
+    ids = batch.get("input_ids")
+    return ids.numel() if ids is not None else 0
+
+
 class StepTimer:
     """Step time, throughput, model TFLOP/s and MFU over the window between two logging steps.
 

@@ -37,13 +37,15 @@ from trainer.callbacks import (
     TrainerCallback,
     TrainerControl,
     TrainerState,
+    callback_states,
     greater_is_better,
     metric_key,
+    restore_callback_states,
 )
 from trainer.config import resolve
 from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
-from trainer.data.loader import accumulation_windows, data_seed
+from trainer.data.loader import accumulation_windows, data_seed, sample_lengths, train_sampler
 from trainer.distributed import (
     all_reduce_sum,
     barrier,
@@ -58,17 +60,26 @@ from trainer.export import export_hf
 from trainer.faults import fault_plan
 from trainer.guard import NonfiniteGuard
 from trainer.hf_methods import HFMethods
+from trainer.liger import apply_liger_kernel, check_liger
 from trainer.metrics import summary_table
 from trainer.modeling import enable_gradient_checkpointing, is_adapter, param_counts
-from trainer.monitor import memory_stats
+from trainer.monitor import EmptyDeviceCache, memory_stats
+from trainer.neftune import NEFTune
 from trainer.ownership import claim_output_dir
 from trainer.recipe import dump_run_config
 from trainer.reporting import reporting_callbacks
 from trainer.resilience import EXIT_PREEMPTED, PreemptionFlag, Watchdog, save_failed
 from trainer.results import ResultsAPI, TrainTotals, train_metrics
 from trainer.snapshots import Snapshots, snapshot_dir
-from trainer.steps import check_resolved, client_scheduler, keep_global_batch, plan_steps, tiling_for
-from trainer.throughput import StepTimer, flops_per_token_for_model, non_padding_tokens
+from trainer.steps import (
+    check_resolved,
+    client_scheduler,
+    keep_global_batch,
+    plan_steps,
+    tiling_for,
+    torch_compile_for,
+)
+from trainer.throughput import StepTimer, flops_per_token_for_model, input_ids_count, non_padding_tokens
 
 
 class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
@@ -95,6 +106,7 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
             raise ValueError("Trainer: model is required")
         self.args = args or TrainingArguments()
         self.hardware = detect_hardware()
+        check_liger(self.args, self.hardware)  # before the process group, the engine or the data
         self.dist = init_distributed(self.hardware, timeout_s=self.args.ddp_timeout)
         hf_logging.set_verbosity(self.args.get_process_log_level())
         if self.args.tf32 is not None and self.hardware.device == "cuda":
@@ -102,6 +114,7 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         self.model = model
         if getattr(model, "config", None) is not None:  # as HF's: no cache in training or evaluation
             model.config.use_cache = getattr(self.args, "use_cache", False)
+        self._lengths = sample_lengths(train_dataset, self.args)  # before a length column is cut
         self.train_dataset = model_columns(train_dataset, model, self.args, "training")
         self.eval_dataset = model_columns(eval_dataset, model, self.args, "evaluation")
         self.processing_class = processing_class or tokenizer
@@ -118,6 +131,10 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         self.control = TrainerControl()
         default = [DefaultFlowCallback(), MetricsCallback(), ProgressCallback()]
         default += reporting_callbacks(self.args)  # transformers' own, for report_to; then the user's
+        if self.args.neftune_noise_alpha is not None:
+            default.append(NEFTune(self.args))
+        if self.args.torch_empty_cache_steps is not None:
+            default.append(EmptyDeviceCache(self.args.torch_empty_cache_steps))
         self.callback_handler = CallbackHandler(default + list(callbacks or []))
         self.engine: Engine | None = None
         self.ds_config = ds_config
@@ -149,6 +166,9 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         if checkpoint is not None:
             with self.watchdog.phase("load"):
                 self._load_checkpoint(checkpoint)
+            if args.restore_callback_states_from_checkpoint:
+                stored = self.state.stateful_callbacks
+                self.control = restore_callback_states(self.callback_handler, stored, self.control)
             print_main(f"Resumed from {checkpoint} at step {self.state.global_step}.")
         self._run = TrainTotals()
         self._params = dict(zip(("trainable_params", "total_params"), param_counts(self.model), strict=True))
@@ -238,13 +258,17 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         """One host-only all-reduce per step carries the window's target tokens, the preemption flag
         and, while an asynchronous save is in flight, each rank's "my files are written", so every
         rank stops, commits and divides the loss alike. It also counts the window's samples and
-        non-padding input tokens on all ranks (HF's ``num_input_tokens_seen``, and the run's FLOPs).
+        input tokens on all ranks (HF's ``num_input_tokens_seen``, and the run's FLOPs): the
+        non-padding ones, or every input id with ``include_num_input_tokens_seen="all"``, as HF counts.
         Returns the window's target tokens on all ranks, and its (samples, input tokens) on this one."""
         counts = (sum(batch_rows(b) for b in window), sum(int(non_padding_tokens(b)) for b in window))
+        every = self.args.include_num_input_tokens_seen == "all"
+        seen = sum(input_ids_count(b) for b in window) if every else counts[1]
         local = [
             self.engine.local_targets(window),
             1.0 if self.preemption.received else 0.0,
-            *map(float, counts),
+            float(counts[0]),
+            float(seen),
         ]
         saving = self.saver is not None and self.saver.pending
         if saving:
@@ -294,7 +318,7 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
     def _save_and_exit_on_preemption(self) -> None:
         if self._guard_finite(allow_rollback=False):
             with self.watchdog.phase("save", self.args.preemption_grace_s):
-                self._save_checkpoint()
+                self._save_checkpoint(resumable=True)
                 self._committed(self.saver.finish)
             print_main(
                 f"Preempted: saved checkpoint-{self.state.global_step}; exiting with {EXIT_PREEMPTED}."
@@ -380,7 +404,7 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
 
     def _model_objective(self) -> Objective:
         """The objective of the model without an override: what ``compute_loss``'s super computes."""
-        return objective_for(self.model, label_smoothing=getattr(self.args, "label_smoothing_factor", 0.0))
+        return objective_for(self.model, label_smoothing=self.args.label_smoothing_factor)
 
     def save_model(self, output_dir: str | None = None) -> Path | None:
         """An HF export (config, safetensors, tokenizer) of the current weights; default: output_dir."""
@@ -413,9 +437,7 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         plan = plan_steps(args, len(self.train_dataset), self._data_ranks[0])
         state.steps_per_epoch, state.max_steps, state.num_train_epochs = plan
         self._ensure_engine(state.max_steps)
-        return ResumableDistributedSampler(
-            len(self.train_dataset), *self._data_ranks, seed=data_seed(self.args)
-        )
+        return train_sampler(len(self.train_dataset), *self._data_ranks, self.args, self._lengths)
 
     # ---- engine and data -----------------------------------------------------------------------
 
@@ -445,9 +467,11 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         objective = objective_for(
             self.model,
             self.compute_loss if overridden else None,
-            getattr(self.args, "label_smoothing_factor", 0.0),
+            self.args.label_smoothing_factor,
             self.args.label_names,
         )
+        if self.args.use_liger_kernel:
+            apply_liger_kernel(self.model, self.args.liger_kernel_config)
         if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             enable_gradient_checkpointing(self.model)
         with self.watchdog.phase("init"):
@@ -461,6 +485,7 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
                 gradient_checkpointing=self.args.gradient_checkpointing,
                 objective=objective,
                 tiling=tiling_for(self.args, self.model, self.run_config, objective.token_exact_causal),
+                torch_compile=torch_compile_for(self.args),
             )
         if self.dist.is_main:
             out = Path(self.args.output_dir)
@@ -479,6 +504,8 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         )
 
     def _log(self, logs: dict[str, Any]) -> None:
+        if self.args.include_num_input_tokens_seen != "no":  # as HF's, in every row
+            logs = {**logs, "num_input_tokens_seen": self.state.num_input_tokens_seen}
         self.state.log_history.append(logs)
         # As HF's: the history's rows carry the step; the callbacks' logs do not (state.global_step has it).
         self._fire("on_log", logs={k: v for k, v in logs.items() if k != "step"})
@@ -531,11 +558,14 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         if self.hardware.device == "cuda":
             torch.cuda.synchronize()
 
-    def _save_checkpoint(self) -> None:
+    def _save_checkpoint(self, resumable: bool = False) -> None:
         """Start a checkpoint of this step. on_save fires when it is committed: at once for a
-        synchronous save, at a later step's vote (or the end of training) for an async one."""
+        synchronous save, at a later step's vote (or the end of training) for an async one. With
+        save_only_model it holds the weights alone, unless it must be ``resumable`` (preemption)."""
         final = ckpt.final_dir(self.args.output_dir, self.state.global_step)
-        if getattr(self, "_saved_step", None) == self.state.global_step:
+        model_only = self.args.save_only_model and not resumable
+        saved = getattr(self, "_saved", None)  # (step, weights alone) of this run's last save
+        if saved is not None and saved[0] == self.state.global_step and (model_only or not saved[1]):
             return  # saved already in this run (an epoch-end save on a save_steps multiple)
         if self.state.best_global_step == self.state.global_step:
             self.state.best_model_checkpoint = str(final)
@@ -544,8 +574,9 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
             self.saver = ckpt.Saver(
                 self.args, self.dist, self.ds_config, self.run_config, config, self.processing_class
             )
-        self._saved_step = self.state.global_step
-        self._committed(lambda: self.saver.save(self.engine, self.state))
+        self._saved = (self.state.global_step, model_only)
+        self.state.stateful_callbacks = callback_states(self.callback_handler.callbacks, self.control)
+        self._committed(lambda: self.saver.save(self.engine, self.state, model_only=model_only))
 
     def _finish_save(self) -> None:
         """Commit a pending asynchronous save (collective); a no-op when none is pending."""

@@ -6,6 +6,8 @@
 - ``pipeline_scenarios``: pipeline-parallel scenarios against the same model without a pipeline.
 - ``deepspeed_config_parser``: DeepSpeed's own parser run over configs in a one-rank child process.
 - ``hf_trainer_script``: an ordinary HF Trainer script; a test runs it with our Trainer import.
+- ``hf_features``: HF ``TrainingArguments`` options (label smoothing, NEFTune, ...) through the public
+  API, against transformers' Trainer where it is the reference.
 - ``run_clm_shaped``: an HF example script in run_clm's shape (argument dataclasses, ``--deepspeed``);
   a test runs it with our import and with transformers' Trainer, and compares their output dirs.
 - ``run_mlm_shaped``, ``run_classification_shaped``, ``run_ner_shaped``,

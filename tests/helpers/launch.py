@@ -14,7 +14,10 @@ BIN = Path(sys.executable).parent
 
 
 def run_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
+    # A process group this test process started (a world of one picks its own port) is not the
+    # child's: the launcher sets its own rendezvous, and a plain child picks a free port.
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
     env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

@@ -147,10 +147,10 @@ def test_to_dict_has_every_hf_field_and_never_a_token():
 
 
 def test_removing_a_field_from_the_refused_list_honours_it(monkeypatch):
-    with pytest.raises(ConfigError, match="^label_smoothing_factor: HF's field, refused"):
-        TrainingArguments(label_smoothing_factor=0.1)
-    monkeypatch.delitem(hf_fields.REFUSED, "label_smoothing_factor")
-    assert TrainingArguments(label_smoothing_factor=0.1).label_smoothing_factor == 0.1
+    with pytest.raises(ConfigError, match="^save_on_each_node: HF's field, refused"):
+        TrainingArguments(save_on_each_node=True)
+    monkeypatch.delitem(hf_fields.REFUSED, "save_on_each_node")
+    assert TrainingArguments(save_on_each_node=True).save_on_each_node is True
 
 
 def test_a_checkpoint_saved_before_the_hf_fields_existed_resumes_unchanged(tmp_path):

@@ -151,3 +151,60 @@ def test_property_shards_cover_permutation_and_resume_is_a_suffix(n, ranks, seed
         s = ResumableDistributedSampler(n, ranks, rank, seed=seed)
         s.set_epoch(epoch, start)
         assert list(s) == parts[rank][start:]
+
+
+# ---- train_sampling_strategy="group_by_length" ---------------------------------------------------
+
+
+def grouped(
+    n: int, ranks: int, rank: int, lengths: list[int], group: int, seed: int = 0
+) -> ResumableDistributedSampler:
+    return ResumableDistributedSampler(n, ranks, rank, seed=seed, lengths=lengths, group_size=group)
+
+
+@pytest.mark.parametrize(("n", "group"), [(1000, 4), (37, 4), (10, 8), (3, 2)])
+def test_length_grouped_order_is_hfs_length_grouped_sampler_on_one_rank(n, group):
+    """HF's LengthGroupedSampler over the same permutation: megabatches of min(n // 4g, 50) groups
+    (at least one), each sorted longest first, the longest sample of all in front."""
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    lengths = torch.randint(1, 40, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    for epoch in (0, 1):
+        sampler = grouped(n, 1, 0, lengths, group, seed=5)
+        sampler.set_epoch(epoch)
+        hf = get_length_grouped_indices(lengths, group, generator=torch.Generator().manual_seed(5 + epoch))
+        assert list(sampler) == hf
+        assert lengths[hf[0]] == max(lengths)
+    if n == 1000:  # megabatches of 50 groups, sorted longest first (but for the one swapped to the front)
+        order = list(grouped(n, 1, 0, lengths, group))
+        for start in range(0, n, 200):
+            megabatch = [lengths[i] for i in order[start + 1 : start + 200]]
+            assert megabatch == sorted(megabatch, reverse=True)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_length_grouped_order_is_sharded_like_the_random_one(ranks):
+    """Ranks take interleaved positions of the one grouped order (so a step's samples have similar
+    lengths on every rank), padded to equal shards."""
+    n, lengths = 50, [i % 17 + 1 for i in range(50)]
+    whole = grouped(n, 1, 0, lengths, 6).permutation().tolist()
+    parts = [list(grouped(n, ranks, r, lengths, 6)) for r in range(ranks)]
+    padded = [*whole, *whole][: -(-n // ranks) * ranks]
+    assert [i for step in zip(*parts, strict=True) for i in step] == padded
+
+
+@pytest.mark.parametrize(("saved_on", "resumed_on"), [(2, 2), (2, 3), (3, 1)])
+def test_length_grouped_order_resumes_mid_epoch_on_any_world_size(saved_on, resumed_on):
+    """A resume slices the same order: nothing consumed is skipped, the rest follows in order (on
+    another world size, at most ranks - 1 consumed samples are seen again, as with the random order)."""
+    n, lengths, start = 40, [(7 * i) % 23 + 1 for i in range(40)], 5
+    order = grouped(n, 1, 0, lengths, 8).permutation().tolist()
+    before = grouped(n, saved_on, 0, lengths, 8)
+    before.set_epoch(0, start)
+    after = [grouped(n, resumed_on, r, lengths, 8) for r in range(resumed_on)]
+    for sampler in after:
+        sampler.load_state_dict(before.state_dict())
+    rest = [i for step in zip(*map(list, after), strict=True) for i in step]
+    consumed = after[0].start * resumed_on
+    assert consumed <= start * saved_on < consumed + resumed_on
+    assert rest == [*order, *order][consumed : -(-n // resumed_on) * resumed_on]

@@ -18,6 +18,38 @@ def data_seed(args: Any) -> int:
     return args.seed if args.data_seed is None else args.data_seed
 
 
+def sample_lengths(dataset: Any, args: Any) -> list[int] | None:
+    """The lengths ``train_sampling_strategy="group_by_length"`` orders by (None otherwise), as HF
+    takes them: the ``length_column_name`` column where the dataset has one, else each row's
+    ``input_ids`` length. Read before the dataset is cut to the model's inputs."""
+    if dataset is None or args.train_sampling_strategy != "group_by_length":
+        return None
+    columns = getattr(dataset, "column_names", None) or []
+    if args.length_column_name in columns:
+        return [int(n) for n in dataset[args.length_column_name]]
+    if "input_ids" in columns:
+        return [len(ids) for ids in dataset["input_ids"]]
+    return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+
+
+def train_sampler(
+    dataset_len: int, num_replicas: int, rank: int, args: Any, lengths: list[int] | None = None
+) -> ResumableDistributedSampler:
+    """This rank's training order, as HF's ``train_sampling_strategy`` names it: "random" (a seeded
+    permutation), "sequential" (the dataset's order) or "group_by_length" (``lengths`` grouped in
+    megabatches of the global batch)."""
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * num_replicas
+    return ResumableDistributedSampler(
+        dataset_len,
+        num_replicas,
+        rank,
+        seed=data_seed(args),
+        shuffle=args.train_sampling_strategy != "sequential",
+        lengths=lengths,
+        group_size=global_batch,
+    )
+
+
 def train_dataloader(
     dataset: Dataset, sampler: ResumableDistributedSampler, collate_fn: Callable, args: Any, pin_memory: bool
 ) -> DataLoader:

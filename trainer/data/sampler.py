@@ -11,12 +11,20 @@ Because ranks take interleaved positions, after each rank consumed ``start`` sam
 consumed samples are exactly the first ``start * R`` positions of the permutation. Resuming is
 ``set_epoch(epoch, start)``: it slices the permutation instead of replaying batches, and it also
 works with a different number of ranks (see :meth:`load_state_dict`).
+
+With ``lengths`` (HF's ``train_sampling_strategy="group_by_length"``) the epoch's permutation is
+regrouped as HF's ``LengthGroupedSampler`` does: cut into megabatches of ``min(n // (4 * group), 50)``
+groups (at least one), each sorted longest first, and the longest sample of all moved to the very
+front (an out-of-memory error shows on the first step, not later). ``group_size`` is the global
+batch, which a resume on another world size keeps, so the order stays a function of the seed and the
+epoch alone; ranks still take interleaved positions, so a step's samples have similar lengths on
+every rank.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,18 +34,31 @@ logger = logging.getLogger(__name__)
 
 
 class ResumableDistributedSampler(Sampler[int]):
-    def __init__(self, dataset_len: int, num_replicas: int, rank: int, seed: int = 0, shuffle: bool = True):
+    def __init__(
+        self,
+        dataset_len: int,
+        num_replicas: int,
+        rank: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        lengths: Sequence[int] | None = None,
+        group_size: int = 1,
+    ):
         if dataset_len < 1:
             raise ValueError(f"dataset_len must be at least 1, got {dataset_len}")
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank must be in [0, {num_replicas - 1}], got {rank}")
+        if lengths is not None and len(lengths) != dataset_len:
+            raise ValueError(f"lengths: {len(lengths)} for a dataset of {dataset_len} samples")
         self.dataset_len = dataset_len
         self.num_replicas = num_replicas
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
+        self.lengths = None if lengths is None else [int(n) for n in lengths]
+        self.group_size = max(int(group_size), 1)
         # Samples per rank per epoch (the padded total divided evenly).
         self.num_samples = -(-dataset_len // num_replicas)
         self.epoch = 0
@@ -56,6 +77,8 @@ class ResumableDistributedSampler(Sampler[int]):
         if self.shuffle:
             gen = torch.Generator().manual_seed(self.seed + epoch)
             order = torch.randperm(self.dataset_len, generator=gen)
+            if self.lengths is not None:
+                order = length_grouped(order, self.lengths, self.group_size)
         else:
             order = torch.arange(self.dataset_len)
         total = self.num_samples * self.num_replicas
@@ -95,3 +118,16 @@ class ResumableDistributedSampler(Sampler[int]):
                 self.num_replicas, old, consumed - start * self.num_replicas, consumed,
             )  # fmt: skip
         self.set_epoch(int(state["epoch"]), start)
+
+
+def length_grouped(order: torch.Tensor, lengths: Sequence[int], group_size: int) -> torch.Tensor:
+    """``order`` regrouped by length as HF's ``LengthGroupedSampler`` does (see the module's docstring)."""
+    megabatch = max(min(len(lengths) // (group_size * 4), 50), 1) * group_size
+    indices = order.tolist()
+    groups = [
+        sorted(indices[i : i + megabatch], key=lambda j: lengths[j], reverse=True)
+        for i in range(0, len(indices), megabatch)
+    ]
+    longest = max(range(len(groups)), key=lambda g: lengths[groups[g][0]])  # the first of equals
+    groups[0][0], groups[longest][0] = groups[longest][0], groups[0][0]
+    return torch.tensor([i for group in groups for i in group], dtype=torch.long)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from trainer.config.errors import ConfigError
-from trainer.engine.core import Batch, Engine, is_decayed, weight_decay_groups
+from trainer.engine.core import Batch, Engine, TorchCompile, is_decayed, weight_decay_groups
 from trainer.engine.deepspeed_engine import DeepSpeedEngine
 from trainer.engine.loss import causal_lm_loss_sum, count_targets
 from trainer.engine.objectives import (
@@ -36,6 +36,7 @@ __all__ = [
     "Objective",
     "PipelineEngine",
     "Tiling",
+    "TorchCompile",
     "batch_rows",
     "build_engine",
     "causal_lm_loss_sum",
@@ -57,11 +58,13 @@ def build_engine(
     gradient_checkpointing: bool = False,
     objective: Objective | None = None,
     tiling: Tiling = Tiling(),
+    torch_compile: TorchCompile | None = None,
 ) -> Engine:
     """The engine for ``ds_config``: a pipeline when it has two or more stages. The pipeline,
     sequence parallelism and the tiled loss compute the token-exact causal-LM loss themselves (no
     stage holds the whole model, no rank a whole row, no step the whole logits), so they refuse
-    any other objective: a model that is not a causal LM, or a ``compute_loss`` override."""
+    any other objective: a model that is not a causal LM, or a ``compute_loss`` override.
+    ``torch_compile`` compiles the model through DeepSpeed's engine (not under a pipeline)."""
     objective = objective or CausalLM()
     sequence_parallel = int(ds_config.get("sequence_parallel_size") or 1)
     stages = int((ds_config.get("pipeline") or {}).get("stages") or 1)
@@ -91,6 +94,12 @@ def build_engine(
             "tiled_loss false or label_smoothing_factor 0",
             path="label_smoothing_factor",
         )
+    if torch_compile is not None and stages > 1:
+        raise ConfigError(
+            "torch_compile with pipeline_parallel_size > 1: the pipeline's stages are not compiled here; "
+            "set torch_compile false or pipeline_parallel_size 1",
+            path="torch_compile",
+        )
     if stages > 1:
         return PipelineEngine(
             model,
@@ -102,5 +111,13 @@ def build_engine(
             objective=objective,
         )
     return DeepSpeedEngine(
-        model, ds_config, optimizer, lr_scheduler, weight_decay, objective, sequence_parallel, tiling
+        model,
+        ds_config,
+        optimizer,
+        lr_scheduler,
+        weight_decay,
+        objective,
+        sequence_parallel,
+        tiling,
+        torch_compile,
     )

@@ -13,6 +13,7 @@ token-exact loss, any HF model's own loss or a ``compute_loss`` override plug in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any
 
 import deepspeed
@@ -29,6 +30,14 @@ def is_decayed(name: str, param: torch.nn.Parameter) -> bool:
     tensors no (the one rule the engines' groups and ``Trainer.get_decay_parameter_names`` share)."""
     shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 partitions keep the real shape here
     return len(shape) >= 2 and not name.endswith(".bias")
+
+
+@dataclass(frozen=True)
+class TorchCompile:
+    """HF's torch_compile: the backend and ``torch.compile``'s other options (``mode``)."""
+
+    backend: str = "inductor"
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -99,10 +108,20 @@ class Engine(ABC):
     lr_scheduler: Any  # and its scheduler (None when the config has none)
     objective: Objective
 
-    def _initialize(self, model: torch.nn.Module, config: dict[str, Any], **kwargs: Any) -> None:
+    def _initialize(
+        self,
+        model: torch.nn.Module,
+        config: dict[str, Any],
+        torch_compile: TorchCompile | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.ds, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
             model=model, config=config, **kwargs
         )
+        if torch_compile is not None:
+            # DeepSpeed's own compile: the module is compiled in place (its parameter names, the
+            # checkpoints and the export stay as they are) and its ZeRO hooks keep working.
+            self.ds.compile(backend=torch_compile.backend, compile_kwargs=dict(torch_compile.options))
         report_grad_norm(self.ds)
         self.device: torch.device = self.ds.device
         # Under sequence parallelism DeepSpeed leaves dp_world_size unset; a group's ranks share rows.
@@ -192,6 +211,27 @@ class Engine(ABC):
             raise FileNotFoundError(f"{directory}/{tag}: DeepSpeed found no checkpoint to load")
         self._loaded(load_optimizer_states)
         return client_state or {}
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy a whole model's weights (named as ``full_state_dict`` names them) into the module,
+        for evaluation and the export (``load_best_model_at_end`` from a ``save_only_model``
+        checkpoint); optimizer states are left as they are. Under ZeRO-3 rank 0's copy is
+        partitioned over the ranks as the gather ends."""
+        partitioned = self.ds.zero_optimization_partition_weights()
+        tensors = dict(self.module.named_parameters())
+        missing = sorted(set(tensors) - set(weights))
+        # Buffers the state dict holds (non-persistent ones, like rotary frequencies, it does not).
+        tensors |= {name: b for name, b in self.module.named_buffers() if name in weights}
+        if missing:
+            raise ValueError(f"the saved weights do not match the model: missing {missing[:5]}")
+        for name, tensor in tensors.items():
+            gather = partitioned and isinstance(tensor, torch.nn.Parameter)
+            with (
+                torch.no_grad(),
+                deepspeed.zero.GatheredParameters([tensor], modifier_rank=0, enabled=gather),
+            ):
+                if not gather or self.ds.global_rank == 0:
+                    tensor.copy_(weights[name].to(tensor.dtype))
 
     @abstractmethod
     def _loaded(self, optimizer_states: bool) -> None:

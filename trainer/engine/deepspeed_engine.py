@@ -16,7 +16,7 @@ import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
 from trainer.data import IGNORE_INDEX
-from trainer.engine.core import Batch, Engine, weight_decay_groups
+from trainer.engine.core import Batch, Engine, TorchCompile, weight_decay_groups
 from trainer.engine.loss import next_token_targets
 from trainer.engine.objectives import CausalLM, Objective, causal_inputs
 from trainer.engine.sequence_parallel import SequenceParallel
@@ -36,6 +36,7 @@ class DeepSpeedEngine(Engine):
         objective: Objective | None = None,
         sequence_parallel: int = 1,
         tiling: Tiling = Tiling(),
+        torch_compile: TorchCompile | None = None,
     ):
         self.objective = objective or CausalLM()
         self.tiling = tiling
@@ -56,6 +57,7 @@ class DeepSpeedEngine(Engine):
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
             mpu=self.sp.mpu if self.sp else None,
+            torch_compile=torch_compile,
         )
         # What DeepSpeed divides the summed gradients by: the data-parallel size, except that
         # ZeRO-3's reduce-scatter averages over every rank, sequence-parallel ones too (0.19).
