@@ -29,10 +29,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import find_labels
 
 from trainer.data import IGNORE_INDEX
+from trainer.data.collator import is_causal_lm
 from trainer.engine.loss import count_targets, next_token_targets
 
 Batch = dict[str, torch.Tensor]
@@ -205,20 +206,9 @@ def batch_rows(batch: Batch) -> int:
     return next(len(v) for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
 
 
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The HF model under a peft wrapper (its class says what the model is)."""
-    base = getattr(model, "get_base_model", None)
-    return base() if callable(base) else model
-
-
-def is_causal_lm(model: torch.nn.Module) -> bool:
-    """A model of transformers' causal-LM classes (wrapped by peft or not)."""
-    return type(unwrap_model(model)).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-
-
 def accepts_loss_kwargs(model: torch.nn.Module) -> bool:
     """HF Trainer's test: a model's ``accepts_loss_kwargs``, else whether its forward takes **kwargs."""
-    model = unwrap_model(model)
+    model = unwrap_peft_model(model)
     if hasattr(model, "accepts_loss_kwargs"):
         return bool(model.accepts_loss_kwargs)
     params = inspect.signature(model.forward).parameters.values()
@@ -239,10 +229,10 @@ def objective_for(
     if compute_loss is None and causal:
         objective: Objective = CausalLM(label_smoothing)
     else:
-        config = getattr(unwrap_model(model), "config", None)
+        config = getattr(unwrap_peft_model(model), "config", None)
         if getattr(config, "problem_type", None) == "multi_label_classification":
             label_smoothing = 0.0  # HF's Trainer turns it off there too: labels are not classes
         objective = ModelLoss(accepts_loss_kwargs(model), causal, compute_loss, label_smoothing)
-    names = label_names if label_names is not None else find_labels(type(unwrap_model(model)))
+    names = label_names if label_names is not None else find_labels(type(unwrap_peft_model(model)))
     objective.label_names = tuple(names)
     return objective
