@@ -116,8 +116,8 @@ def test_the_optimizer_and_scheduler_are_the_engines(run):
         assert opt["other_model"].startswith("ValueError: Trainer.create_optimizer: DeepSpeed builds")
         assert opt["other_optimizer"].startswith("ValueError: Trainer.create_scheduler: DeepSpeed steps")
         # Built before train(): the 8-step schedule is the one that trains (4 steps of it). A logged
-        # rate is DeepSpeed's WarmupDecayLR after the step (2 warmup steps): 0, 1/2, then
-        # (8 - 3) / (8 - 2) of the peak at step 4, where a 4-step schedule has 1/2.
+        # rate is the one the step applied (2 warmup steps): 0, 1/2, then (8 - 2) / (8 - 2) and
+        # (8 - 3) / (8 - 2) of the peak, where a 4-step schedule has 1/2 at step 4.
         early = res["early"]
         assert early["engine_kept"] and early["total_num_steps"] == 8
         assert early["learning_rates"] == pytest.approx([0.0, 5e-3, 1e-2, 1e-2 * 5 / 6])

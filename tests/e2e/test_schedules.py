@@ -51,10 +51,10 @@ def test_the_rate_at_every_step_is_transformers_schedule(runs):
     schedule = get_scheduler("cosine_with_min_lr", optimizer, num_warmup_steps=WARMUP,
                              num_training_steps=STEPS, scheduler_specific_kwargs={"min_lr_rate": 0.1})  # fmt: skip
     expected = []
-    for _ in range(STEPS):
+    for _ in range(STEPS):  # each step logs the rate it applied, as HF's Trainer logs it
+        expected.append(schedule.get_last_lr()[0])
         optimizer.step()
         schedule.step()
-        expected.append(schedule.get_last_lr()[0])
     got = [rows(straight)[step]["learning_rate"] for step in range(1, STEPS + 1)]
     assert got == pytest.approx(expected, rel=1e-12, abs=1e-15)
     assert min(got) >= 0.1 * LR * (1 - 1e-9)  # the kwargs reached the schedule: it stops at min_lr_rate

@@ -27,6 +27,13 @@ from trainer.distributed import barrier
 KEYS = ("input_ids", "attention_mask", "labels")
 
 
+def schedule_length(scheduler) -> int:
+    """The steps a schedule spans: DeepSpeed's (a named scheduler) or transformers' (a LambdaLR)."""
+    if hasattr(scheduler, "total_num_steps"):
+        return scheduler.total_num_steps
+    return scheduler.lr_lambdas[0].keywords["num_training_steps"]
+
+
 def rows(n: int, seed: int, first_is_index: bool = False) -> datasets.Dataset:
     """Rows of 8-32 tokens; with ``first_is_index`` a row's first token is its index + 1, so a
     batch says which rows it holds."""
@@ -209,7 +216,7 @@ def main() -> None:
     early.train()
     report["early"] = {
         "engine_kept": early.engine is built is not None,
-        "total_num_steps": early.lr_scheduler.total_num_steps,
+        "total_num_steps": schedule_length(early.lr_scheduler),
         "learning_rates": [r["learning_rate"] for r in early.state.log_history if "loss" in r],
     }
     # create_optimizer alone: the engine's schedule is the run's planned length (one epoch here).
@@ -223,7 +230,7 @@ def main() -> None:
     optimizer = planned.create_optimizer()
     report["planned"] = {
         "is_engines": optimizer is planned.engine.optimizer,
-        "total_num_steps": planned.lr_scheduler.total_num_steps,
+        "total_num_steps": schedule_length(planned.lr_scheduler),
         "decay_names": planned.get_decay_parameter_names(planned.model),
         "param_groups": [
             {"weight_decay": g["weight_decay"], "numel": sum(int(p.numel()) for p in g["params"])}

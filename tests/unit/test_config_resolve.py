@@ -36,6 +36,7 @@ def autos(node) -> list[str]:
 
 
 def test_generated_from_the_training_arguments():
+    """The schedule (linear, warmup 10) is transformers' own: the config names no scheduler."""
     ds = resolve(args(max_steps=100, learning_rate=3e-4, weight_decay=0.1, warmup_steps=10), 2, CPU)
     assert ds == {
         "train_batch_size": 16,
@@ -51,16 +52,6 @@ def test_generated_from_the_training_arguments():
                 "eps": 1e-8,
                 "weight_decay": 0.1,
                 "torch_adam": True,
-            },
-        },
-        "scheduler": {
-            "type": "WarmupDecayLR",
-            "params": {
-                "warmup_min_lr": 0.0,
-                "warmup_max_lr": 3e-4,
-                "warmup_num_steps": 10,
-                "warmup_type": "linear",
-                "total_num_steps": 100,
             },
         },
     }
@@ -177,52 +168,48 @@ def test_explicit_bucket_sizes_are_kept():
 
 
 @pytest.mark.parametrize(
-    "schedule, expected",
+    "schedule, given, expected",
     [
         (
-            "constant",
-            {
-                "type": "WarmupLR",
-                "params": {
-                    "warmup_min_lr": 1e-3,
-                    "warmup_max_lr": 1e-3,
-                    "warmup_num_steps": 1,
-                    "warmup_type": "linear",
-                },
-            },
-        ),
-        (
             "constant_with_warmup",
-            {
-                "type": "WarmupLR",
-                "params": {
-                    "warmup_min_lr": 0.0,
-                    "warmup_max_lr": 1e-3,
-                    "warmup_num_steps": 20,
-                    "warmup_type": "linear",
-                },
-            },
+            ["warmup_min_lr", "warmup_max_lr", "warmup_num_steps"],
+            {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 20}},
         ),
         (
             "cosine",
-            {
-                "type": "WarmupCosineLR",
-                "params": {
-                    "total_num_steps": 200,
-                    "warmup_min_ratio": 0.0,
-                    "warmup_num_steps": 20,
-                    "cos_min_ratio": 0.0,
-                    "warmup_type": "linear",
-                },
-            },
+            ["warmup_num_steps", "total_num_steps"],
+            {"type": "WarmupCosineLR", "params": {"total_num_steps": 200, "warmup_num_steps": 20}},
+        ),
+        (
+            "linear",
+            ["warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps"],
+            {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                 "warmup_num_steps": 20, "total_num_steps": 200}},
         ),
     ],
-)
-def test_schedules(schedule, expected):
-    ds = resolve(
-        args(lr_scheduler_type=schedule, learning_rate=1e-3, warmup_ratio=0.1, max_steps=200), 1, CPU
+)  # fmt: skip
+def test_a_scheduler_the_file_names_is_filled_from_the_arguments(schedule, given, expected):
+    """HF-style files name DeepSpeed's scheduler with "auto" values; then DeepSpeed's runs it."""
+    named = {"scheduler": {"type": "auto", "params": dict.fromkeys(given, "auto")}}
+    run = args(
+        lr_scheduler_type=schedule, learning_rate=1e-3, warmup_ratio=0.1, max_steps=200, deepspeed=named
     )
-    assert ds["scheduler"] == expected
+    assert resolve(run, 1, CPU)["scheduler"] == expected
+    unnamed = resolve(args(lr_scheduler_type=schedule, warmup_ratio=0.1, max_steps=200), 1, CPU)
+    assert "scheduler" not in unnamed  # transformers' own, the rates HF's Trainer applies
+
+
+def test_a_constant_rate_is_deepspeeds_warmup_lr():
+    ds = resolve(args(lr_scheduler_type="constant", learning_rate=1e-3, max_steps=200), 1, CPU)
+    assert ds["scheduler"] == {
+        "type": "WarmupLR",
+        "params": {
+            "warmup_min_lr": 1e-3,
+            "warmup_max_lr": 1e-3,
+            "warmup_num_steps": 1,
+            "warmup_type": "linear",
+        },
+    }
 
 
 def test_no_warmup_is_transformers_schedule_and_a_constant_rate_deepspeeds():
@@ -237,15 +224,17 @@ def test_no_warmup_is_transformers_schedule_and_a_constant_rate_deepspeeds():
 
 
 def test_total_steps_given_by_the_trainer_win_over_max_steps():
-    ds = resolve(args(max_steps=-1, warmup_steps=5), 1, CPU, total_steps=321)
+    named = {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}
+    ds = resolve(args(max_steps=-1, warmup_steps=5, deepspeed=named), 1, CPU, total_steps=321)
     assert ds["scheduler"]["params"]["total_num_steps"] == 321
 
 
 def test_total_steps_unknown():
-    assert problems(resolve, args(warmup_steps=5), 1, CPU) == [
+    named = {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}
+    assert problems(resolve, args(warmup_steps=5, deepspeed=named), 1, CPU) == [
         (
             "scheduler.params.total_num_steps",
-            "cannot be resolved: max_steps is -1 and the run's number of training steps was not given; set max_steps",
+            '"auto" cannot be resolved: max_steps is -1 and the run\'s number of training steps was not given; set max_steps',
         )
     ]
 
@@ -563,10 +552,10 @@ def test_skip_policy_is_refused_where_deepspeed_applies_non_finite_steps():
         resolve(ok, 2, A100 if ok.precision == "fp16" else CPU)
 
 
-def test_a_warmup_under_two_steps_is_transformers_schedule_unless_the_file_names_one():
+def test_short_warmups_are_transformers_schedule_unless_the_file_names_one():
     """DeepSpeed's warmup schedulers warm up over at least two steps, and WarmupDecayLR without a
     warmup never decays; HF's one-step warmup (0, then the peak) and no warmup (the peak, then
-    down) are left to transformers' scheduler, so the resolved config has none."""
+    down) are transformers' scheduler, so the resolved config has none."""
     from trainer.steps import client_scheduler
 
     expected = {1: [0.0, 1e-2, 1e-2 * 8 / 9], 0: [1e-2, 1e-2 * 9 / 10, 1e-2 * 8 / 10]}
@@ -582,7 +571,6 @@ def test_a_warmup_under_two_steps_is_transformers_schedule_unless_the_file_names
             optimizer.step()
             schedule.step()
         assert rates == pytest.approx(expected[warmup])
-    assert resolve(args(max_steps=10, warmup_steps=2), 1, CPU)["scheduler"]["params"]["warmup_num_steps"] == 2
     given = {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto"}}}
     ds = resolve(args(max_steps=10, warmup_steps=1, deepspeed=given), 1, CPU)
     assert ds["scheduler"]["params"]["warmup_num_steps"] == 1 and client_scheduler(args(), 10, ds) is None

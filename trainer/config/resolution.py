@@ -56,17 +56,16 @@ def deepspeed_schedules(args: TrainingArgs) -> bool:
     return args.lr_scheduler_type in _SCHEDULERS and not args.lr_scheduler_kwargs
 
 
-def short_warmup(args: TrainingArgs, total_steps: int | None) -> bool:
-    """A warmup of fewer than two steps, which DeepSpeed's warmup schedulers cannot follow: they
-    stretch it to two steps, and with none ``WarmupDecayLR`` never decays (its floor is the peak).
-    transformers' scheduler runs it instead (HF's: a one-step warmup is 0 at the first step and
-    the peak at the second; none starts at the peak), unless the user's DeepSpeed file names a
-    scheduler of its own. A constant rate has no warmup to follow."""
-    if args.lr_scheduler_type == "constant":
-        return False
-    total = total_steps or (args.max_steps if args.max_steps > 0 else 0)
-    warmup = args.warmup_steps if args.warmup_steps > 0 else math.ceil(args.warmup_ratio * total)
-    return warmup < 2
+def transformers_schedule(args: TrainingArgs, data: dict[str, Any]) -> bool:
+    """Whether transformers' scheduler runs the schedule rather than one DeepSpeed's config names.
+    DeepSpeed's warmup schedulers apply each rate one step late (they start at their floor, then
+    step k uses the rate of step k - 1 of HF's schedule), warm up over at least two steps, and
+    ``WarmupDecayLR`` without warmup never decays; so every schedule but a constant rate is
+    transformers' own (the rates HF's Trainer applies), unless the user's DeepSpeed file names a
+    scheduler, or DeepSpeed cannot express the schedule at all."""
+    if not deepspeed_schedules(args):
+        return True
+    return "scheduler" not in data and args.lr_scheduler_type != "constant"
 
 
 def _set(data: dict[str, Any], path: str, value: Any) -> None:
@@ -343,10 +342,14 @@ class _Resolver:
         total, warmup, why = self.steps()
         sched_type = _SCHEDULERS[a.lr_scheduler_type]
         if get_path(self.data, "scheduler") is MISSING:
-            self.data["scheduler"] = {
-                "type": sched_type,
-                "params": self._scheduler_params(sched_type, lr, total, warmup, why),
+            # A constant rate, the one schedule DeepSpeed runs unasked (transformers_schedule).
+            params = {
+                "warmup_min_lr": lr,
+                "warmup_max_lr": lr,
+                "warmup_num_steps": 1,
+                "warmup_type": "linear",
             }
+            self.data["scheduler"] = {"type": sched_type, "params": params}
             return
         have = get_path(self.data, "scheduler.type")
         if is_auto(have) or (
@@ -369,48 +372,6 @@ class _Resolver:
             self.settle(
                 "scheduler.params.total_num_steps", total, f"the run's total steps={total}" if total else why
             )
-
-    def _scheduler_params(
-        self, kind: str, lr: float, total: int | None, warmup: int | None, why: str
-    ) -> dict[str, Any]:
-        a = self.args
-        if a.lr_scheduler_type == "constant":
-            return {"warmup_min_lr": lr, "warmup_max_lr": lr, "warmup_num_steps": 1, "warmup_type": "linear"}
-        if warmup is None:
-            self.problems.append(
-                (
-                    "scheduler.params.warmup_num_steps",
-                    f"cannot be resolved: warmup_ratio needs the total steps; {why}",
-                )
-            )
-            warmup = 0
-        if kind == "WarmupLR":
-            start = lr if warmup == 0 else 0.0
-            return {
-                "warmup_min_lr": start,
-                "warmup_max_lr": lr,
-                "warmup_num_steps": max(1, warmup),
-                "warmup_type": "linear",
-            }
-        if total is None:
-            self.problems.append(("scheduler.params.total_num_steps", f"cannot be resolved: {why}"))
-            total = max(1, warmup)
-        if kind == "WarmupDecayLR":
-            start = lr if warmup == 0 else 0.0  # no warmup: start at the peak, as HF does
-            return {
-                "warmup_min_lr": start,
-                "warmup_max_lr": lr,
-                "warmup_num_steps": max(1, warmup),
-                "warmup_type": "linear",
-                "total_num_steps": total,
-            }
-        return {
-            "total_num_steps": total,
-            "warmup_min_ratio": 1.0 if warmup == 0 else 0.0,
-            "warmup_num_steps": max(1, warmup),
-            "cos_min_ratio": 0.0,
-            "warmup_type": "linear",
-        }
 
     def leftover_autos(self, node: Any = None, prefix: str = "") -> None:
         node = self.data if node is None else node
@@ -484,11 +445,7 @@ def resolve(
             [("scheduler", f"lr_scheduler_type={args.lr_scheduler_type} (with lr_scheduler_kwargs={args.lr_scheduler_kwargs}) "
               "is built by transformers' get_scheduler, which DeepSpeed's schedulers cannot express; remove the section")]
         )  # fmt: skip
-    client_scheduler = (
-        client_scheduler
-        or not deepspeed_schedules(args)
-        or ("scheduler" not in data and short_warmup(args, total_steps))
-    )
+    client_scheduler = client_scheduler or transformers_schedule(args, data)
     return _pool_stages(_run(r, client_optimizer, client_scheduler))
 
 

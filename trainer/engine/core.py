@@ -129,6 +129,7 @@ class Engine(ABC):
             self.ds.dp_world_size or self.ds.seq_dp_world_size // self.ds.sequence_parallel_size
         )
         self.lr_scale = 1.0
+        self.step_lr: float | None = None
 
     # ---- what each engine does its own way ------------------------------------------------------
 
@@ -170,7 +171,13 @@ class Engine(ABC):
         self.ds.train(mode)
 
     def learning_rate(self) -> float:
-        return float(self.ds.get_lr()[0])
+        """The rate the last optimizer step applied (what HF's Trainer logs for a step); before any
+        step, the rate the next one will apply."""
+        return self.step_lr if self.step_lr is not None else float(self.ds.get_lr()[0])
+
+    def _about_to_step(self) -> None:
+        """Called just before the optimizer steps: the scheduler then moves the rate on."""
+        self.step_lr = float(self.ds.get_lr()[0])
 
     def grad_norm(self) -> float | None:
         norm = self.ds.get_global_grad_norm()

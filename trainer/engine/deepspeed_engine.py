@@ -78,6 +78,7 @@ class DeepSpeedEngine(Engine):
             loss = self.loss_sum(batch, window_tokens)
             self.ds.backward(loss * scale, scale_wrt_gas=False)
             loss_sum += loss.detach()
+        self._about_to_step()
         self.ds.step()
         self._apply_lr_scale()
         return loss_sum

@@ -115,6 +115,7 @@ class PipelineEngine(Engine):
         self._fit_shapes(pooled)
         self.ds.micro_batches = len(pooled)  # a short last window of an epoch runs fewer
         try:
+            self._about_to_step()
             self.ds.train_batch(self._micro_batches(pooled))
         finally:
             self.ds.micro_batches = self.ds.gradient_accumulation_steps()
