@@ -96,8 +96,8 @@ def check_resolved(ds_config: dict[str, Any], args: TrainingArguments, world_siz
 def client_scheduler(
     args: TrainingArguments, total_steps: int, ds_config: dict[str, Any]
 ) -> Callable[[torch.optim.Optimizer], Any] | None:
-    """transformers' ``get_scheduler`` where the resolved DeepSpeed config has no scheduler (one
-    DeepSpeed's schedulers cannot express, or a one-step warmup), as the callable
+    """transformers' ``get_scheduler`` where the resolved DeepSpeed config has no scheduler (every
+    HF schedule but a constant rate, unless the user's file names one), as the callable
     ``deepspeed.initialize`` calls with the optimizer it built; None where the config has one.
     DeepSpeed then steps it after every optimizer step and saves its state in every checkpoint."""
     if "scheduler" in ds_config:
