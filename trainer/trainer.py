@@ -105,6 +105,9 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         if model is None:
             raise ValueError("Trainer: model is required")
         self.args = args or TrainingArguments()
+        # Seeded here, as HF's Trainer seeds: what runs between this and the first step (building
+        # the model's engine, a data collator's masks) draws from the same generator state as HF's.
+        enable_full_determinism(self.args.seed) if self.args.full_determinism else set_seed(self.args.seed)
         self.hardware = detect_hardware()
         check_liger(self.args, self.hardware)  # before the process group, the engine or the data
         self.dist = init_distributed(self.hardware, timeout_s=self.args.ddp_timeout)
@@ -197,6 +200,11 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         # self.state is re-read every time: a rollback replaces it.
         while self.state.epoch_index < self.state.num_train_epochs and not self.control.should_training_stop:
             sampler.set_epoch(self.state.epoch_index, self.state.samples_into_epoch)
+            if self.state.samples_into_epoch == 0:
+                # HF's epoch starts a DataLoader iterator, which draws its workers' base seed from the
+                # global generator; the same draw keeps dropout and masking on HF's numbers. A resume
+                # inside an epoch restores the generator as it was after that draw.
+                torch.empty((), dtype=torch.int64).random_()
             self._fire("on_epoch_begin")
             if self._train_epoch(sampler):
                 self.state.epoch_index += 1
@@ -423,15 +431,11 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         return target
 
     def _prepare_training(self, checkpoint: Path | None = None) -> ResumableDistributedSampler:
-        """Seed, keep a resumed checkpoint's global batch, plan the run's length from the data, and
-        build the engine."""
+        """Keep a resumed checkpoint's global batch, plan the run's length from the data, and build
+        the engine."""
         args, state = self.args, self.state
         if self.train_dataset is None:
             raise ValueError("Trainer.train: train_dataset is required")
-        if args.full_determinism:
-            enable_full_determinism(args.seed)
-        else:
-            set_seed(args.seed)
         if checkpoint is not None:
             keep_global_batch(args, checkpoint, self.dist.world_size)
         plan = plan_steps(args, len(self.train_dataset), self._data_ranks[0])
