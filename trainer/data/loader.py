@@ -77,10 +77,18 @@ def train_dataloader(
 def accumulation_windows(
     dataset: Dataset, sampler: ResumableDistributedSampler, collate_fn: Callable, args: Any, pin_memory: bool
 ) -> Iterator[list[Batch]]:
-    """Windows of ``gradient_accumulation_steps`` micro-batches; the epoch's last may be shorter."""
-    loader = train_dataloader(dataset, sampler, collate_fn, args, pin_memory)
+    """Windows of ``gradient_accumulation_steps`` micro-batches; the epoch's last may be shorter.
+
+    The loader is read one batch ahead, as accelerate's loader under HF's Trainer reads it (to know
+    the last batch): a collator that draws random numbers (masked-LM masking) then draws them in
+    HF's order relative to the steps' dropout. Such a collator's draws for the batch read ahead
+    happen before a checkpoint and again after its resume, so a resume is exact only for collators
+    that draw nothing (every collator of this project's own)."""
+    batches = iter(train_dataloader(dataset, sampler, collate_fn, args, pin_memory))
+    ahead = next(batches, None)
     window: list[Batch] = []
-    for batch in loader:
+    while ahead is not None:
+        batch, ahead = ahead, next(batches, None)
         window.append(dict(batch))  # all the collator made reaches the model, as in HF's loop
         if len(window) == args.gradient_accumulation_steps:
             yield window
