@@ -116,6 +116,11 @@ class Job:
             max_grad_norm=1.0,
             lr_scheduler_type="cosine",
             warmup_steps=self.lr_warmup_steps,
+            # DeepSpeed's own cosine, named as HF-style files name it, so that the hand-written loop
+            # and accelerate's DummyScheduler run the same schedule from the same dict.
+            deepspeed={"scheduler": {"type": "WarmupCosineLR", "params": {
+                "warmup_num_steps": "auto", "total_num_steps": "auto", "warmup_min_ratio": 0.0,
+                "cos_min_ratio": 0.0, "warmup_type": "linear"}}},  # fmt: skip
             # Logs only at the end (the step clock adds the step before it): a log is a host sync.
             logging_steps=self.steps,
             eval_strategy="no",
