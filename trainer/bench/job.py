@@ -118,9 +118,18 @@ class Job:
             warmup_steps=self.lr_warmup_steps,
             # DeepSpeed's own cosine, named as HF-style files name it, so that the hand-written loop
             # and accelerate's DummyScheduler run the same schedule from the same dict.
-            deepspeed={"scheduler": {"type": "WarmupCosineLR", "params": {
-                "warmup_num_steps": "auto", "total_num_steps": "auto", "warmup_min_ratio": 0.0,
-                "cos_min_ratio": 0.0, "warmup_type": "linear"}}},  # fmt: skip
+            deepspeed={
+                "scheduler": {
+                    "type": "WarmupCosineLR",
+                    "params": {
+                        "warmup_num_steps": "auto",
+                        "total_num_steps": "auto",
+                        "warmup_min_ratio": 0.0,
+                        "cos_min_ratio": 0.0,
+                        "warmup_type": "linear",
+                    },
+                }
+            },
             # Logs only at the end (the step clock adds the step before it): a log is a host sync.
             logging_steps=self.steps,
             eval_strategy="no",
