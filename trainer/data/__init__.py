@@ -10,12 +10,10 @@ it stopped. See docs/data.md.
 from trainer.data.build import PreparedData, build_datasets, prepare_datasets
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX
 from trainer.data.collator import (
-    MODEL_INPUTS,
     CausalLMCollator,
     SFTCollator,
     default_collator,
     default_collator_for,
-    pad_stack,
 )
 from trainer.data.columns import model_columns
 from trainer.data.formats import FORMAT_COLUMNS, resolve_format
@@ -27,7 +25,6 @@ __all__ = [
     "DEFAULT_CHAT_TEMPLATE",
     "FORMAT_COLUMNS",
     "IGNORE_INDEX",
-    "MODEL_INPUTS",
     "CausalLMCollator",
     "DataError",
     "PreparedData",
@@ -40,7 +37,6 @@ __all__ = [
     "default_collator_for",
     "get_tokenizer",
     "model_columns",
-    "pad_stack",
     "prepare_datasets",
     "resolve_format",
     "train_bpe_tokenizer",

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import (
     DataCollatorWithPadding,
@@ -20,21 +19,6 @@ from trainer.data.processing import IGNORE_INDEX
 
 # Class names transformers' AutoModelForCausalLM builds: the models whose default collator is ours.
 CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-
-# The keys of a ``CausalLMCollator`` batch (``position_ids`` only for packed rows).
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
-
-
-def pad_stack(arrays: list[np.ndarray], fill: float) -> np.ndarray:
-    """Stack arrays of different first lengths into one, padded with ``fill`` (predictions of
-    batches of different lengths)."""
-    if not arrays:
-        return np.zeros((0,))
-    length = max(a.shape[0] for a in arrays)
-    out = np.full((len(arrays), length, *arrays[0].shape[1:]), fill, dtype=arrays[0].dtype)
-    for i, a in enumerate(arrays):
-        out[i, : a.shape[0]] = a
-    return out
 
 
 def is_causal_lm(model: Any) -> bool:

@@ -33,13 +33,15 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of cross-entropy over non-ignored targets (already shifted), in fp32."""
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Sum (not mean) of cross-entropy over non-ignored targets (already shifted), in fp32;
+    ``label_smoothing`` as ``F.cross_entropy`` applies it (HF's label smoother's uniform term)."""
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)),
         targets.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
+        label_smoothing=label_smoothing,
     )
 
 

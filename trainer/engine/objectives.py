@@ -34,7 +34,7 @@ from transformers.utils import find_labels
 
 from trainer.data import IGNORE_INDEX
 from trainer.data.collator import is_causal_lm
-from trainer.engine.loss import count_targets, next_token_targets
+from trainer.engine.loss import count_targets, next_token_targets, token_loss_sum
 
 Batch = dict[str, torch.Tensor]
 Forward = Callable[..., Any]  # DeepSpeed's engine (or the bare model): forward(**inputs) -> outputs
@@ -99,13 +99,7 @@ class CausalLM(Objective):
 
     def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of cross-entropy over non-ignored (already shifted) targets, in fp32."""
-        return F.cross_entropy(
-            logits.float().reshape(-1, logits.size(-1)),
-            targets.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-            label_smoothing=self.label_smoothing,
-        )
+        return token_loss_sum(logits, targets, self.label_smoothing)
 
     def eval_sum(self, forward: Forward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
         loss, outputs = self.loss_sum(forward, batch, 1.0)
