@@ -10,6 +10,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,10 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         self.args = args or TrainingArguments()
         # Seeded here, as HF's Trainer seeds: what runs between this and the first step (building
         # the model's engine, a data collator's masks) draws from the same generator state as HF's.
-        enable_full_determinism(self.args.seed) if self.args.full_determinism else set_seed(self.args.seed)
+        if self.args.full_determinism:
+            enable_full_determinism(self.args.seed)
+        else:
+            set_seed(self.args.seed)
         self.hardware = detect_hardware()
         check_liger(self.args, self.hardware)  # before the process group, the engine or the data
         self.dist = init_distributed(self.hardware, timeout_s=self.args.ddp_timeout)
@@ -404,15 +408,17 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         (target tokens for a causal LM) of its accumulation window on all ranks, so a window's
         micro-batches on all ranks add up to its mean; None where the model takes no loss kwargs (the
         micro-batch's own mean, as HF's). Only an override runs in the loop (this is its super)."""
-        objective = self._model_objective()
+        objective = self._model_objective
         items = float(num_items_in_batch or objective.count(inputs))
         loss_sum, outputs = objective.loss_sum(model, inputs, items)
         loss = loss_sum / max(items, 1.0)
         return (loss, outputs) if return_outputs else loss
 
+    @cached_property
     def _model_objective(self) -> Objective:
-        """The objective of the model without an override: what ``compute_loss``'s super computes."""
-        return objective_for(self.model, label_smoothing=self.args.label_smoothing_factor)
+        """The objective of the model without an override: what ``compute_loss``'s super computes
+        (built once: it inspects the model's forward)."""
+        return objective_for(self.model, None, self.args.label_smoothing_factor, self.args.label_names)
 
     def save_model(self, output_dir: str | None = None) -> Path | None:
         """An HF export (config, safetensors, tokenizer) of the current weights; default: output_dir."""
