@@ -11,6 +11,7 @@ generation config (``args.generation_config`` replaces it when given).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -104,8 +105,6 @@ class Seq2SeqTrainer(Trainer):
 
 def _load_generation_config(path: str) -> GenerationConfig:
     """``generation_config`` given as a local directory or file (no hub access is needed)."""
-    from pathlib import Path
-
     target = Path(path)
     if target.is_file():
         return GenerationConfig.from_pretrained(target.parent, config_file_name=target.name)
