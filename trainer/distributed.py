@@ -10,6 +10,7 @@ process group can be set up without pulling in signal handlers or timer threads.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import importlib
 import logging
@@ -149,6 +150,9 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
                 timeout=timeout,
             )
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+        # A script that never leaves the group (any HF-style script) still must not leave gloo's
+        # threads to interpreter exit; every rank is past its last collective by then.
+        atexit.register(leave_process_group, wait=False)
         if hardware.device == "cpu":
             _unlink_own_shm_buffer(info)
     return info
