@@ -24,7 +24,7 @@ from pathlib import Path
 from trainer.bench.job import MODELS, SYSTEMS, Job, prepare_data
 from trainer.bench.launch import run_systems, say
 from trainer.bench.report import describe, summarise, table, verdicts
-from trainer.distributed import sweep_orphan_shm_buffers
+from trainer.runtime.distributed import sweep_orphan_shm_buffers
 
 ROOT = Path(__file__).resolve().parents[1]
 

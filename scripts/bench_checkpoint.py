@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 
-from trainer import checkpoint as ckpt
 from trainer.args import TrainingArguments
-from trainer.callbacks import TrainerState
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint.snapshots import Snapshots
 from trainer.config import resolve
-from trainer.distributed import barrier, detect_hardware, host_all_reduce, init_distributed
 from trainer.engine import DeepSpeedEngine, Engine
-from trainer.snapshots import Snapshots
+from trainer.loop.callbacks import TrainerState
+from trainer.runtime.distributed import barrier, detect_hardware, host_all_reduce, init_distributed
 
 CHUNK = 4 << 20
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.distributed import dist_info
+from trainer.runtime.distributed import dist_info
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -307,7 +307,7 @@ def _free_port() -> int:
 
 class Prober:
     def __init__(self, args: argparse.Namespace, out: Path, data: Data):
-        from trainer.modeling import model_config
+        from trainer.model.modeling import model_config
 
         self.args, self.out, self.data = args, out, data
         self.cap = int(args.cap_gb * 1e9)
@@ -369,8 +369,8 @@ class Prober:
     def hf_files(self, setup: Setup, length: int, out_dir: Path) -> dict[str, Path]:
         """The model config and DeepSpeed dict our run of the same shape resolves (HF gets them as
         files): the recipe train.py starts from, with the same flags."""
+        from trainer.args.recipe import parse_run_config
         from trainer.config import resolve
-        from trainer.recipe import parse_run_config
 
         ours = Setup(setup.name, setup.label, "ours", setup.ranks, setup.sp, ["--tiled_loss", "false"])
         run = parse_run_config(["--config", str(RECIPE), *self.ours_flags(ours, length, out_dir)])
@@ -595,7 +595,7 @@ def main(argv: list[str]) -> int:
         failed = not isinstance(err, BudgetSpent)
         say(f"stopped ({interrupted}); the report covers the probes that finished")
     finally:
-        from trainer.distributed import sweep_orphan_shm_buffers
+        from trainer.runtime.distributed import sweep_orphan_shm_buffers
 
         sweep_orphan_shm_buffers()  # killed ranks leave DeepSpeed's all-reduce buffers in /dev/shm
     final = result()

@@ -568,7 +568,7 @@ def seed_cache(cache: Path) -> None:
 
 def reference_run(out: Path, flags: list[str], timeout: float) -> dict[str, Any]:
     """The uninterrupted run, and what the faults need from it."""
-    from trainer.disk import estimated_checkpoint_bytes
+    from trainer.checkpoint.disk import estimated_checkpoint_bytes
 
     run = Run(0, "reference", {}, out / "reference", out / "reference" / "run", flags, timeout)
     shutil.rmtree(run.dir, ignore_errors=True)
@@ -632,7 +632,7 @@ def run_one(index: int, kind: str, details: dict[str, Any], args: argparse.Names
 
 def tidy(output_dir: Path, keep: bool) -> None:
     """Drop a finished run's checkpoints, export and snapshots; its logs and metrics stay."""
-    from trainer.snapshots import snapshot_dir
+    from trainer.checkpoint.snapshots import snapshot_dir
 
     shutil.rmtree(snapshot_dir(output_dir), ignore_errors=True)
     if keep or not output_dir.is_dir():

@@ -15,6 +15,6 @@ def session_tmp(tmp_path_factory) -> Path:
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Runs of plain DeepSpeed (the benchmark baselines) leave their all-reduce buffers in RAM-backed
     /dev/shm; a long suite would otherwise leak gigabytes."""
-    from trainer.distributed import sweep_orphan_shm_buffers
+    from trainer.runtime.distributed import sweep_orphan_shm_buffers
 
     sweep_orphan_shm_buffers()

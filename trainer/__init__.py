@@ -21,20 +21,20 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Trainer": "trainer.trainer",
+    "Trainer": "trainer.loop.trainer",
     "TrainingArguments": "trainer.args",
-    "Seq2SeqTrainer": "trainer.seq2seq",
+    "Seq2SeqTrainer": "trainer.loop.seq2seq",
     "Seq2SeqTrainingArguments": "trainer.args",
-    "TrainerCallback": "trainer.callbacks",
-    "TrainerControl": "trainer.callbacks",
-    "TrainerState": "trainer.callbacks",
+    "TrainerCallback": "trainer.runtime.state",
+    "TrainerControl": "trainer.runtime.state",
+    "TrainerState": "trainer.runtime.state",
 }
 
 if TYPE_CHECKING:
     from trainer.args import Seq2SeqTrainingArguments, TrainingArguments
-    from trainer.callbacks import TrainerCallback, TrainerControl, TrainerState
-    from trainer.seq2seq import Seq2SeqTrainer
-    from trainer.trainer import Trainer
+    from trainer.loop.seq2seq import Seq2SeqTrainer
+    from trainer.loop.trainer import Trainer
+    from trainer.runtime.state import TrainerCallback, TrainerControl, TrainerState
 
 
 def __getattr__(name: str) -> Any:

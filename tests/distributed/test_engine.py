@@ -115,7 +115,7 @@ def test_trainer_export_of_each_zero_stage_gives_the_engines_logits(results, sta
     from transformers import AutoModelForCausalLM
 
     from tests.helpers.trainer_scenarios import tiny_config
-    from trainer.export import export_checkpoint
+    from trainer.checkpoint.export import export_checkpoint
 
     out, _ = results
     hf = export_checkpoint(out / f"zero{stage}" / "checkpoint-20", tmp_path / "hf", max_shard_size="100KB")

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from tests.helpers.launch import launch
-from trainer import checkpoint as ckpt
-from trainer.snapshots import snapshot_dir
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint.snapshots import snapshot_dir
 
 pytestmark = pytest.mark.distributed
 

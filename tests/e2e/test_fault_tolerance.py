@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.launch import BIN, ROOT, free_port, launch, run_env
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import store as ckpt
 
 pytestmark = pytest.mark.distributed
 
@@ -237,7 +237,7 @@ def test_a_flash_snapshot_every_step_loses_at_most_one_step(tmp_path, reference)
     """--snapshot_steps 1: rank 1 is SIGKILLed between disk checkpoints; the restarted job resumes
     from the snapshot in /dev/shm (at most one step behind), ends bitwise equal to the uninterrupted
     run, and frees the shared memory."""
-    from trainer.snapshots import snapshot_dir
+    from trainer.checkpoint.snapshots import snapshot_dir
 
     out = tmp_path / "run"
     kill_after = random.Random(os.environ.get("FAULT_SEED")).randint(6, 7)  # past checkpoint-4's step

@@ -19,11 +19,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput
 
-import trainer.predictions
+import trainer.loop.predictions
 from trainer import Trainer, TrainingArguments
 from trainer.data import CausalLMCollator
 from trainer.engine import causal_lm_loss_sum
-from trainer.throughput import flops_per_token_for_model
+from trainer.observe.throughput import flops_per_token_for_model
 
 out = Path([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])
 args = TrainingArguments(
@@ -84,7 +84,7 @@ def accuracy(p: EvalPrediction) -> dict:
 
 
 gathered: list[list[str]] = []  # (shape, dtype) of the predictions this rank sent to the gather
-_gather = trainer.predictions.all_gather_object
+_gather = trainer.loop.predictions.all_gather_object
 
 
 def recording_gather(parts):
@@ -92,7 +92,7 @@ def recording_gather(parts):
     return _gather(parts)
 
 
-trainer.predictions.all_gather_object = recording_gather
+trainer.loop.predictions.all_gather_object = recording_gather
 
 hf = Trainer(
     model=model,

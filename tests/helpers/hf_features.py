@@ -160,7 +160,7 @@ def tokens_seen(out: Path) -> dict[str, Any]:
 def empty_cache(out: Path) -> dict[str, Any]:
     """torch_empty_cache_steps=2 over 5 steps: the steps at which the device cache is emptied (the
     callback's emptying function replaced by a recorder; on a CPU it is a no-op anyway)."""
-    from trainer.monitor import EmptyDeviceCache
+    from trainer.observe.monitor import EmptyDeviceCache
 
     trainer = ours(out, torch_empty_cache_steps=2, max_steps=5)
     emptied: list[int] = []
@@ -176,8 +176,8 @@ def save_only_model(out: Path) -> dict[str, Any]:
     evaluations, the weights after training against the best checkpoint's (read by transformers'
     from_pretrained and by `trainer export`), and the refused resumes. The higher eval loss ranks best
     here, so the weights reloaded at the end are not the last step's."""
-    from trainer.checkpoint import CheckpointError
-    from trainer.export import export_checkpoint
+    from trainer.checkpoint.export import export_checkpoint
+    from trainer.checkpoint.store import CheckpointError
 
     fields = dict(save_only_model=True, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
                   load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True)  # fmt: skip

@@ -20,9 +20,9 @@ from transformers.trainer_utils import EvalPrediction
 
 from tests.helpers.trainer_scenarios import VOCAB, tiny_config
 from trainer import Trainer, TrainingArguments
-from trainer.callbacks import MetricsCallback, ProgressCallback, TrainerCallback
 from trainer.data import CausalLMCollator
-from trainer.distributed import barrier
+from trainer.loop.callbacks import MetricsCallback, ProgressCallback, TrainerCallback
+from trainer.runtime.distributed import barrier
 
 KEYS = ("input_ids", "attention_mask", "labels")
 

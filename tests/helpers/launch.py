@@ -59,7 +59,7 @@ def launch(
 
 def shm_buffers() -> set[str]:
     """This user's DeepSpeed CPU all-reduce buffers now in /dev/shm."""
-    from trainer.distributed import SHM_BUFFER_PREFIX
+    from trainer.runtime.distributed import SHM_BUFFER_PREFIX
 
     return {p.name for p in Path("/dev/shm").glob(f"{SHM_BUFFER_PREFIX}{os.getuid()}_*")}
 

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from tests.helpers.trainer_scenarios import StepsRun, build_tiny_run, grad_norms
 from trainer import Trainer, TrainingArguments
 from trainer.data import CausalLMCollator
-from trainer.distributed import barrier, detect_hardware, dist_info, init_distributed
 from trainer.engine import causal_lm_loss_sum
+from trainer.runtime.distributed import barrier, detect_hardware, dist_info, init_distributed
 
 VOCAB = 256
 LLAMA = dict(

@@ -24,10 +24,16 @@ from tests.helpers.trainer_scenarios import (
     token_dataset,
 )
 from trainer import Trainer, TrainingArguments
-from trainer.callbacks import TrainerCallback
-from trainer.checkpoint import CheckpointError
+from trainer.checkpoint.store import CheckpointError
 from trainer.data import CausalLMCollator
-from trainer.distributed import all_gather_object, barrier, detect_hardware, dist_info, init_distributed
+from trainer.loop.callbacks import TrainerCallback
+from trainer.runtime.distributed import (
+    all_gather_object,
+    barrier,
+    detect_hardware,
+    dist_info,
+    init_distributed,
+)
 
 STEPS, SAVE_AT = 10, 5
 # 48 samples: the 10 steps cross an epoch boundary after the save (6 or 8 steps per epoch).

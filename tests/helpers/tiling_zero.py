@@ -22,8 +22,8 @@ from deepspeed.utils import safe_get_full_grad
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer.data import IGNORE_INDEX
-from trainer.distributed import detect_hardware, dist_info, init_distributed
 from trainer.engine.tiling import decoder_and_head, tile_mlp, tiled_loss_sum
+from trainer.runtime.distributed import detect_hardware, dist_info, init_distributed
 
 VOCAB, TILE = 512, 8
 RUNS = (("untiled", False), ("tiled", True))

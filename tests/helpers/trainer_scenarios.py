@@ -22,15 +22,21 @@ from transformers import LlamaConfig, LlamaForCausalLM, set_seed
 
 from trainer import Trainer, TrainingArguments
 from trainer.args import RunConfig
-from trainer.callbacks import TrainerCallback
-from trainer.checkpoint_writer import FileWriter
+from trainer.checkpoint.writer import FileWriter
 from trainer.data import CausalLMCollator, ResumableDistributedSampler
-from trainer.distributed import all_gather_object, barrier, detect_hardware, dist_info, init_distributed
 from trainer.engine import DeepSpeedEngine, causal_lm_loss_sum, count_targets
-from trainer.faults import FaultInjection
-from trainer.launch import build_run
-from trainer.modeling import init_weights
-from trainer.resilience import EXIT_NONFINITE
+from trainer.loop.build import build_run
+from trainer.loop.callbacks import TrainerCallback
+from trainer.loop.faults import FaultInjection
+from trainer.model.modeling import init_weights
+from trainer.runtime.distributed import (
+    all_gather_object,
+    barrier,
+    detect_hardware,
+    dist_info,
+    init_distributed,
+)
+from trainer.runtime.resilience import EXIT_NONFINITE
 
 VOCAB = 256
 TINY = dict(

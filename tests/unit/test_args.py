@@ -8,8 +8,8 @@ import json
 import pytest
 
 from trainer.args import RunConfig, TrainingArguments
+from trainer.args.recipe import parse_cli, parse_run_config
 from trainer.config.errors import ConfigError
-from trainer.recipe import parse_cli, parse_run_config
 
 
 def test_cli_forms_and_launcher_flag():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trainer.args import TrainingArguments
-from trainer.callbacks import DefaultFlowCallback, EarlyStoppingCallback, TrainerControl, TrainerState
+from trainer.loop.callbacks import DefaultFlowCallback, EarlyStoppingCallback, TrainerControl, TrainerState
 
 
 def _flow(args: TrainingArguments, step: int, max_steps: int = 100) -> TrainerControl:

@@ -12,11 +12,11 @@ import pytest
 import torch
 import yaml
 
-from trainer import checkpoint as ckpt
 from trainer.args import RunConfig
+from trainer.checkpoint import store as ckpt
 from trainer.cli import train as run_module
 from trainer.config.errors import ConfigError
-from trainer.distributed import DistInfo
+from trainer.runtime.distributed import DistInfo
 
 ONE = DistInfo(rank=0, local_rank=0, world_size=1)
 

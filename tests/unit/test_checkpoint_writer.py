@@ -7,7 +7,7 @@ from collections import OrderedDict, defaultdict, namedtuple
 
 import torch
 
-from trainer.checkpoint_writer import FileWriter, file_entry, host_copy
+from trainer.checkpoint.writer import FileWriter, file_entry, host_copy
 
 
 def test_host_copy_is_unaffected_by_later_updates_and_keeps_sharing():
@@ -79,7 +79,7 @@ def test_file_entry_matches_hashlib(tmp_path):
 
 
 def test_fault_plans_fire_only_where_planned(monkeypatch):
-    from trainer.faults import fault_due, fault_plan
+    from trainer.loop.faults import fault_due, fault_plan
 
     monkeypatch.setenv("TRAINER_FAULT", "crash:rank=1:step=8:phase=save")
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)

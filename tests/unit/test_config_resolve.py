@@ -556,7 +556,7 @@ def test_short_warmups_are_transformers_schedule_unless_the_file_names_one():
     """DeepSpeed's warmup schedulers warm up over at least two steps, and WarmupDecayLR without a
     warmup never decays; HF's one-step warmup (0, then the peak) and no warmup (the peak, then
     down) are transformers' scheduler, so the resolved config has none."""
-    from trainer.steps import client_scheduler
+    from trainer.loop.steps import client_scheduler
 
     expected = {1: [0.0, 1e-2, 1e-2 * 8 / 9], 0: [1e-2, 1e-2 * 9 / 10, 1e-2 * 8 / 10]}
     for warmup, fields in ((1, {"warmup_steps": 1}), (1, {"warmup_ratio": 0.1}), (0, {})):

@@ -33,7 +33,7 @@ from tests.helpers.sft_data import tokenizer as bpe_tokenizer
 from trainer.args import TrainingArguments
 from trainer.data import CausalLMCollator, ResumableDistributedSampler, default_collator_for, model_columns
 from trainer.data.loader import accumulation_windows
-from trainer.evaluation import eval_batches
+from trainer.loop.evaluation import eval_batches
 
 ARGS = TrainingArguments(output_dir="unused")
 BERT = BertConfig(

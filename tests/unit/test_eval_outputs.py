@@ -32,12 +32,12 @@ from transformers import (
 )
 from transformers.trainer_pt_utils import nested_concat
 
-import trainer.evaluation
-import trainer.predictions
+import trainer.loop.evaluation
+import trainer.loop.predictions
 from trainer.data import CausalLMCollator
 from trainer.engine import objective_for
-from trainer.evaluation import Predictions, eval_batches, evaluation_loop
-from trainer.predictions import RowStore, concat
+from trainer.loop.evaluation import Predictions, eval_batches, evaluation_loop
+from trainer.loop.predictions import RowStore, concat
 
 VOCAB, BATCH = 40, 3
 LENGTHS = [3, 9, 5, 4, 11, 6, 7]  # batches of 3 are 9, 11 and 7 wide
@@ -130,12 +130,12 @@ def on_rank_zero_of_two(monkeypatch, run):
     collectives send; rank 0's then receive it, in the same order."""
     sent: list[Any] = []
     sums: list[torch.Tensor] = []
-    monkeypatch.setattr(trainer.predictions, "all_gather_object", lambda obj: sent.append(obj) or [obj])
-    monkeypatch.setattr(trainer.evaluation, "all_reduce_sum", lambda t: sums.append(t.clone()) or t)
+    monkeypatch.setattr(trainer.loop.predictions, "all_gather_object", lambda obj: sent.append(obj) or [obj])
+    monkeypatch.setattr(trainer.loop.evaluation, "all_reduce_sum", lambda t: sums.append(t.clone()) or t)
     run(1, 2)
     sent_by_one, sums_by_one = iter(sent), iter(sums)
-    monkeypatch.setattr(trainer.predictions, "all_gather_object", lambda obj: [obj, next(sent_by_one)])
-    monkeypatch.setattr(trainer.evaluation, "all_reduce_sum", lambda t: t + next(sums_by_one))
+    monkeypatch.setattr(trainer.loop.predictions, "all_gather_object", lambda obj: [obj, next(sent_by_one)])
+    monkeypatch.setattr(trainer.loop.evaluation, "all_reduce_sum", lambda t: t + next(sums_by_one))
     return run(0, 2)
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from trainer.checkpoint.export import export_hf
 from trainer.cli.main import main
-from trainer.export import export_hf
 
 
 def test_export_refuses_an_empty_state_dict(tmp_path):

@@ -84,7 +84,7 @@ def test_neftune_noise_has_hfs_magnitude_for_the_whole_row_in_training_only():
     sequence parallelism (a rank embeds half of each row with 2); none in eval mode."""
     import torch
 
-    from trainer.neftune import activate_neftune
+    from trainer.model.neftune import activate_neftune
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:
@@ -112,7 +112,7 @@ def test_neftune_noise_has_hfs_magnitude_for_the_whole_row_in_training_only():
 def test_neftune_is_refused_with_a_pipeline():
     from trainer.args import TrainingArguments
     from trainer.config.errors import ConfigError
-    from trainer.neftune import NEFTune
+    from trainer.model.neftune import NEFTune
 
     with pytest.raises(ConfigError, match="neftune_noise_alpha: the pipeline's stages are rebuilt"):
         NEFTune(TrainingArguments(neftune_noise_alpha=5.0, pipeline_parallel_size=2))
@@ -167,7 +167,7 @@ def test_eval_delay_holds_evaluation_back_as_hfs_flow_does(tmp_path, strategy, d
     import transformers
 
     from trainer.args import TrainingArguments
-    from trainer.callbacks import DefaultFlowCallback, TrainerControl, TrainerState
+    from trainer.loop.callbacks import DefaultFlowCallback, TrainerControl, TrainerState
 
     fields = dict(eval_strategy=strategy, eval_steps=2, eval_delay=delay, save_strategy="no")
     ours = evaluations(DefaultFlowCallback(), TrainingArguments(**fields), TrainerState(max_steps=12),
@@ -283,7 +283,7 @@ def test_use_liger_kernel_is_refused_on_a_cpu_before_anything_loads(tmp_path):
     from trainer import Trainer, TrainingArguments
     from trainer.args import RunConfig
     from trainer.config.errors import ConfigError
-    from trainer.launch import build_run
+    from trainer.loop.build import build_run
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))  # fmt: skip
@@ -302,7 +302,7 @@ def test_use_liger_kernel_on_a_gpu_names_the_package_when_it_is_missing():
     from trainer.args import TrainingArguments
     from trainer.config.errors import ConfigError
     from trainer.config.hardware import Hardware
-    from trainer.liger import check_liger
+    from trainer.model.liger import check_liger
 
     if importlib.util.find_spec("liger_kernel") is not None:
         pytest.skip("liger-kernel is installed here")

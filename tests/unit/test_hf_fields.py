@@ -17,11 +17,12 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 from transformers import GenerationConfig, HfArgumentParser
 
-from trainer import Seq2SeqTrainingArguments, TrainingArguments, checkpoint, hf_fields
-from trainer.args import RunConfig
-from trainer.callbacks import DefaultFlowCallback, TrainerControl, TrainerState
+from trainer import Seq2SeqTrainingArguments, TrainingArguments
+from trainer.args import RunConfig, hf_fields
+from trainer.args.hf_fields import ONLY, OWN_DEFAULTS, REFUSED, SAME_AS_DEFAULT, hf_fields_doc
+from trainer.checkpoint import store as checkpoint
 from trainer.config.errors import ConfigError
-from trainer.hf_fields import ONLY, OWN_DEFAULTS, REFUSED, SAME_AS_DEFAULT, hf_fields_doc
+from trainer.loop.callbacks import DefaultFlowCallback, TrainerControl, TrainerState
 
 ROOT = Path(__file__).resolve().parents[2]
 REFUSED_OR_ONLY = sorted(set(REFUSED) | set(ONLY))
@@ -200,7 +201,7 @@ def test_docs_list_the_refused_fields_as_the_table_does():
     section = text[text.index(start) + len(start) : text.index(end)]
     assert section == hf_fields_doc(TrainingArguments), (
         "docs/training.md's HF fields section is out of date; put between its markers the output of: "
-        "python -c 'from trainer.args import TrainingArguments; from trainer.hf_fields import hf_fields_doc; "
+        "python -c 'from trainer.args import TrainingArguments; from trainer.args.hf_fields import hf_fields_doc; "
         "print(hf_fields_doc(TrainingArguments))'"
     )
 

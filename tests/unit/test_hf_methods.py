@@ -18,12 +18,12 @@ from transformers.trainer_callback import CallbackHandler as HFCallbackHandler
 from transformers.trainer_pt_utils import metrics_format as hf_metrics_format
 
 from trainer import Trainer, TrainingArguments
-from trainer.callbacks import CallbackHandler, TrainerCallback
 from trainer.data import CausalLMCollator
 from trainer.engine import weight_decay_groups
-from trainer.evaluation import eval_batches, eval_dataloader
-from trainer.hf_methods import HFMethods
-from trainer.model_card import ModelCard, dataset_defaults, existing_tags, hyperparameters, results_rows
+from trainer.loop.callbacks import CallbackHandler, TrainerCallback
+from trainer.loop.evaluation import eval_batches, eval_dataloader
+from trainer.loop.hf_methods import HFMethods
+from trainer.loop.model_card import ModelCard, dataset_defaults, existing_tags, hyperparameters, results_rows
 
 # HF's public Trainer methods this Trainer has, with HF's parameters (names, kinds, defaults).
 HF_METHODS = [
@@ -95,7 +95,7 @@ def test_remove_callback_as_transformers_handler():
 
 def test_add_callback_instantiates_a_class_and_warns_of_a_second(caplog):
     handler = CallbackHandler([A()])
-    with caplog.at_level(logging.WARNING, logger="trainer.callbacks"):
+    with caplog.at_level(logging.WARNING, logger="trainer.loop.callbacks"):
         handler.add(B)
         handler.add(A)
     assert [type(cb) for cb in handler.callbacks] == [A, B, A]

@@ -22,12 +22,12 @@ from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOu
 from transformers.training_args import ParallelMode
 
 from trainer import Trainer, TrainingArguments
-from trainer import trainer as trainer_module
-from trainer.callbacks import TrainerState
 from trainer.data import CausalLMCollator
 from trainer.engine import CausalLM, ModelLoss, causal_lm_loss_sum
-from trainer.evaluation import Predictions, eval_batches, evaluation_loop, without_padding_rows
-from trainer.results import TrainTotals, format_metrics, save_metrics, save_state, train_metrics
+from trainer.loop import trainer as trainer_module
+from trainer.loop.callbacks import TrainerState
+from trainer.loop.evaluation import Predictions, eval_batches, evaluation_loop, without_padding_rows
+from trainer.observe.results import TrainTotals, format_metrics, save_metrics, save_state, train_metrics
 
 # ---- train metrics -------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Measured against predicted: the bytes each of 2 CPU ranks holds in model states, ZeRO 0-3.
 
 One torchrun launch runs every stage in fp32 and bf16 on a tiny Llama; each rank sums the bytes of the
-engine's tensors (``trainer.monitor.engine_state_bytes``) after the backward of a micro-step inside a
+engine's tensors (``trainer.observe.monitor.engine_state_bytes``) after the backward of a micro-step inside a
 gradient-accumulation window, when gradients are held as the stage keeps them between micro-steps.
 """
 
@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import deepspeed, torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from trainer.monitor import engine_state_bytes
+    from trainer.observe.monitor import engine_state_bytes
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from trainer.metrics import MetricsWriter, read_metrics, summary_table
+from trainer.observe.metrics import MetricsWriter, read_metrics, summary_table
 
 
 def test_metrics_writer_jsonl(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.monitor import memory_stats, reset_peak_memory
+from trainer.observe.monitor import memory_stats, reset_peak_memory
 
 
 def test_memory_stats_on_cpu():

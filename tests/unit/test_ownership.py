@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from trainer import ownership
 from trainer.config.errors import ConfigError
+from trainer.runtime import ownership
 
 HOLD = """
 import os, sys, time
-from trainer import ownership
+from trainer.runtime import ownership
 ownership.claim_output_dir(sys.argv[1])
 print("held", flush=True)
 time.sleep(float(sys.argv[2]))

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from trainer.cli.main import main
-from trainer.metrics import read_metrics
-from trainer.plots import build_figures, plot_runs, series
+from trainer.observe.metrics import read_metrics
+from trainer.observe.plots import build_figures, plot_runs, series
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -15,11 +15,11 @@ import transformers
 from transformers import LlamaConfig
 from transformers.integrations import MLflowCallback, TensorBoardCallback, WandbCallback
 
-from trainer import reporting
 from trainer.args import TrainingArguments
-from trainer.callbacks import CallbackHandler, TrainerControl, TrainerState
 from trainer.cli.train import main
 from trainer.config.errors import ConfigError
+from trainer.loop.callbacks import CallbackHandler, TrainerControl, TrainerState
+from trainer.observe import reporting
 
 
 def _events(logdir):

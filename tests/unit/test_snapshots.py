@@ -7,8 +7,8 @@ import os
 import time
 
 from tests.unit.test_ownership import hold
-from trainer import checkpoint as ckpt
-from trainer import snapshots
+from trainer.checkpoint import snapshots
+from trainer.checkpoint import store as ckpt
 
 
 def committed(root, step):

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from tests.helpers.launch import launch
-from trainer.args import SECTIONS
+from trainer.args.recipe import run_help
+from trainer.args.training import SECTIONS
 from trainer.config.reference import type_name
-from trainer.recipe import run_help
 
 DOORS = {
     "scripts/train.py": ["scripts/train.py"],

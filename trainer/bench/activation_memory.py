@@ -145,7 +145,7 @@ def measure_here(case: Case) -> dict[str, Any]:
     torch.manual_seed(0)
     config = {k: v for k, v in MODEL.items() if k != "model_type"}
     model = LlamaForCausalLM(LlamaConfig(**config, attn_implementation="sdpa")).train()
-    if case.checkpointing:  # as trainer.modeling.enable_gradient_checkpointing does
+    if case.checkpointing:  # as trainer.model.modeling.enable_gradient_checkpointing does
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     tokens = case.micro_batch * case.seq_len

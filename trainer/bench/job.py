@@ -150,7 +150,7 @@ class Job:
     def ds_config(self) -> dict[str, Any]:
         """The DeepSpeed config of the job, as our Trainer resolves it for these arguments."""
         from trainer.config import resolve
-        from trainer.distributed import detect_hardware
+        from trainer.runtime.distributed import detect_hardware
 
         return resolve(
             self.training_args(self.out_dir),
@@ -164,7 +164,7 @@ class Job:
         """The same weights in every system: each parameter drawn from its own seed (under ZeRO-3,
         partitioned at creation)."""
         from trainer.args import ModelArguments
-        from trainer.modeling import build_model
+        from trainer.model.modeling import build_model
 
         return build_model(
             ModelArguments(model_type="llama"),

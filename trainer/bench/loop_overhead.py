@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from trainer.bench.job import BlockDataset, Job, collate
-from trainer.callbacks import TrainerCallback
-from trainer.distributed import host_all_reduce
+from trainer.loop.callbacks import TrainerCallback
+from trainer.runtime.distributed import host_all_reduce
 
 
 def count_only(engine: Any, window: list[dict[str, Any]]) -> float:
@@ -75,8 +75,8 @@ def main() -> None:
     from torch.utils.data import DataLoader
 
     from trainer.data import ResumableDistributedSampler
-    from trainer.distributed import dist_info
-    from trainer.launch import build_run
+    from trainer.loop.build import build_run
+    from trainer.runtime.distributed import dist_info
 
     info = dist_info()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)

@@ -78,8 +78,8 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def _mfu(job: Job, tokens_per_second: float, rank0: dict[str, Any]) -> dict[str, Any]:
-    """Model TFLOP/s per GPU and MFU against the GPU's dense peak (trainer.throughput's table)."""
-    from trainer.throughput import peak_tflops
+    """Model TFLOP/s per GPU and MFU against the GPU's dense peak (trainer.observe.throughput's table)."""
+    from trainer.observe.throughput import peak_tflops
 
     tflops = rank0["flops_per_token"] * tokens_per_second / job.world_size / 1e12
     peak = peak_tflops(rank0["device_name"], job.precision)

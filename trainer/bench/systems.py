@@ -42,8 +42,8 @@ def _last_loss(log_history: list[dict[str, Any]]) -> float:
 
 
 def run_ours(job: Job, ds_config: dict[str, Any], dataset: Any, clock: StepClock, out: str) -> Outcome:
-    from trainer.callbacks import TrainerCallback
-    from trainer.launch import build_run
+    from trainer.loop.build import build_run
+    from trainer.loop.callbacks import TrainerCallback
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):

@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--local_rank", type=int, default=None)  # the launcher's; LOCAL_RANK is read instead
     args = parser.parse_args(argv)
 
-    from trainer.distributed import dist_info
+    from trainer.runtime.distributed import dist_info
 
     info = dist_info()
     job = Job.load(args.job)
@@ -64,15 +64,15 @@ def _import_all() -> None:
     import deepspeed  # noqa: F401
     import transformers.trainer  # noqa: F401
 
-    import trainer.trainer  # noqa: F401
+    import trainer.loop.trainer  # noqa: F401
 
 
 def run(system: str, job: Job, gate: GateClient, rank: int, local_rank: int) -> dict[str, Any]:
     import deepspeed
     import torch
 
-    from trainer.monitor import memory_stats
-    from trainer.throughput import flops_per_token_for_model
+    from trainer.observe.monitor import memory_stats
+    from trainer.observe.throughput import flops_per_token_for_model
 
     _import_all()
     cuda = job.device == "cuda"

@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 from trainer.args import RunConfig, TrainingArguments
+from trainer.args.recipe import load_recipe
 from trainer.config import ConfigError, generate, load_deepspeed_json, write_presets
 from trainer.config.presets import dump_json, stale_presets
 from trainer.config.reference import render_reference
 from trainer.config.resolution import resolve_json
-from trainer.recipe import load_recipe
 
 DEFAULT_PRESET_DIR = "ds_configs"
 DEFAULT_REFERENCE = "docs/config.md"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainer.plots import plot_runs
+from trainer.observe.plots import plot_runs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

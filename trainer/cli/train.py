@@ -17,11 +17,19 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from trainer import checkpoint as ckpt
 from trainer.args import RunConfig
+from trainer.args.recipe import HELP_FLAGS, parse_run_config, run_help
+from trainer.checkpoint import store as ckpt
 from trainer.config import Hardware, check
 from trainer.config.errors import ConfigError
-from trainer.distributed import (
+from trainer.engine.sequence_parallel import check_layout
+from trainer.loop.build import build_run
+from trainer.loop.evaluation import safe_exp
+from trainer.loop.faults import FaultInjection, fault_plan
+from trainer.model.modeling import model_config
+from trainer.observe.plots import plot_runs
+from trainer.observe.reporting import check_report_to
+from trainer.runtime.distributed import (
     configure_logging,
     detect_hardware,
     dist_info,
@@ -29,15 +37,7 @@ from trainer.distributed import (
     leave_process_group,
     print_main,
 )
-from trainer.engine.sequence_parallel import check_layout
-from trainer.evaluation import safe_exp
-from trainer.faults import FaultInjection, fault_plan
-from trainer.launch import build_run
-from trainer.modeling import model_config
-from trainer.ownership import claim_output_dir
-from trainer.plots import plot_runs
-from trainer.recipe import HELP_FLAGS, parse_run_config, run_help
-from trainer.reporting import check_report_to
+from trainer.runtime.ownership import claim_output_dir
 
 RAW_ARGV = True
 

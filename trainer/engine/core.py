@@ -14,15 +14,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import deepspeed
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.utils import clip_grad_norm_
 
-from trainer.checkpoint_writer import FileWriter
 from trainer.engine.objectives import Batch, Objective
+
+if TYPE_CHECKING:
+    from trainer.checkpoint.writer import FileWriter  # the checkpoint layer hands its writer in
 
 
 def is_decayed(name: str, param: torch.nn.Parameter) -> bool:

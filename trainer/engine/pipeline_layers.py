@@ -1,6 +1,6 @@
 """An HF causal LM as DeepSpeed pipeline layers, and its stages gathered back for the export.
 
-``pipeline_layers`` turns a Llama or GPT-2 model (built by ``trainer.modeling.build_model`` or
+``pipeline_layers`` turns a Llama or GPT-2 model (built by ``trainer.model.modeling.build_model`` or
 ``from_pretrained``) into a list of layer specs: token embedding, (GPT-2: position embedding), one
 spec per decoder block, final norm, LM head. Each layer wraps the HF submodule itself, so no weight
 is copied and every layer knows its HF name for the export. With tied embeddings the embedding and

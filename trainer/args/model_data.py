@@ -1,0 +1,111 @@
+"""The model and data arguments of a run: which model to build or fine-tune (and LoRA, through
+peft, with TRL's names), and which data to train on and how it is cut into blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from trainer.args.base import ArgsModel, json_object
+
+# text: documents; sft: instruction data whose format is told from its columns; the rest name one.
+DataFormat = Literal["text", "sft", "alpaca", "sharegpt", "messages", "prompt_completion", "prompt_response"]
+
+
+class ModelArguments(ArgsModel):
+    model_name_or_path: str | None = Field(
+        None,
+        description="A local HF model directory (or hub name) to fine-tune; None builds from model_config.",
+    )
+    model_type: Literal["llama", "gpt2"] = Field("llama", description="Architecture built from model_config.")
+    model_config_overrides: dict[str, Any] | str | None = Field(  # str: JSON, for HF's parser
+        default_factory=dict, description="Config fields for a model built from scratch (hidden_size, ...)."
+    )
+    tokenizer_name_or_path: str | None = Field(
+        None,
+        description="Tokenizer directory; None uses the model's, or trains a byte-level BPE on the corpus.",
+    )
+    vocab_size: int = Field(4096, ge=256, description="Vocabulary size of a tokenizer trained on the corpus.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the model directory to run.")
+    # LoRA through peft (TRL's names): docs/finetuning.md.
+    use_peft: bool = Field(
+        False, description="Fine-tune LoRA adapters on the frozen model_name_or_path (peft)."
+    )
+    lora_r: int = Field(16, ge=1, description="LoRA rank.")
+    lora_alpha: int = Field(
+        32, ge=1, description="LoRA scaling numerator (alpha / r, or / sqrt(r) with rslora)."
+    )
+    lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    lora_target_modules: list[str] | None = Field(
+        None,
+        description="Modules that get adapters: names, or all-linear; None: peft's default for the model.",
+    )
+    lora_modules_to_save: list[str] | None = Field(
+        None, description="Modules trained in full and saved with the adapter (e.g. lm_head, embed_tokens)."
+    )
+    use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by alpha / sqrt(r).")
+    use_dora: bool = Field(False, description="DoRA: weight-decomposed LoRA.")
+    load_in_4bit: bool = Field(
+        False, description="QLoRA: the frozen base in 4-bit NF4 through bitsandbytes (CUDA GPUs only)."
+    )
+
+    @field_validator("model_config_overrides", mode="before")
+    @classmethod
+    def _overrides_json(cls, value: Any) -> Any:
+        return json_object(value)
+
+    @field_validator("lora_target_modules", "lora_modules_to_save", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value  # a recipe's `all-linear`
+
+    @model_validator(mode="after")
+    def _lora_needs_a_base(self) -> ModelArguments:
+        if self.use_peft and not self.model_name_or_path:
+            raise ValueError(
+                "use_peft: LoRA adapts an existing model; set model_name_or_path to its directory"
+            )
+        if self.load_in_4bit and not self.use_peft:
+            raise ValueError("load_in_4bit: a 4-bit base cannot be trained in full; add use_peft (QLoRA)")
+        return self
+
+
+class DataArguments(ArgsModel):
+    dataset: str = Field(
+        "stdlib",
+        description="'stdlib' (the Python standard library source), a local file/dir, a directory written by "
+        "save_to_disk, or a hub name.",
+    )
+    dataset_config: str | None = Field(None, description="Hub dataset configuration name.")
+    text_column: str = Field("text", description="Column holding raw text.")
+    data_format: DataFormat = Field(
+        "text",
+        description="text: causal LM on documents; sft: instruction data, its format told from the columns; "
+        "or name it: alpaca, sharegpt, messages, prompt_completion, prompt_response (docs/data.md).",
+    )
+    block_size: int = Field(256, ge=8, description="Tokens per training sequence.")
+    packing: bool = Field(
+        True, description="Pack documents (or instruction rows) into blocks instead of padding each."
+    )
+    long_rows: Literal["error", "drop", "truncate"] = Field(
+        "error",
+        description="Instruction rows longer than block_size: an error naming them, dropped, or cut.",
+    )
+    validation_file: str | None = Field(
+        None,
+        description="Your own eval set (a file or directory, in the train data's format); "
+        "no share of the train data is held out then.",
+    )
+    validation_split_percentage: float = Field(5.0, ge=0, lt=100, description="Share held out for eval.")
+    max_train_samples: int | None = Field(
+        None, ge=1, description="Truncate the training set (for quick runs)."
+    )
+    max_eval_samples: int | None = Field(
+        None, ge=1, description="Truncate the evaluation set (for quick runs)."
+    )
+    preprocessing_num_workers: int | None = Field(None, ge=1, description="Processes for tokenisation.")
+    cache_dir: str | None = Field(
+        None, description="Tokenisation cache (default: ~/.cache/trainer/datasets)."
+    )

@@ -1,0 +1,117 @@
+"""Fault injection for tests: a crash, a crash inside a save, or a non-finite loss, at a planned step.
+
+``TRAINER_FAULT`` in the environment plans one fault, e.g. ``crash:rank=1:step=7``,
+``crash:rank=1:step=8:phase=save`` (``phase=snapshot`` and ``phase=eval`` likewise) or
+``nan:step=5`` (and ``hang:rank=1:phase=save``, which the hang watchdog acts on). ``trainer train``
+installs ``FaultInjection`` when it is set; tests that drive the Trainer themselves pass the
+callback. Nothing here is part of the training loop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint.snapshots import snapshot_dir
+from trainer.runtime.distributed import dist_info
+from trainer.runtime.state import TrainerCallback
+
+
+def fault_plan() -> dict[str, Any]:
+    """The planned fault as a dict (empty when none). Crashes fire only in the first attempt of an
+    elastic agent, so a restarted job gets past them."""
+    spec = os.environ.get("TRAINER_FAULT", "")
+    if not spec:
+        return {}
+    kind, *fields = spec.split(":")
+    plan: dict[str, Any] = {"kind": kind}
+    for field in fields:
+        name, _, value = field.partition("=")
+        plan[name] = int(value) if value.lstrip("-").isdigit() else value
+    if kind == "hang":
+        plan["hang"] = plan.pop("phase")
+    if kind == "crash" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return {}
+    return plan
+
+
+def fault_due(plan: dict[str, Any], kind: str, rank: int, step: int, phase: str | None = None) -> bool:
+    """Whether a planned fault of this kind fires on this rank at this step (and in this phase:
+    a plan without one fires after the step)."""
+    return (plan.get("kind"), plan.get("rank"), plan.get("step"), plan.get("phase")) == (
+        kind,
+        rank,
+        step,
+        phase,
+    )
+
+
+def crash_now() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FaultInjection(TrainerCallback):
+    """Carries out a fault plan through the engine the Trainer passes to callbacks.
+
+    ``nan``: the engine's loss function returns NaN for one step (once per process, or a rollback
+    would replay it forever). ``crash`` after a step: SIGKILL once the step ends. ``crash`` with
+    ``phase=save``: SIGKILL inside that step's save, once this rank's DeepSpeed files are handed
+    to the writer and before the ranks vote on the commit; ``phase=snapshot`` the same inside the
+    step's flash snapshot (its files still being written in the background); ``phase=eval``: SIGKILL
+    inside that step's evaluation, after this rank's first batch and before the ranks' loss gather."""
+
+    def __init__(self, plan: dict[str, Any]):
+        self.plan = dict(plan)
+        self.rank = dist_info().rank
+        self._objective: Any = None
+
+    def on_step_begin(self, args, state, control, engine=None, **kw):
+        if self.plan.get("kind") == "nan" and state.global_step + 1 == self.plan.get("step"):
+            self.plan.pop("kind")
+            self._objective = engine.objective
+            engine.objective = NaNLoss(engine.objective)
+
+    def on_step_end(self, args, state, control, engine=None, **kw):
+        if self._objective is not None:
+            engine.objective, self._objective = self._objective, None
+        if fault_due(self.plan, "crash", self.rank, state.global_step):
+            crash_now()
+        snapshots = snapshot_dir(args.output_dir)
+        if fault_due(self.plan, "crash", self.rank, state.global_step, phase="save"):
+            engine.save = _crash_after(engine.save, lambda path, *a, **k: snapshots not in Path(path).parents)
+        if fault_due(self.plan, "crash", self.rank, state.global_step, phase="snapshot"):
+            engine.save = _crash_after(engine.save, lambda path, *a, **k: snapshots in Path(path).parents)
+        if fault_due(self.plan, "crash", self.rank, state.global_step, phase="eval"):
+            engine.eval_step = _crash_after(engine.eval_step, lambda *a, **k: True)
+
+
+class NaNLoss:
+    """An objective whose losses are NaN: the wrapped one's, times NaN (its counts unchanged)."""
+
+    def __init__(self, objective: Any):
+        self.objective = objective
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.objective, name)
+
+    def loss_sum(self, *args: Any, **kwargs: Any) -> Any:
+        loss, outputs = self.objective.loss_sum(*args, **kwargs)
+        return loss * float("nan"), outputs
+
+    def token_loss_sum(self, *args: Any) -> Any:
+        return self.objective.token_loss_sum(*args) * float("nan")
+
+
+def _crash_after(method: Callable[..., Any], due: Callable[..., bool]) -> Callable[..., Any]:
+    """``method``, followed by SIGKILL on the first call that ``due`` picks out."""
+
+    def then_crash(*a: Any, **k: Any) -> Any:
+        result = method(*a, **k)
+        if due(*a, **k):
+            crash_now()
+        return result
+
+    return then_crash

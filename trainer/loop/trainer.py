@@ -1,0 +1,662 @@
+"""The HF-style ``Trainer``: one readable training loop over a DeepSpeed engine.
+
+The host waits for the device only at logging steps: losses, token counts and the step count stay
+as device tensors in between, so the loop never stalls the GPU queue just to print.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+from transformers import enable_full_determinism, set_seed
+
+# HF's own result types: what code written against transformers' Trainer expects back.
+from transformers.trainer_utils import (
+    EvalLoopOutput,
+    EvalPrediction,
+    PredictionOutput,
+    TrainOutput,
+    speed_metrics,
+)
+from transformers.utils import logging as hf_logging
+
+from trainer.args import RunConfig, TrainingArguments
+from trainer.args.recipe import dump_run_config
+from trainer.checkpoint import store as ckpt
+from trainer.checkpoint.export import export_hf
+from trainer.checkpoint.snapshots import Snapshots, snapshot_dir
+from trainer.config import resolve
+from trainer.config.files import precision_of
+from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
+from trainer.data.loader import accumulation_windows, data_seed, sample_lengths, train_sampler
+from trainer.engine import Engine, Objective, batch_rows, build_engine, is_causal_lm, objective_for
+from trainer.loop.callbacks import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    MetricsCallback,
+    ProgressCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    callback_states,
+    greater_is_better,
+    metric_key,
+    restore_callback_states,
+)
+from trainer.loop.evaluation import Predictions, eval_batches, evaluation_loop
+from trainer.loop.faults import fault_plan
+from trainer.loop.guard import NonfiniteGuard
+from trainer.loop.hf_methods import HFMethods
+from trainer.loop.steps import (
+    check_resolved,
+    client_scheduler,
+    keep_global_batch,
+    plan_steps,
+    tiling_for,
+    torch_compile_for,
+)
+from trainer.model.liger import apply_liger_kernel, check_liger
+from trainer.model.modeling import enable_gradient_checkpointing, is_adapter, param_counts
+from trainer.model.neftune import NEFTune
+from trainer.observe.metrics import summary_table
+from trainer.observe.monitor import EmptyDeviceCache, memory_stats
+from trainer.observe.reporting import reporting_callbacks
+from trainer.observe.results import ResultsAPI, TrainTotals, train_metrics
+from trainer.observe.throughput import (
+    StepTimer,
+    flops_per_token_for_model,
+    input_ids_count,
+    non_padding_tokens,
+)
+from trainer.runtime.distributed import (
+    all_reduce_sum,
+    barrier,
+    detect_hardware,
+    host_all_reduce,
+    init_distributed,
+    print_main,
+)
+from trainer.runtime.ownership import claim_output_dir
+from trainer.runtime.resilience import EXIT_PREEMPTED, PreemptionFlag, Watchdog, save_failed
+
+
+class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        train_dataset: Dataset | None = None,
+        eval_dataset: Dataset | None = None,
+        data_collator: Callable | None = None,
+        processing_class: Any = None,
+        tokenizer: Any = None,
+        compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+        run_config: RunConfig | None = None,
+        ds_config: dict[str, Any] | None = None,
+    ):
+        """HF's arguments, plus ``run_config`` (saved with every checkpoint) and ``ds_config``: the
+        DeepSpeed config already resolved for this run (``trainer.loop.build.build_run`` passes it, having
+        built the model under it); without one the Trainer resolves it from ``args``."""
+        if model is None:
+            raise ValueError("Trainer: model is required")
+        self.args = args or TrainingArguments()
+        # Seeded here, as HF's Trainer seeds: what runs between this and the first step (building
+        # the model's engine, a data collator's masks) draws from the same generator state as HF's.
+        if self.args.full_determinism:
+            enable_full_determinism(self.args.seed)
+        else:
+            set_seed(self.args.seed)
+        self.hardware = detect_hardware()
+        check_liger(self.args, self.hardware)  # before the process group, the engine or the data
+        self.dist = init_distributed(self.hardware, timeout_s=self.args.ddp_timeout)
+        hf_logging.set_verbosity(self.args.get_process_log_level())
+        if self.args.tf32 is not None and self.hardware.device == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.args.tf32
+        self.model = model
+        if getattr(model, "config", None) is not None:  # as HF's: no cache in training or evaluation
+            model.config.use_cache = getattr(self.args, "use_cache", False)
+        self._lengths = sample_lengths(train_dataset, self.args)  # before a length column is cut
+        self.train_dataset = model_columns(train_dataset, model, self.args, "training")
+        self.eval_dataset = model_columns(eval_dataset, model, self.args, "evaluation")
+        self.processing_class = processing_class or tokenizer
+        self.data_collator = data_collator or default_collator_for(model, self.processing_class)
+        self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.client_optimizer, self.client_scheduler = optimizers
+        self.run_config = run_config
+        self.state = TrainerState(
+            is_world_process_zero=self.dist.is_main,
+            is_local_process_zero=self.dist.local_rank == 0,
+            world_size=self._data_ranks[0],
+        )
+        self.control = TrainerControl()
+        default = [DefaultFlowCallback(), MetricsCallback(), ProgressCallback()]
+        default += reporting_callbacks(self.args)  # transformers' own, for report_to; then the user's
+        if self.args.neftune_noise_alpha is not None:
+            default.append(NEFTune(self.args))
+        if self.args.torch_empty_cache_steps is not None:
+            default.append(EmptyDeviceCache(self.args.torch_empty_cache_steps))
+        self.callback_handler = CallbackHandler(default + list(callbacks or []))
+        self.engine: Engine | None = None
+        self.ds_config = ds_config
+        self.saver: ckpt.Saver | None = None
+        self.snapshots: Snapshots | None = None
+        self.watchdog = Watchdog(self.args.output_dir, self.args.hang_timeout_s, fault_plan())
+        self.preemption = PreemptionFlag()
+        self._fire("on_init_end")
+
+    # ---- public API ----------------------------------------------------------------------------
+
+    def is_world_process_zero(self) -> bool:
+        return self.dist.is_main
+
+    def is_local_process_zero(self) -> bool:
+        return self.dist.local_rank == 0
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        """Train to ``max_steps``; returns HF's ``TrainOutput(global_step, training_loss, metrics)``
+        (trainer/observe/results.py says what each metric means). ``self.state`` holds the log history."""
+        args = self.args
+        # One run per output_dir (`trainer train` holds it already).
+        claim_output_dir(args.output_dir, wait_s=args.preemption_grace_s)
+        spec = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
+        # The checkpoint is found before the engine is built: its global batch is part of the config.
+        snapshots = snapshot_dir(args.output_dir) if args.snapshot_steps else None
+        checkpoint = ckpt.find_resumable(spec, args.output_dir, self.dist, snapshots)
+        sampler = self._prepare_training(checkpoint)
+        if checkpoint is not None:
+            with self.watchdog.phase("load"):
+                self._load_checkpoint(checkpoint)
+            if args.restore_callback_states_from_checkpoint:
+                stored = self.state.stateful_callbacks
+                self.control = restore_callback_states(self.callback_handler, stored, self.control)
+            print_main(f"Resumed from {checkpoint} at step {self.state.global_step}.")
+        self._run = TrainTotals()
+        self._params = dict(zip(("trainable_params", "total_params"), param_counts(self.model), strict=True))
+        trainable, total = self._params.values()
+        print_main(
+            f"Parameters: {trainable:,} trainable of {total:,} ({100 * trainable / max(total, 1):.2f}%)."
+        )
+        if self.state.global_step >= self.state.max_steps:  # a finished run, resumed: not one step more
+            print_main(f"Step {self.state.max_steps} was reached already: nothing to train.")
+            return self._train_output()
+        if snapshots is not None:
+            hf_files = (getattr(self.model, "config", None), self.processing_class)
+            self.snapshots = Snapshots(args, self.dist, self.ds_config, self.run_config, *hf_files)
+        self.timer = StepTimer(
+            self._flops_per_token(),
+            self.hardware.name,
+            precision_of(self.ds_config),
+            args.peak_tflops,
+            self.dist.world_size,
+        )
+        self._fire("on_train_begin")
+        if args.eval_on_start and self.eval_dataset is not None:
+            self.evaluate()
+        self.engine.train()
+        self._reset_window_sums()
+        # self.state is re-read every time: a rollback replaces it.
+        while self.state.epoch_index < self.state.num_train_epochs and not self.control.should_training_stop:
+            sampler.set_epoch(self.state.epoch_index, self.state.samples_into_epoch)
+            if self.state.samples_into_epoch == 0:
+                # HF's epoch starts a DataLoader iterator, which draws its workers' base seed from the
+                # global generator; the same draw keeps dropout and masking on HF's numbers. A resume
+                # inside an epoch restores the generator as it was after that draw.
+                torch.empty((), dtype=torch.int64).random_()
+            self._fire("on_epoch_begin")
+            if self._train_epoch(sampler):
+                self.state.epoch_index += 1
+                self.state.samples_into_epoch = 0
+                self.state.epoch = float(self.state.epoch_index)
+                self._fire("on_epoch_end")
+                if self.control.should_log and self._guard_finite():  # logging_strategy="epoch"
+                    self._log_train()
+                self._maybe_evaluate_and_save()
+        self._finish_save()
+        if self.snapshots is not None:
+            self.snapshots.release()
+        output = self._train_output()
+        if args.load_best_model_at_end and self.state.best_model_checkpoint:
+            self._load_checkpoint(Path(self.state.best_model_checkpoint), weights_only=True)
+        self._fire("on_train_end")
+        print_main(summary_table(self.state.log_history))
+        return output
+
+    def _train_output(self) -> TrainOutput:
+        """HF's end of training: the call's metrics, logged as one row, and the TrainOutput."""
+        if getattr(self, "_token_sum", 0.0) > 0:  # steps since the last logging step (collective)
+            self._take_window_loss()
+        flops = self.state.total_flos = (self._flops_per_token() or 0.0) * self.state.num_input_tokens_seen
+        metrics = train_metrics(self._run, flops, self.state.epoch)
+        self._log({**metrics, "step": self.state.global_step})
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _train_epoch(self, sampler: ResumableDistributedSampler) -> bool:
+        """Optimizer steps until the epoch ends (True) or the run stops or rolls back (False)."""
+        for window in accumulation_windows(
+            self.train_dataset,
+            sampler,
+            self.data_collator,
+            self.args,
+            pin_memory=self.hardware.device == "cuda",
+        ):
+            window_tokens, counts = self._vote(window)
+            self._fire("on_step_begin")
+            window_loss = self.engine.train_window(window, window_tokens)
+            self._accumulate(window_loss, window_tokens, counts)
+            self._fire("on_step_end")
+            snapshot = self.snapshots is not None and self.snapshots.due(self.state.global_step)
+            if (self.control.should_log or self.control.should_save or snapshot) and not self._guard_finite():
+                return False  # rolled back: the epoch restarts from the checkpoint's position
+            if snapshot:  # the previous snapshot is committed before this step shows: at most K steps lost
+                self.snapshots.settle()
+            if self.control.should_log:
+                self._log_train()
+            if self._maybe_evaluate_and_save():
+                self.timer.start()  # evaluation and checkpoint time is not training throughput
+            if snapshot:  # its blocking time (the copy to host memory) counts as training time
+                self.snapshots.take(self.engine, self.state)
+            if self.control.should_training_stop:
+                return False
+        return True
+
+    def _vote(self, window: list[dict[str, torch.Tensor]]) -> tuple[float, tuple[int, int]]:
+        """One host-only all-reduce per step carries the window's target tokens, the preemption flag
+        and, while an asynchronous save is in flight, each rank's "my files are written", so every
+        rank stops, commits and divides the loss alike. It also counts the window's samples and
+        input tokens on all ranks (HF's ``num_input_tokens_seen``, and the run's FLOPs): the
+        non-padding ones, or every input id with ``include_num_input_tokens_seen="all"``, as HF counts.
+        Returns the window's target tokens on all ranks, and its (samples, input tokens) on this one."""
+        counts = (sum(batch_rows(b) for b in window), sum(int(non_padding_tokens(b)) for b in window))
+        every = self.args.include_num_input_tokens_seen == "all"
+        seen = sum(input_ids_count(b) for b in window) if every else counts[1]
+        local = [
+            self.engine.local_targets(window),
+            1.0 if self.preemption.received else 0.0,
+            float(counts[0]),
+            float(seen),
+        ]
+        saving = self.saver is not None and self.saver.pending
+        if saving:
+            local.append(float(self.saver.written()))
+        if self.snapshots is not None:
+            local += self.snapshots.written()
+        window_tokens, preempted, samples, input_tokens, *written = host_all_reduce(local)
+        if saving:
+            self._committed(lambda: self.saver.commit_if_written(written[0]))
+        if self.snapshots is not None:
+            self.snapshots.commit(written[saving:])
+        if preempted:
+            self._save_and_exit_on_preemption()  # before the counts: this window is not trained
+        sp = self.args.sequence_parallel_size  # a group's ranks count the same rows
+        self.state.num_input_tokens_seen += int(input_tokens) // sp
+        self._run.samples += samples / sp
+        return max(window_tokens, 1.0), counts
+
+    def _accumulate(self, loss: torch.Tensor, tokens: float, counts: tuple[int, int]) -> None:
+        """Add a step to the logging window's sums (on the device until a logging step reads them)
+        and advance the state's step, sample and epoch counters."""
+        self._loss_sum += loss
+        self._token_sum += tokens
+        self._nonfinite |= ~torch.isfinite(loss)
+        self._advance(*counts)
+
+    def _advance(self, samples: int, input_tokens: int) -> None:
+        """One step more in the state and the step timer (this rank's samples and input tokens)."""
+        sp = self.args.sequence_parallel_size  # a group's ranks count the same rows
+        self.timer.step_end(tokens=input_tokens / sp, samples=samples / sp)
+        state = self.state
+        state.global_step += 1
+        self._run.steps += 1
+        state.samples_into_epoch += samples
+        state.epoch = state.epoch_index + state.samples_into_epoch / max(
+            len(self.train_dataset) / self._data_ranks[0], 1
+        )
+
+    def _reset_window_sums(self) -> None:
+        self._loss_sum = torch.zeros((), device=self.engine.device)
+        self._token_sum = 0.0
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.engine.device)
+        self._skipped_seen = self.engine.skipped_steps  # the guard's baseline (a checkpoint restores it)
+
+    # ---- preemption (the non-finite guard is trainer/loop/guard.py) ---------------------------------
+
+    def _save_and_exit_on_preemption(self) -> None:
+        if self._guard_finite(allow_rollback=False):
+            with self.watchdog.phase("save", self.args.preemption_grace_s):
+                self._save_checkpoint(resumable=True)
+                self._committed(self.saver.finish)
+            print_main(
+                f"Preempted: saved checkpoint-{self.state.global_step}; exiting with {EXIT_PREEMPTED}."
+            )
+        raise SystemExit(EXIT_PREEMPTED)
+
+    def evaluate(
+        self,
+        eval_dataset: Dataset | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """HF's evaluate: ``{prefix}_loss``, the ``compute_metrics`` results,
+        ``{prefix}_runtime``/``_samples_per_second``/``_steps_per_second`` and ``epoch``, on every
+        rank; logged as a row. ``ignore_keys``: model outputs left out of the predictions."""
+        dataset = (
+            self.eval_dataset if eval_dataset is None else model_columns(eval_dataset, self.model, self.args)
+        )
+        if dataset is None:
+            raise ValueError("Trainer.evaluate: no eval_dataset")
+        predictions = self.compute_metrics is not None and not self.args.prediction_loss_only
+        # With batch_eval_metrics, HF's evaluate keeps no predictions (that is its point); predict does.
+        returned = not self.args.batch_eval_metrics
+        output = self._evaluation_loop(dataset, metric_key_prefix, predictions, ignore_keys, returned)
+        metrics = {**output.metrics, "epoch": self.state.epoch}
+        self._log({**metrics, "step": self.state.global_step})
+        self._fire("on_evaluate", metrics=metrics)
+        return metrics
+
+    def predict(
+        self, test_dataset: Dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"
+    ) -> PredictionOutput:
+        """HF's predict: the predictions (logits, or what ``preprocess_logits_for_metrics`` makes of
+        them) and labels of every sample in dataset order, padded with -100, and the metrics
+        (``{prefix}_loss``, ... where the set has labels), on every rank."""
+        dataset = model_columns(test_dataset, self.model, self.args)
+        predictions = not self.args.prediction_loss_only
+        output = self._evaluation_loop(dataset, metric_key_prefix, predictions, ignore_keys)
+        return PredictionOutput(
+            predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics
+        )
+
+    def _evaluation_loop(
+        self,
+        dataset: Dataset,
+        prefix: str,
+        with_predictions: bool,
+        ignore_keys: list[str] | None = None,
+        returned: bool = True,
+    ) -> EvalLoopOutput:
+        self._ensure_engine(max(self.state.max_steps, 1))
+        start, bs, (world, rank) = time.time(), self.args.per_device_eval_batch_size, self._data_ranks
+        hooks = (self.preprocess_logits_for_metrics, self.compute_metrics, ignore_keys, returned)
+        output = evaluation_loop(
+            self.engine,
+            eval_batches(dataset, self.data_collator, bs, rank, world),
+            len(dataset),
+            prefix,
+            Predictions.from_args(self.args, *hooks, self._generation()) if with_predictions else None,
+            collectives=lambda: self.watchdog.phase("eval"),
+        )
+        steps = math.ceil(len(dataset) / (bs * world))
+        output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
+        return output
+
+    def _generation(self) -> Callable[[dict[str, torch.Tensor]], Any] | None:
+        """What produces predictions in place of the logits: nothing here (``Seq2SeqTrainer``
+        generates)."""
+        return None
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """HF's override point: one micro-batch's loss over ``num_items_in_batch``, the labelled items
+        (target tokens for a causal LM) of its accumulation window on all ranks, so a window's
+        micro-batches on all ranks add up to its mean; None where the model takes no loss kwargs (the
+        micro-batch's own mean, as HF's). Only an override runs in the loop (this is its super)."""
+        objective = self._model_objective
+        items = float(num_items_in_batch or objective.count(inputs))
+        loss_sum, outputs = objective.loss_sum(model, inputs, items)
+        loss = loss_sum / max(items, 1.0)
+        return (loss, outputs) if return_outputs else loss
+
+    @cached_property
+    def _model_objective(self) -> Objective:
+        """The objective of the model without an override: what ``compute_loss``'s super computes
+        (built once: it inspects the model's forward)."""
+        return objective_for(self.model, None, self.args.label_smoothing_factor, self.args.label_names)
+
+    def save_model(self, output_dir: str | None = None) -> Path | None:
+        """An HF export (config, safetensors, tokenizer) of the current weights; default: output_dir."""
+        target = Path(output_dir or self.args.output_dir)
+        adapter = is_adapter(self.model)  # a LoRA run exports its adapter: the weights that train
+        if self.engine:
+            state_dict = self.engine.full_state_dict(trainable_only=adapter)
+        else:
+            trained = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
+            state_dict = trained if adapter else self.model.state_dict()
+        if self.dist.is_main:
+            module = self.engine.module if self.engine else self.model
+            export_hf(module, state_dict, self.processing_class, target)
+            torch.save(self.args, target / "training_args.bin")  # as HF's save_model
+        barrier("save_model")
+        return target
+
+    def _prepare_training(self, checkpoint: Path | None = None) -> ResumableDistributedSampler:
+        """Keep a resumed checkpoint's global batch, plan the run's length from the data, and build
+        the engine."""
+        args, state = self.args, self.state
+        if self.train_dataset is None:
+            raise ValueError("Trainer.train: train_dataset is required")
+        if checkpoint is not None:
+            keep_global_batch(args, checkpoint, self.dist.world_size)
+        plan = plan_steps(args, len(self.train_dataset), self._data_ranks[0])
+        state.steps_per_epoch, state.max_steps, state.num_train_epochs = plan
+        self._ensure_engine(state.max_steps)
+        return train_sampler(len(self.train_dataset), *self._data_ranks, self.args, self._lengths)
+
+    # ---- engine and data -----------------------------------------------------------------------
+
+    @property
+    def _data_ranks(self) -> tuple[int, int]:
+        """(data-parallel ranks, this rank's index among them): the ranks of a sequence-parallel
+        group read the same rows."""
+        sp = self.args.sequence_parallel_size
+        return self.dist.world_size // sp, self.dist.rank // sp
+
+    def _ensure_engine(self, total_steps: int) -> None:
+        """Build the engine once, from the resolved DeepSpeed config (resolved here unless given)."""
+        if self.engine is not None:
+            return
+        if self.ds_config is None:
+            self.ds_config = resolve(
+                self.args,
+                world_size=self.dist.world_size,
+                hardware=self.hardware,
+                hidden_size=_hidden_size(self.model),
+                total_steps=total_steps,
+                client_optimizer=self.client_optimizer is not None,
+                client_scheduler=self.client_scheduler is not None,
+            )
+        check_resolved(self.ds_config, self.args, self.dist.world_size)
+        overridden = type(self).compute_loss is not Trainer.compute_loss  # HF's override point, in use
+        objective = objective_for(
+            self.model,
+            self.compute_loss if overridden else None,
+            self.args.label_smoothing_factor,
+            self.args.label_names,
+        )
+        if self.args.use_liger_kernel:
+            apply_liger_kernel(self.model, self.args.liger_kernel_config)
+        if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
+            enable_gradient_checkpointing(self.model)
+        with self.watchdog.phase("init"):
+            self.engine = build_engine(
+                self.model,
+                self.ds_config,
+                optimizer=self.client_optimizer,
+                lr_scheduler=self.client_scheduler
+                or client_scheduler(self.args, total_steps, self.ds_config),
+                weight_decay=self.args.weight_decay,
+                gradient_checkpointing=self.args.gradient_checkpointing,
+                objective=objective,
+                tiling=tiling_for(self.args, self.model, self.run_config, objective.token_exact_causal),
+                torch_compile=torch_compile_for(self.args),
+            )
+        if self.dist.is_main:
+            out = Path(self.args.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2, sort_keys=True))
+            if self.run_config is not None:
+                dump_run_config(self.run_config, out / "run_config.yaml")
+
+    # ---- logging, evaluation, saving -----------------------------------------------------------
+
+    def _fire(self, event: str, **kwargs: Any) -> None:
+        """Run ``event`` on every callback; as HF's, they get the model and processing class (and our engine)."""
+        objects = {"model": self.model, "processing_class": self.processing_class, "engine": self.engine}
+        self.control = self.callback_handler.fire(
+            event, self.args, self.state, self.control, **objects, **kwargs
+        )
+
+    def _log(self, logs: dict[str, Any]) -> None:
+        if self.args.include_num_input_tokens_seen != "no":  # as HF's, in every row
+            logs = {**logs, "num_input_tokens_seen": self.state.num_input_tokens_seen}
+        self.state.log_history.append(logs)
+        # As HF's: the history's rows carry the step; the callbacks' logs do not (state.global_step has it).
+        self._fire("on_log", logs={k: v for k, v in logs.items() if k != "step"})
+
+    def _take_window_loss(self) -> tuple[float, float]:
+        """The logging window's summed loss and target tokens on all ranks (the window's one
+        host-device sync; the token count is already global), added to the call's totals; the
+        window starts again."""
+        loss_sum, tokens = all_reduce_sum(self._loss_sum.clone()).item(), self._token_sum
+        self._run.add_window(loss_sum, tokens)
+        self._loss_sum.zero_()
+        self._token_sum = 0.0
+        return loss_sum, tokens
+
+    def _log_train(self) -> None:
+        loss_sum, tokens = self._take_window_loss()
+        loss = loss_sum / max(tokens, 1.0)
+        logs = {
+            "step": self.state.global_step,
+            "epoch": round(self.state.epoch, 4),
+            "loss": loss,
+            "learning_rate": self.engine.learning_rate(),
+            "grad_norm": self.engine.grad_norm(),
+        }
+        scale = self.engine.loss_scale()
+        if scale is not None:
+            logs.update(loss_scale=scale, skipped_steps=self.engine.skipped_steps)
+        logs.update(self.timer.flush(sync_fn=self._sync, all_reduce_sum=host_all_reduce))
+        logs.update(memory_stats(self.engine.device))
+        logs.update(self._params)  # counted once, when training starts
+        self._log(logs)
+
+    def _maybe_evaluate_and_save(self) -> bool:
+        """Evaluate and/or save as the control flags ask; True if anything ran."""
+        ran = False
+        if self.snapshots is not None and (self.control.should_evaluate or self.control.should_save):
+            self.snapshots.settle()
+        if self.control.should_evaluate and self.eval_dataset is not None:
+            self.evaluate()
+            self._update_best_metric()
+            ran = True
+        if self.control.should_save:
+            with self.watchdog.phase("save"):
+                self._save_checkpoint()
+            ran = True
+        self.control.should_evaluate = self.control.should_save = self.control.should_log = False
+        return ran
+
+    def _sync(self) -> None:
+        if self.hardware.device == "cuda":
+            torch.cuda.synchronize()
+
+    def _save_checkpoint(self, resumable: bool = False) -> None:
+        """Start a checkpoint of this step. on_save fires when it is committed: at once for a
+        synchronous save, at a later step's vote (or the end of training) for an async one. With
+        save_only_model it holds the weights alone, unless it must be ``resumable`` (preemption)."""
+        final = ckpt.final_dir(self.args.output_dir, self.state.global_step)
+        model_only = self.args.save_only_model and not resumable
+        saved = getattr(self, "_saved", None)  # (step, weights alone) of this run's last save
+        if saved is not None and saved[0] == self.state.global_step and (model_only or not saved[1]):
+            return  # saved already in this run (an epoch-end save on a save_steps multiple)
+        if self.state.best_global_step == self.state.global_step:
+            self.state.best_model_checkpoint = str(final)
+        if self.saver is None:
+            config = getattr(self.model, "config", None)
+            self.saver = ckpt.Saver(
+                self.args, self.dist, self.ds_config, self.run_config, config, self.processing_class
+            )
+        self._saved = (self.state.global_step, model_only)
+        self.state.stateful_callbacks = callback_states(self.callback_handler.callbacks, self.control)
+        self._committed(lambda: self.saver.save(self.engine, self.state, model_only=model_only))
+
+    def _finish_save(self) -> None:
+        """Commit a pending asynchronous save (collective); a no-op when none is pending."""
+        if self.saver is not None and self.saver.pending:
+            with self.watchdog.phase("save"):
+                self._committed(self.saver.finish)
+
+    def _committed(self, save: Callable[[], Path | None]) -> None:
+        """One step of saving; on_save fires once a checkpoint is committed. A checkpoint that cannot
+        be written (its partial files are gone by now) follows save_failure_policy."""
+        try:
+            checkpoint = save()
+        except ckpt.CheckpointWriteError as err:
+            return save_failed(err, self.args.save_failure_policy)
+        if checkpoint is not None:
+            self._fire("on_save", checkpoint=str(checkpoint))
+
+    def _update_best_metric(self) -> None:
+        """After each evaluation of the loop, as HF's: the best metric and its step; a checkpoint
+        saved at that step is the best checkpoint."""
+        key = metric_key(self.args)
+        latest = next((row[key] for row in reversed(self.state.log_history) if key in row), None)
+        if latest is None:
+            return
+        sign = 1 if greater_is_better(self.args) else -1
+        best = self.state.best_metric
+        if best is None or sign * (latest - best) > 0:
+            self.state.best_metric = latest
+            self.state.best_global_step = self.state.global_step
+
+    def _load_checkpoint(self, path: Path, weights_only: bool = False) -> None:
+        saved = ckpt.load(self.engine, path, self.dist, restore_rng=not weights_only)
+        if not weights_only:
+            if saved.world_size != self._data_ranks[0]:
+                # The samples all ranks consumed, re-divided among this run's ranks.
+                sampler = ResumableDistributedSampler(
+                    len(self.train_dataset), *self._data_ranks, seed=data_seed(self.args)
+                )
+                sampler.load_state_dict(
+                    {"epoch": saved.epoch_index, "start": saved.samples_into_epoch, "seed": data_seed(self.args),
+                     "num_replicas": saved.world_size}
+                )  # fmt: skip
+                saved.samples_into_epoch = sampler.start
+            # Where the run is comes from the checkpoint; how long it runs from these arguments.
+            for plan in (
+                "is_world_process_zero",
+                "is_local_process_zero",
+                "world_size",
+                "max_steps",
+                "num_train_epochs",
+                "steps_per_epoch",
+            ):
+                setattr(saved, plan, getattr(self.state, plan))
+            self.state = saved
+
+    # ---- small helpers -------------------------------------------------------------------------
+
+    def _flops_per_token(self) -> float | None:
+        """A causal LM's model FLOPs per token (MFU); None for other models, whose rows are not
+        token blocks."""
+        if not is_causal_lm(self.model) or self.train_dataset is None:
+            return None
+        return flops_per_token_for_model(self.model, len(self.train_dataset[0]["input_ids"]))
+
+
+def _hidden_size(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)

@@ -1,0 +1,291 @@
+"""Process-group facts and helpers. The only module that reads RANK / LOCAL_RANK / WORLD_SIZE.
+
+Works the same under the ``deepspeed`` launcher, ``torchrun``, ``accelerate launch``, SLURM
+(``SLURM_PROCID`` and friends) and plain ``python`` (a world of one).
+
+What a run does when something goes wrong (exit codes, preemption, the hang watchdog) lives in
+``trainer.runtime.resilience``, which builds on this module; this one imports nothing of it, so the
+process group can be set up without pulling in signal handlers or timer threads.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import importlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from trainer.config import Hardware
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(*names: str, default: int) -> int:
+    for name in names:
+        if os.environ.get(name, "") != "":
+            return int(os.environ[name])
+    return default
+
+
+def dist_info() -> DistInfo:
+    """Rank facts from the launcher's environment: torchrun/deepspeed, then OpenMPI, then SLURM."""
+    return DistInfo(
+        rank=_env_int("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", default=0),
+        local_rank=_env_int("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", default=0),
+        world_size=_env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", default=1),
+    )
+
+
+def detect_hardware() -> Hardware:
+    """What this rank computes on; decides what precision "auto" means."""
+    if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") == "cuda":
+        return Hardware.cuda(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+    return Hardware.cpu()
+
+
+def process_device() -> torch.device:
+    """This process's device: ``cuda:LOCAL_RANK`` on GPUs, else the CPU."""
+    if detect_hardware().device == "cuda":
+        return torch.device("cuda", dist_info().local_rank)
+    return torch.device("cpu")
+
+
+def join_process_group() -> None:
+    """Join the process group where a launcher started several processes (idempotent); a world
+    of one is left without one. What HF's ``TrainingArguments`` does when first asked for the world."""
+    if dist_info().world_size > 1 and not dist.is_initialized():
+        init_distributed(detect_hardware())
+
+
+LOG_HANDLER = "trainer"  # the name of the handler configure_logging adds to the root logger
+
+
+def configure_logging() -> None:
+    """Rank 0 shows the project's INFO lines (tokenizer, tokenisation, cache hits, skipped rows); other
+    ranks only warnings. One plain stderr handler goes on the root logger, replacing an earlier one of
+    ours, so other libraries' warnings share the format. transformers and datasets keep to their
+    warnings; off rank 0 to errors, with no progress bars. Their verbosity variables, if set, win."""
+    info = dist_info()
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if h.get_name() == LOG_HANDLER]:
+        root.removeHandler(handler)
+    handler = logging.StreamHandler()
+    handler.set_name(LOG_HANDLER)
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s [rank {info.rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    )
+    root.addHandler(handler)
+    logging.getLogger("trainer").setLevel(logging.INFO if info.is_main else logging.WARNING)
+
+    # Each library reads these variables once, when imported; one imported already is told directly.
+    level = logging.WARNING if info.is_main else logging.ERROR
+    for library in ("transformers", "datasets"):
+        variable = f"{library.upper()}_VERBOSITY"
+        if variable not in os.environ:
+            os.environ[variable] = logging.getLevelName(level).lower()
+            if library in sys.modules:
+                importlib.import_module(f"{library}.utils.logging").set_verbosity(level)
+    if not info.is_main:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars follow the hub's
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        if "transformers" in sys.modules:
+            importlib.import_module("transformers.utils.logging").disable_progress_bar()
+        if "datasets" in sys.modules:
+            importlib.import_module("datasets").disable_progress_bars()
+
+
+def set_world_env() -> None:
+    """The variables a launcher sets (rank, world size, master address and port), where none did:
+    a plain ``python`` process is a world of one, with a port of its own."""
+    info = dist_info()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000) if info.world_size == 1 else "29500")
+    os.environ.setdefault("RANK", str(info.rank))
+    os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
+    os.environ.setdefault("WORLD_SIZE", str(info.world_size))
+
+
+def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
+    """Join the process group (idempotent). A world of one still gets a group: DeepSpeed wants one."""
+    info = dist_info()
+    if hardware.device == "cuda":
+        torch.cuda.set_device(info.local_rank)
+    if not dist.is_initialized():
+        set_world_env()
+        if hardware.device == "cpu":
+            _remove_stale_shm_buffer(info.rank)
+        backend = "nccl" if hardware.device == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restart != "0":
+            # After an elastic restart the agent's store still holds the previous attempt's
+            # rendezvous keys, and gloo dials the dead ranks' ports (seen with torch 2.13). A
+            # per-attempt key prefix gives the new group a clean namespace.
+            agent_store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size, False, timeout
+            )
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(f"trainer/attempt_{restart}", agent_store),
+                rank=info.rank,
+                world_size=info.world_size,
+                timeout=timeout,
+            )
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+        # A script that never leaves the group (any HF-style script) still must not leave gloo's
+        # threads to interpreter exit; every rank is past its last collective by then.
+        atexit.register(leave_process_group, wait=False)
+        if hardware.device == "cpu":
+            _unlink_own_shm_buffer(info)
+    return info
+
+
+def leave_process_group(wait: bool = True) -> None:
+    """Tear the process group down before the interpreter exits (a no-op without one): left to
+    interpreter exit, gloo's threads can abort the process ("terminate called without an active
+    exception"). ``wait``: every rank first waits for the others, as at the end of a successful run;
+    an error exit does not wait for ranks that may never come."""
+    if dist.is_initialized():
+        if wait:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+# ---- DeepSpeed's CPU all-reduce buffers ---------------------------------------------------------
+
+SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer_"
+
+
+def _shm_buffer(rank: int) -> Path:
+    """DeepSpeed's CPU all-reduce buffer of one rank: /dev/shm, named by uid, master address, port
+    and rank. About 66 MiB each, and DeepSpeed never unlinks them."""
+    uid, addr, port = os.getuid(), os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    return Path("/dev/shm", f"{SHM_BUFFER_PREFIX}{uid}_{addr}_{port}_{rank}")
+
+
+def _remove_stale_shm_buffer(rank: int) -> None:
+    """DeepSpeed reuses a buffer a killed process left behind; ranks then wait forever on its
+    stale flags (seen after an elastic restart). Each rank removes its own before the rendezvous,
+    so after it none is stale and peers wait for the fresh one."""
+    _shm_buffer(rank).unlink(missing_ok=True)
+
+
+def _unlink_own_shm_buffer(info: DistInfo) -> None:
+    """Once every rank has mapped every buffer (DeepSpeed's init maps them all before returning,
+    and the barrier waits for the slowest rank), the names are no longer needed: the mappings live
+    on and the memory goes back when the last rank exits, killed or not. Left in place, each run
+    leaked world_size * 66 MiB of RAM-backed /dev/shm for good."""
+    if info.world_size > 1:
+        dist.barrier()
+    _shm_buffer(info.rank).unlink(missing_ok=True)
+
+
+def sweep_orphan_shm_buffers() -> list[str]:
+    """Remove this user's DeepSpeed all-reduce buffers that no live process maps: what runs that
+    did not come through init_distributed (plain DeepSpeed, HF Trainer) leave in RAM. Returns the
+    names removed."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return []
+    mine = [p for p in shm.glob(f"{SHM_BUFFER_PREFIX}{os.getuid()}_*") if p.is_file()]
+    if not mine:
+        return []
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(
+                line.rsplit(" ", 1)[-1].strip()
+                for line in maps.read_text().splitlines()
+                if "/dev/shm/" in line
+            )
+        except OSError:  # the process exited or is not ours to read
+            continue
+    removed = []
+    for path in mine:
+        if str(path) not in mapped:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+def barrier(label: str) -> None:
+    """A barrier with a name, so logs and hang reports say which phase stalled."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place where possible. CPU tensors work under NCCL too (copied over)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return tensor
+    if tensor.device.type == "cpu" and dist.get_backend() == "nccl":
+        on_device = tensor.cuda()
+        dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
+        return tensor.copy_(on_device.cpu())
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order; a world of one, or no group yet, needs no collective."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_agree(flag: bool) -> bool:
+    """True only if every rank passes True: the collective vote behind atomic commits."""
+    return int(all_reduce_sum(torch.tensor([0 if flag else 1])).item()) == 0
+
+
+# ---- host-side agreement ------------------------------------------------------------------------
+
+_CONTROL_GROUP: Any = None
+
+
+def _control_group() -> Any:
+    """A gloo group for small host-side votes, so they never wait on the GPU stream."""
+    global _CONTROL_GROUP
+    if _CONTROL_GROUP is None:
+        _CONTROL_GROUP = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    return _CONTROL_GROUP
+
+
+def host_all_reduce(values: list[float]) -> list[float]:
+    """Sum small host numbers over ranks on the gloo control group: no device synchronisation."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_control_group())
+    return t.tolist()
+
+
+def print_main(*args: Any, **kwargs: Any) -> None:
+    """``print`` on rank 0 only, flushed: one line per job, not one per rank."""
+    if dist_info().is_main:
+        print(*args, **kwargs, flush=True)
+
+
+def warn(message: str) -> None:
+    """A warning every rank prints, tagged with its rank, since ranks can disagree."""
+    print(f"[rank {dist_info().rank}] warning: {message}", file=sys.stderr, flush=True)
