@@ -1,0 +1,209 @@
+"""The search: every configuration (ZeRO stage, offload, checkpointing and, for long sequences, the
+sequence-parallel size, tiling and activation offload) in the order the recommendation tries them, one
+configuration's estimate against the cluster's memory, and the plan with the first that fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from itertools import product
+from typing import Any
+
+from trainer.planner.memory import (
+    activation_bytes,
+    buffer_bytes,
+    cpu_bytes_per_node,
+    knobs_from_config,
+    lora_params,
+    lora_state_bytes,
+    loss_tile_tokens,
+    model_state_bytes,
+    tiled_loss_auto,
+)
+from trainer.planner.spec import GB, HEADROOM, Cluster, ModelSpec, Setup
+
+# (offload_optimizer, offload_param) choices, cheapest first.
+OFFLOADS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
+
+
+def setups() -> list[Setup]:
+    """Every valid configuration, fastest first.
+
+    Offload costs most (host Adam and PCIe traffic), then recomputation (about one more forward pass),
+    then the ZeRO stage (stage 3 adds parameter all-gathers: 1.5x the communication of stages 0-2).
+    """
+    out = []
+    for offload_optimizer, offload_param in OFFLOADS:
+        for checkpointing in (False, True):
+            for stage in range(4):
+                if offload_optimizer == "cpu" and stage == 0:
+                    continue  # offload needs ZeRO
+                if offload_param == "cpu" and stage != 3:
+                    continue  # parameters are partitioned only by stage 3
+                out.append(Setup(stage, offload_optimizer, offload_param, checkpointing))
+    return out
+
+
+def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micro_batch: int,
+             precision: str = "bf16", ds_config: dict[str, Any] | None = None,
+             lora_r: int | None = None, qlora: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One row of the plan: every figure in GB (1e9 bytes), per GPU and per node. ``lora_r``: LoRA
+    adapters of that rank on a frozen base (``qlora``: a 4-bit base). ZeRO partitions over the whole
+    world, sequence-parallel ranks included: they hold the same model and average their gradients."""
+    dp = cluster.world_size
+    if lora_r:
+        states = lora_state_bytes(spec, lora_r, qlora, setup.zero_stage, dp, precision,
+                                  setup.offload_optimizer, setup.offload_param)  # fmt: skip
+    else:
+        states = model_state_bytes(spec.n_params, setup.zero_stage, dp, precision,
+                                   setup.offload_optimizer, setup.offload_param)  # fmt: skip
+    trainable = lora_params(spec, lora_r) if lora_r else None
+    buffers = buffer_bytes(spec, setup, dp, precision, knobs_from_config(ds_config), trainable)
+    acts = activation_bytes(spec, seq_len, micro_batch, precision, setup)
+    model_gb = (states["params"] + states["grads"] + states["optimizer"]) / GB
+    buffers_gb, acts_gb = sum(buffers.values()) / GB, acts["gpu"] / GB
+    total = model_gb + buffers_gb + acts_gb
+    host = states["cpu"] + acts["cpu"]
+    cpu_node = cpu_bytes_per_node(spec, setup, cluster, precision, host) / GB
+    fits_gpu = total <= cluster.gpu_memory_gb * (1 - HEADROOM)
+    fits_cpu = cpu_node <= cluster.cpu_memory_gb * (1 - HEADROOM)
+    return {
+        **asdict(setup),
+        "params_gb_per_gpu": states["params"] / GB,
+        "grads_gb_per_gpu": states["grads"] / GB,
+        "optimizer_gb_per_gpu": states["optimizer"] / GB,
+        "model_states_gb_per_gpu": model_gb,
+        "buffers_gb_per_gpu": buffers_gb,
+        "buffers": {k: v / GB for k, v in buffers.items()},
+        "activations_gb_per_gpu": acts_gb,
+        "activations": {k: v / GB for k, v in acts.items() if k not in ("gpu", "cpu")},
+        "total_gb_per_gpu": total,
+        "gpu_gb_per_node": total * cluster.gpus_per_node,
+        "activations_cpu_gb_per_rank": acts["cpu"] / GB,
+        "cpu_gb_per_rank": host / GB,
+        "cpu_gb_per_node": cpu_node,
+        "fits_gpu": fits_gpu,
+        "fits_cpu": fits_cpu,
+        "fits": fits_gpu and fits_cpu,
+    }
+
+
+def sequence_parallel_problems(spec: ModelSpec, cluster: Cluster, seq_len: int, n: int) -> list[str]:
+    """Why Ulysses cannot split this run N ways (empty when it can), as DeepSpeed's checks put it: each
+    rank takes heads/N query heads and seq_len/N tokens; kv heads split N ways or, when fewer than N,
+    are replicated so that each rank gets one; the sequence-parallel groups tile the world."""
+    kv_heads = spec.n_kv_heads or spec.n_heads
+    problems = []
+    if spec.n_heads % n:
+        problems.append(f"the {spec.n_heads} attention heads do not split {n} ways")
+    if kv_heads % n and n % kv_heads:
+        problems.append(f"the {kv_heads} key/value heads neither split {n} ways nor divide {n}")
+    if seq_len % n:
+        problems.append(f"--seq-len {seq_len} does not split {n} ways")
+    if cluster.world_size % n:
+        problems.append(f"the world of {cluster.world_size} GPUs does not split into groups of {n}")
+    return problems
+
+
+def sequence_parallel_sizes(spec: ModelSpec, cluster: Cluster, seq_len: int, largest: int) -> list[int]:
+    """The sequence-parallel sizes up to ``largest`` a run could use, smallest first: the divisors of
+    ``largest`` that ``sequence_parallel_problems`` accepts."""
+    return [n for n in range(1, largest + 1)
+            if largest % n == 0 and not sequence_parallel_problems(spec, cluster, seq_len, n)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LongContext:
+    """What a plan may use for long sequences (``trainer plan``'s flags): sequence-parallel sizes up to
+    ``sequence_parallel``, a tiled MLP, offloaded checkpointed inputs; the loss tiled as given, or by
+    the trainer's auto rule when None."""
+
+    sequence_parallel: int = 1
+    tiled_loss: bool | None = None
+    tiled_mlp: bool = False
+    offload_activations: bool = False
+
+
+def candidate_setups(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int,
+                     options: LongContext = LongContext()) -> list[Setup]:  # fmt: skip
+    """Every setup the options allow, in the order the recommendation tries them.
+
+    Optimizer offload decides first (as in ``setups``), then the fewest features that cost compute or
+    transfers (checkpointing, a tiled MLP, activation offload, preferred in that order), then the
+    smallest sequence-parallel size, then the lowest ZeRO stage. The loss tiling is no choice: it
+    follows the flag, or the trainer's auto rule for the tokens a rank holds. Without long-context
+    options this is ``setups()`` in its own order.
+    """
+    out = []
+    for base in setups():
+        for sp in sequence_parallel_sizes(spec, cluster, seq_len, options.sequence_parallel):
+            tiled_loss = options.tiled_loss
+            if tiled_loss is None:
+                tiled_loss = tiled_loss_auto(spec.vocab_size, micro_batch * seq_len // sp)
+            for tiled_mlp in sorted({False, options.tiled_mlp}):
+                for offload in sorted({False, options.offload_activations and base.activation_checkpointing}):
+                    out.append(replace(base, sequence_parallel=sp, tiled_loss=tiled_loss,
+                                       tiled_mlp=tiled_mlp, offload_activations=offload))  # fmt: skip
+
+    def order(s: Setup) -> tuple[Any, ...]:
+        features = (s.activation_checkpointing, s.tiled_mlp, s.offload_activations)
+        tier = OFFLOADS.index((s.offload_optimizer, s.offload_param))
+        return tier, sum(features), s.sequence_parallel, tuple(not f for f in features), s.zero_stage
+
+    return sorted(out, key=order)
+
+
+def activation_table(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int, precision: str,
+                     sizes: list[int]) -> list[dict[str, Any]]:  # fmt: skip
+    """Activation and logits memory per GPU of every long-context combination at each sequence-parallel
+    size, allowed by the flags or not: what each option would save for this model."""
+    rows = []
+    for checkpointing, offload, tiled_mlp, tiled_loss in product((False, True), repeat=4):
+        if offload and not checkpointing:
+            continue  # activation offload moves checkpointed inputs
+        row: dict[str, Any] = {"activation_checkpointing": checkpointing, "tiled_loss": tiled_loss,
+                               "tiled_mlp": tiled_mlp, "offload_activations": offload, "by_sp": {}}  # fmt: skip
+        for sp in sizes:
+            setup = Setup(0, "none", "none", checkpointing, sp, tiled_loss, tiled_mlp, offload)
+            acts = activation_bytes(spec, seq_len, micro_batch, precision, setup)
+            row["by_sp"][sp] = {"gpu_gb": acts["gpu"] / GB, "logits_gb": acts["logits"] / GB,
+                                "cpu_gb_per_node": acts["cpu"] * cluster.gpus_per_node / GB}  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def plan(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int, precision: str = "bf16",
+         config_for: Callable[[Setup], dict[str, Any]] | None = None,
+         lora_r: int | None = None, qlora: bool = False,
+         long_context: LongContext = LongContext()) -> dict[str, Any]:  # fmt: skip
+    """Every configuration, in the order ``candidate_setups`` tries them, and the first that fits (or None).
+
+    ``config_for`` gives the DeepSpeed config a setup would run with, so buffers are sized from the
+    run's real bucket sizes; without it DeepSpeed's defaults are assumed.
+    """
+    rows = []
+    for setup in candidate_setups(spec, cluster, seq_len, micro_batch, long_context):
+        ds_config = config_for(setup) if config_for else None
+        rows.append(estimate(spec, setup, cluster, seq_len, micro_batch, precision, ds_config, lora_r, qlora))
+    sizes = sequence_parallel_sizes(spec, cluster, seq_len, long_context.sequence_parallel)
+    return {
+        "model": asdict(spec),
+        "cluster": {**asdict(cluster), "world_size": cluster.world_size},
+        "seq_len": seq_len,
+        "micro_batch": micro_batch,
+        "precision": precision,
+        "lora_r": lora_r,
+        "qlora": qlora,
+        "trainable_params": lora_params(spec, lora_r) if lora_r else spec.n_params,
+        "usable_gpu_memory_gb": cluster.gpu_memory_gb * (1 - HEADROOM),
+        "usable_cpu_memory_gb": cluster.cpu_memory_gb * (1 - HEADROOM),
+        "long_context": {
+            **asdict(long_context),
+            "sequence_parallel_sizes": sizes,
+            "loss_tile_tokens": loss_tile_tokens(spec.vocab_size),
+            "activations": activation_table(spec, cluster, seq_len, micro_batch, precision, sizes),
+        },
+        "configurations": rows,
+        "recommended": next((row for row in rows if row["fits"]), None),
+    }
