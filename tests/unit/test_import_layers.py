@@ -1,5 +1,6 @@
 """The package's structure, checked from its source: imports form no cycle (function-local ones
-included), only the engines touch DeepSpeed's engine object, and scripts never edit sys.path."""
+included), the top level is the subsystem packages and no import points up their layers, only the
+engines touch DeepSpeed's engine object, and scripts never edit sys.path."""
 
 from __future__ import annotations
 
@@ -98,6 +99,36 @@ def test_config_imports_nothing_above_it():
         m: sorted(t for t in targets if not t.startswith("trainer.config")) for m, targets in graph.items()
     }
     assert {m: t for m, t in above.items() if m.startswith("trainer.config") and t} == {}
+
+
+# The subsystems from the bottom up: a package imports only from its own layer and those below.
+LAYERS = ["config", "runtime", "args", "planner", "observe", "data", "engine", "model", "checkpoint", "loop",
+          "cli", "bench"]  # fmt: skip
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    def layer(module: str) -> int | None:
+        parts = module.split(".")
+        return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+    return [
+        f"{module} -> {target}"
+        for module, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if layer(module) is not None and layer(target) is not None and layer(target) > layer(module)
+    ]
+
+
+def test_every_subsystem_is_a_package_and_no_import_points_upward():
+    top = {p.stem for p in PACKAGE.glob("*.py")} | {p.name for p in PACKAGE.iterdir() if p.is_dir()}
+    assert top - {"__pycache__"} == {"__init__", *LAYERS}
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert upward_imports(
+        {"trainer.engine.core": {"trainer.loop.trainer"}, "trainer.loop.x": {"trainer.engine"}}
+    ) == ["trainer.engine.core -> trainer.loop.trainer"]
 
 
 def test_only_engines_touch_the_deepspeed_engine_object():
