@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from trainer.runtime.run_files import METRICS
+
 
 def _plain(value: Any) -> Any:
     """A JSON-safe scalar: tensors and numpy numbers become Python numbers, NaN and inf become None."""
@@ -32,7 +34,7 @@ class MetricsWriter:
 
     def __init__(self, output_dir: str, is_main: bool = True):
         self.is_main = is_main
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path = Path(output_dir) / METRICS
         self._file = None
         if not is_main:
             return
@@ -56,7 +58,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a metrics.jsonl (a file or a run directory); a torn last line is skipped."""
     path = Path(path)
     if path.is_dir():
-        path = path / "metrics.jsonl"
+        path = path / METRICS
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:

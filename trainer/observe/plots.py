@@ -14,6 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from trainer.observe.metrics import read_metrics
+from trainer.runtime.run_files import METRICS
 
 GB = 1e9
 
@@ -93,7 +94,7 @@ def plot_runs(run_dirs: list[str], out_dir: str | None = None) -> list[str]:
     runs, files = {}, []
     for label, run_dir in zip(run_labels(run_dirs), run_dirs, strict=True):
         path = Path(run_dir)
-        path = path / "metrics.jsonl" if path.is_dir() else path
+        path = path / METRICS if path.is_dir() else path
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no metrics.jsonl (is {run_dir} a run's output_dir?)")
         runs[label] = read_metrics(path)
