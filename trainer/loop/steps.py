@@ -17,6 +17,7 @@ from trainer.args import TrainingArguments
 from trainer.checkpoint import store as ckpt
 from trainer.engine import Tiling, TorchCompile, plan_tiling
 from trainer.runtime.distributed import print_main
+from trainer.runtime.layout import ParallelLayout
 
 
 class StepPlan(NamedTuple):
@@ -48,18 +49,20 @@ def kept_accumulation(args: TrainingArguments, checkpoint: Path, data_parallel: 
     return gas
 
 
-def tiling_for(args: TrainingArguments, model: Any, run_config: Any, causal_objective: bool) -> Tiling:
+def tiling_for(
+    args: TrainingArguments, model: Any, run_config: Any, causal_objective: bool, layout: ParallelLayout
+) -> Tiling:
     """The run's tiling. ``tiled_loss: auto`` judges the largest micro-batch: its rows times the
-    block size (the model's longest context without a run config), split over a sequence-parallel
-    group; it stays off where the objective is not the token-exact causal LM (a model's own loss, a
-    ``compute_loss`` override), the pipeline computes the loss, or the loss is label-smoothed (the
-    tiles compute plain cross-entropy)."""
+    block size (the model's longest context without a run config), split over the ``layout``'s
+    sequence-parallel group; it stays off where the objective is not the token-exact causal LM (a
+    model's own loss, a ``compute_loss`` override), the pipeline computes the loss, or the loss is
+    label-smoothed (the tiles compute plain cross-entropy)."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     block = run_config.data.block_size if run_config else getattr(text, "max_position_embeddings", 0)
-    auto_off = not causal_objective or args.pipeline_parallel_size > 1 or args.label_smoothing_factor > 0
+    auto_off = not causal_objective or layout.pipeline > 1 or args.label_smoothing_factor > 0
     mode = "false" if auto_off and args.tiled_loss == "auto" else args.tiled_loss
-    tokens = args.per_device_train_batch_size * (block or 0) // args.sequence_parallel_size
+    tokens = args.per_device_train_batch_size * (block or 0) // layout.sequence
     vocab = getattr(text, "vocab_size", None) or 1
     return plan_tiling(mode, args.tiled_mlp, args.offload_activations, args.tile_tokens, vocab, tokens)
 

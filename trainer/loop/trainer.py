@@ -508,7 +508,9 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
                 weight_decay=self.args.weight_decay,
                 gradient_checkpointing=self.args.gradient_checkpointing,
                 objective=objective,
-                tiling=tiling_for(self.args, self.model, self.run_config, objective.token_exact_causal),
+                tiling=tiling_for(
+                    self.args, self.model, self.run_config, objective.token_exact_causal, self.layout
+                ),
                 torch_compile=torch_compile_for(self.args),
             )
         if self.dist.is_main:
