@@ -148,17 +148,19 @@ class Job:
         return RunConfig(training=self.training_args(output_dir), model=ModelArguments(model_type="llama"))
 
     def ds_config(self) -> dict[str, Any]:
-        """The DeepSpeed config of the job, as our Trainer resolves it for these arguments."""
-        from trainer.config import resolve
-        from trainer.runtime.distributed import detect_hardware
+        """The DeepSpeed config of the job, as our run plans it for these arguments (``plan_run``,
+        as ``build_run`` does): what the other systems are given."""
+        from trainer.loop.plan import plan_run
+        from trainer.runtime.distributed import DistInfo, detect_hardware
 
-        return resolve(
+        return plan_run(
             self.training_args(self.out_dir),
-            world_size=self.world_size,
-            hardware=detect_hardware(),
-            hidden_size=MODELS[self.model]["hidden_size"],
+            detect_hardware(),
+            DistInfo(rank=0, local_rank=0, world_size=self.world_size),
+            num_samples=None,
             total_steps=self.steps,
-        )
+            hidden_size=MODELS[self.model]["hidden_size"],
+        ).ds_config
 
     def build_model(self, ds_config: dict[str, Any]) -> Any:
         """The same weights in every system: each parameter drawn from its own seed (under ZeRO-3,

@@ -52,13 +52,13 @@ def run(run_config: RunConfig) -> int:
     _check_inputs(run_config, hardware)
     check(args, dist_info().world_size, hardware)
     check_report_to(args)  # a report_to integration's package, MLflow's store
-    init_distributed(hardware, timeout_s=args.ddp_timeout)
+    dist = init_distributed(hardware, timeout_s=args.ddp_timeout)  # the run's one process-group start
     claim_output_dir(args.output_dir, wait_s=args.preemption_grace_s)  # one run per output_dir
     if _nothing_to_resume(run_config):
         leave_process_group()
         return 0
     callbacks = [FaultInjection(plan)] if (plan := fault_plan()) else None
-    trainer = build_run(run_config, callbacks=callbacks)
+    trainer = build_run(run_config, callbacks=callbacks, hardware=hardware, dist=dist)
     trainer.train()
     state = trainer.state
     eval_ds = trainer.eval_dataset

@@ -7,7 +7,8 @@ passes (``trainer.config.arguments`` says what they read).
 Public API::
 
     validate(data, world_size=None) -> DSConfig        # raises ConfigError listing every problem
-    resolve(run, world_size, hardware, *, hidden_size=None, total_steps=None) -> dict
+    resolve(run, world_size, hardware, *, hidden_size=None, total_steps=None, data_parallel=None) -> dict
+    parallel_sizes(run) -> (pipeline stages, sequence-parallel size) as resolve settles them
     generate(zero_stage=, precision=, micro_batch=, grad_accum=, world_size=, ...) -> dict
     load_deepspeed_json(path) -> dict
     preset_config(name, precision, args) -> dict; PRESETS; PRECISIONS; write_presets(dir, args)
@@ -20,7 +21,7 @@ from trainer.config.errors import ConfigError
 from trainer.config.files import load_deepspeed_json
 from trainer.config.hardware import Hardware
 from trainer.config.presets import PRECISIONS, PRESETS, preset_config, write_presets
-from trainer.config.resolution import check, deepspeed_schedules, generate, resolve
+from trainer.config.resolution import check, deepspeed_schedules, generate, parallel_sizes, resolve
 from trainer.config.schema import DSConfig, batch_problems, validate
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "deepspeed_schedules",
     "generate",
     "load_deepspeed_json",
+    "parallel_sizes",
     "preset_config",
     "resolve",
     "validate",

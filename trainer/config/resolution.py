@@ -127,6 +127,7 @@ class _Resolver:
     hardware: Hardware | None  # None: the target is unknown, so support is not checked
     hidden_size: int | None = None
     total_steps: int | None = None
+    data_parallel: int | None = None  # the run's layout says; None: worked out from world_size
     check: bool = True  # compare explicit values with the training arguments
     fill_missing: bool = True  # add keys the run determines; off when checking a file on its own
     data: dict[str, Any] = field(default_factory=dict)
@@ -177,6 +178,9 @@ class _Resolver:
         if sp > 1 or self.explicit("sequence_parallel_size"):
             # Also read by zero.Init, whose config has no other way to learn the data-parallel size.
             self.settle_arg("sequence_parallel_size", "sequence_parallel_size")
+        if self.data_parallel is not None:  # the run's ParallelLayout computed it
+            return self.data_parallel
+        # Checking a config with no run behind it (``trainer ds-config``, ``check``): the file's sizes.
         stages, groups = get_path(self.data, "pipeline.stages"), get_path(self.data, "sequence_parallel_size")
         split = (stages if _positive_int(stages) else pp) * (groups if _positive_int(groups) else 1)
         # A world size the stages or groups do not divide is reported by the schema's batch check.
@@ -420,6 +424,7 @@ def resolve(
     total_steps: int | None = None,
     client_optimizer: bool = False,
     client_scheduler: bool = False,
+    data_parallel: int | None = None,
 ) -> dict[str, Any]:
     """The concrete DeepSpeed dict for a run: no ``"auto"`` left, every rule checked, and the batch
     keys of a pipeline pooled over its stages (what the engine runs and ``ds_config.json`` records).
@@ -428,7 +433,10 @@ def resolve(
     the batch keys use the data-parallel part of it. ``hidden_size`` (default: the model's
     ``model_config_overrides``) sizes the ZeRO-3 buckets; ``total_steps`` (default: max_steps)
     feeds the schedule. ``client_optimizer`` / ``client_scheduler``: the caller passes its own to
-    ``deepspeed.initialize``, so the config must not define one. Raises ConfigError listing every problem.
+    ``deepspeed.initialize``, so the config must not define one. ``data_parallel``: the run's
+    data-parallel size, from its ``ParallelLayout`` (``parallel_sizes`` gives the layout the stages
+    and sequence groups this config will have); without it, worked out from ``world_size`` and the
+    config. Raises ConfigError listing every problem.
     """
     args = run.training if hasattr(run, "training") else run
     if hidden_size is None and hasattr(run, "model"):
@@ -439,7 +447,7 @@ def resolve(
             [("deepspeed", f"{ds!r} is neither a JSON file nor a preset ({', '.join(PRESETS)})")]
         )
     data, check = _base(args)
-    r = _Resolver(args, world_size, hardware, hidden_size, total_steps, check=check, data=data)
+    r = _Resolver(args, world_size, hardware, hidden_size, total_steps, data_parallel, check=check, data=data)
     if not deepspeed_schedules(args) and not client_scheduler and "scheduler" in data:
         raise ConfigError(
             [("scheduler", f"lr_scheduler_type={args.lr_scheduler_type} (with lr_scheduler_kwargs={args.lr_scheduler_kwargs}) "
@@ -447,6 +455,26 @@ def resolve(
         )  # fmt: skip
     client_scheduler = client_scheduler or transformers_schedule(args, data)
     return _pool_stages(_run(r, client_optimizer, client_scheduler))
+
+
+def parallel_sizes(run: RunArgs | TrainingArgs) -> tuple[int, int]:
+    """(pipeline stages, sequence-parallel size) as ``resolve`` settles them: an argument set
+    explicitly (or above 1), else the DeepSpeed file's value, else the argument's default. What a
+    run's ``ParallelLayout`` is built from, so the layout and the DeepSpeed dict agree."""
+    args = run.training if hasattr(run, "training") else run
+    try:
+        data = _base(args)[0]
+    except ConfigError:  # a file that does not load: resolve reports it, with the arguments' sizes here
+        data = {}
+    sizes = []
+    for arg, path in (
+        ("pipeline_parallel_size", "pipeline.stages"),
+        ("sequence_parallel_size", "sequence_parallel_size"),
+    ):
+        value = getattr(args, arg)
+        from_file = _positive_int(get_path(data, path))
+        sizes.append(value if value > 1 or arg in args.model_fields_set or from_file is None else from_file)
+    return sizes[0], sizes[1]
 
 
 def check(run: RunArgs | TrainingArgs, world_size: int, hardware: Hardware) -> None:

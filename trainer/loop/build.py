@@ -3,9 +3,10 @@ benchmarks all call.
 
 The order is the contract: the process group first (ZeRO-3 partitions over it, and one process must
 not fall back to DeepSpeed's MPI discovery), then the tokenizer and the model's HF config (which the
-sequence-parallel layout is checked against), then the data, then the run's length and
-a resumed checkpoint's global batch, then the one resolution of the DeepSpeed config, then the model
-built under it (partitioned at creation under ZeRO-3), then the Trainer, which uses that config as it is.
+sequence-parallel layout is checked against), then the data, then the run's plan (``plan_run``: the
+layout, the run's length, the checkpoint to resume and its global batch, the one resolution of the
+DeepSpeed config), then the model built under that config (partitioned at creation under ZeRO-3), then
+the Trainer, which runs the plan as it is.
 """
 
 from __future__ import annotations
@@ -18,16 +19,15 @@ from torch.utils.data import Dataset
 from transformers import set_seed
 
 from trainer.args import RunConfig
-from trainer.checkpoint import store as ckpt
-from trainer.config import resolve
+from trainer.config import Hardware
 from trainer.data import build_datasets, get_tokenizer
 from trainer.engine.sequence_parallel import check_layout
 from trainer.loop.callbacks import TrainerCallback
-from trainer.loop.steps import keep_global_batch, plan_steps
+from trainer.loop.plan import layout_of, plan_run
 from trainer.loop.trainer import Trainer
 from trainer.model.liger import check_liger
 from trainer.model.modeling import build_model, hidden_size_of, model_config
-from trainer.runtime.distributed import detect_hardware, init_distributed
+from trainer.runtime.distributed import DistInfo, detect_hardware, init_distributed
 
 
 def build_run(
@@ -39,40 +39,39 @@ def build_run(
     config: Any = None,
     data_collator: Callable | None = None,
     callbacks: list[TrainerCallback] | None = None,
+    hardware: Hardware | None = None,
+    dist: DistInfo | None = None,
 ) -> Trainer:
     """A Trainer for ``run_config``, its model built. The tokenizer, the datasets and the model's HF
     config come from ``run_config`` unless given (tests and benchmarks bring their own; either
-    dataset alone counts as given, so an evaluation-only run loads no training data)."""
+    dataset alone counts as given, so an evaluation-only run loads no training data). ``hardware``
+    and ``dist``: the caller detected the one and started the process group already (``trainer
+    train``); otherwise both happen here, once."""
     args, model_args, data_args = run_config.training, run_config.model, run_config.data
-    hardware = detect_hardware()
+    hardware = hardware or detect_hardware()
     check_liger(args, hardware)  # before anything loads
-    dist = init_distributed(hardware, timeout_s=args.ddp_timeout)
+    if dist is None:
+        dist = init_distributed(hardware, timeout_s=args.ddp_timeout)
     given_data = train_dataset is not None or eval_dataset is not None
     if tokenizer is None and (not given_data or config is None):
         tokenizer = get_tokenizer(model_args, data_args)
     config = config if config is not None else model_config(model_args, tokenizer, data_args.block_size)
-    check_layout(config, args.sequence_parallel_size, dist.world_size)  # before any data loads
+    layout = layout_of(run_config, dist)
+    check_layout(config, layout.sequence, layout.world)  # before any data loads
     if not given_data:
         train_dataset, eval_dataset = build_datasets(data_args, tokenizer, seed=args.seed)
         if eval_dataset is not None and data_args.max_eval_samples:
             eval_dataset = eval_dataset.select(range(min(data_args.max_eval_samples, len(eval_dataset))))
-    checkpoint = ckpt.resume_candidate(args.resume_from_checkpoint, args.output_dir)
-    if checkpoint is not None:
-        keep_global_batch(args, checkpoint, dist.world_size)
-    # An evaluation-only run has no training length; the schedule then spans max_steps (or one step).
-    steps = max(args.max_steps, 1)
-    if train_dataset is not None:
-        steps = plan_steps(args, len(train_dataset), dist.world_size // args.sequence_parallel_size).max_steps
-    ds_config = resolve(
+    plan = plan_run(
         run_config,
-        world_size=dist.world_size,
-        hardware=hardware,
+        hardware,
+        dist,
+        num_samples=len(train_dataset) if train_dataset is not None else None,
         hidden_size=hidden_size_of(config),
-        total_steps=steps,
     )
     set_seed(args.seed)
     model: torch.nn.Module = build_model(
-        model_args, config, ds_config, args.gradient_checkpointing, seed=args.seed
+        model_args, config, plan.ds_config, args.gradient_checkpointing, seed=args.seed
     )
     return Trainer(
         model=model,
@@ -83,5 +82,5 @@ def build_run(
         processing_class=tokenizer,
         callbacks=callbacks,
         run_config=run_config,
-        ds_config=ds_config,
+        plan=plan,
     )

@@ -15,9 +15,9 @@ from transformers import get_scheduler
 
 from trainer.args import TrainingArguments
 from trainer.checkpoint import store as ckpt
-from trainer.config import ConfigError
 from trainer.engine import Tiling, TorchCompile, plan_tiling
 from trainer.runtime.distributed import print_main
+from trainer.runtime.layout import ParallelLayout
 
 
 class StepPlan(NamedTuple):
@@ -26,42 +26,43 @@ class StepPlan(NamedTuple):
     num_train_epochs: int
 
 
-def plan_steps(args: TrainingArguments, num_samples: int, world_size: int) -> StepPlan:
-    """Optimizer steps per epoch (the sampler gives each rank ``ceil(n / world)`` samples; the
+def plan_steps(args: TrainingArguments, num_samples: int, readers: int) -> StepPlan:
+    """Optimizer steps per epoch (the sampler gives each of the layout's ``readers`` ranks
+    ``ceil(n / readers)`` samples; the
     epoch's last window may be short), and the run's length: ``max_steps`` when set, else
     ``num_train_epochs`` of those."""
-    per_rank = math.ceil(num_samples / world_size)
+    per_rank = math.ceil(num_samples / readers)
     micro_per_epoch = math.ceil(per_rank / args.per_device_train_batch_size)
     steps_per_epoch = math.ceil(micro_per_epoch / args.gradient_accumulation_steps)
     max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
     return StepPlan(steps_per_epoch, max_steps, math.ceil(max_steps / steps_per_epoch))
 
 
-def keep_global_batch(args: TrainingArguments, checkpoint: Path, world_size: int) -> None:
-    """Resuming on another number of ranks: the global batch (and so the run's trajectory) stays the
-    checkpoint's, and the accumulation steps absorb the change (in ``args``, so later checkpoints
-    record it)."""
-    data_parallel = world_size // args.pipeline_parallel_size // args.sequence_parallel_size
+def kept_accumulation(args: TrainingArguments, checkpoint: Path, data_parallel: int) -> int | None:
+    """Resuming on another number of ranks: the accumulation steps that keep the checkpoint's global
+    batch (and so the run's trajectory) on ``data_parallel`` replicas; None where they stay as set.
+    The caller (``plan_run``) carries the value in its plan; the arguments are not changed."""
     gas = ckpt.accumulation_for(checkpoint, data_parallel, args.per_device_train_batch_size)
-    if gas is not None and gas != args.gradient_accumulation_steps:
-        print_main(
-            f"{checkpoint.name}: gradient_accumulation_steps {args.gradient_accumulation_steps} -> {gas}"
-        )
-        args.gradient_accumulation_steps = gas
+    if gas is None or gas == args.gradient_accumulation_steps:
+        return None
+    print_main(f"{checkpoint.name}: gradient_accumulation_steps {args.gradient_accumulation_steps} -> {gas}")
+    return gas
 
 
-def tiling_for(args: TrainingArguments, model: Any, run_config: Any, causal_objective: bool) -> Tiling:
+def tiling_for(
+    args: TrainingArguments, model: Any, run_config: Any, causal_objective: bool, layout: ParallelLayout
+) -> Tiling:
     """The run's tiling. ``tiled_loss: auto`` judges the largest micro-batch: its rows times the
-    block size (the model's longest context without a run config), split over a sequence-parallel
-    group; it stays off where the objective is not the token-exact causal LM (a model's own loss, a
-    ``compute_loss`` override), the pipeline computes the loss, or the loss is label-smoothed (the
-    tiles compute plain cross-entropy)."""
+    block size (the model's longest context without a run config), split over the ``layout``'s
+    sequence-parallel group; it stays off where the objective is not the token-exact causal LM (a
+    model's own loss, a ``compute_loss`` override), the pipeline computes the loss, or the loss is
+    label-smoothed (the tiles compute plain cross-entropy)."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     block = run_config.data.block_size if run_config else getattr(text, "max_position_embeddings", 0)
-    auto_off = not causal_objective or args.pipeline_parallel_size > 1 or args.label_smoothing_factor > 0
+    auto_off = not causal_objective or layout.pipeline > 1 or args.label_smoothing_factor > 0
     mode = "false" if auto_off and args.tiled_loss == "auto" else args.tiled_loss
-    tokens = args.per_device_train_batch_size * (block or 0) // args.sequence_parallel_size
+    tokens = args.per_device_train_batch_size * (block or 0) // layout.sequence
     vocab = getattr(text, "vocab_size", None) or 1
     return plan_tiling(mode, args.tiled_mlp, args.offload_activations, args.tile_tokens, vocab, tokens)
 
@@ -73,24 +74,6 @@ def torch_compile_for(args: TrainingArguments) -> TorchCompile | None:
         return None
     options = {"mode": args.torch_compile_mode} if args.torch_compile_mode else {}
     return TorchCompile(args.torch_compile_backend or "inductor", options)
-
-
-def check_resolved(ds_config: dict[str, Any], args: TrainingArguments, world_size: int) -> None:
-    """A DeepSpeed config resolved ahead (by ``build_run``) must still describe the run the Trainer
-    is about to step: the same micro-batch and accumulation per rank, on this world size."""
-    stages = int((ds_config.get("pipeline") or {}).get("stages") or 1)
-    want = {
-        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps * stages,
-        "train_batch_size": args.per_device_train_batch_size
-        * args.gradient_accumulation_steps
-        * stages
-        * (world_size // stages // args.sequence_parallel_size),
-    }
-    wrong = [(k, f"{ds_config.get(k)} in the resolved config, {v} for this run") for k, v in want.items()
-             if ds_config.get(k) != v]  # fmt: skip
-    if wrong:
-        raise ConfigError(wrong)
 
 
 def client_scheduler(

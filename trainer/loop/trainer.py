@@ -33,7 +33,6 @@ from trainer.args.recipe import dump_run_config
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.export import export_hf
 from trainer.checkpoint.snapshots import Snapshots, snapshot_dir
-from trainer.config import resolve
 from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
 from trainer.data.loader import accumulation_windows, data_seed, sample_lengths, train_sampler
@@ -55,14 +54,8 @@ from trainer.loop.evaluation import Predictions, eval_batches, evaluation_loop
 from trainer.loop.faults import fault_plan
 from trainer.loop.guard import NonfiniteGuard
 from trainer.loop.hf_methods import HFMethods
-from trainer.loop.steps import (
-    check_resolved,
-    client_scheduler,
-    keep_global_batch,
-    plan_steps,
-    tiling_for,
-    torch_compile_for,
-)
+from trainer.loop.plan import RunPlan, layout_of, plan_run
+from trainer.loop.steps import client_scheduler, tiling_for, torch_compile_for
 from trainer.model.liger import apply_liger_kernel, check_liger
 from trainer.model.modeling import enable_gradient_checkpointing, is_adapter, param_counts
 from trainer.model.neftune import NEFTune
@@ -84,6 +77,7 @@ from trainer.runtime.distributed import (
     init_distributed,
     print_main,
 )
+from trainer.runtime.layout import ParallelLayout
 from trainer.runtime.ownership import claim_output_dir
 from trainer.runtime.resilience import EXIT_PREEMPTED, PreemptionFlag, Watchdog, save_failed
 
@@ -103,23 +97,29 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
         preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
         run_config: RunConfig | None = None,
-        ds_config: dict[str, Any] | None = None,
+        plan: RunPlan | None = None,
     ):
-        """HF's arguments, plus ``run_config`` (saved with every checkpoint) and ``ds_config``: the
-        DeepSpeed config already resolved for this run (``trainer.loop.build.build_run`` passes it, having
-        built the model under it); without one the Trainer resolves it from ``args``."""
+        """HF's arguments, plus ``run_config`` (saved with every checkpoint) and ``plan``: the run
+        already planned (``trainer.loop.build.build_run`` passes it, having built the model under its
+        DeepSpeed config; its process group is up). Without one the Trainer starts the process group
+        here and plans the run (``plan_run``) when ``train`` or ``evaluate`` first needs it."""
         if model is None:
             raise ValueError("Trainer: model is required")
-        self.args = args or TrainingArguments()
+        self.plan = plan
+        self.args = plan.args if plan is not None else args or TrainingArguments()
         # Seeded here, as HF's Trainer seeds: what runs between this and the first step (building
         # the model's engine, a data collator's masks) draws from the same generator state as HF's.
         if self.args.full_determinism:
             enable_full_determinism(self.args.seed)
         else:
             set_seed(self.args.seed)
-        self.hardware = detect_hardware()
-        check_liger(self.args, self.hardware)  # before the process group, the engine or the data
-        self.dist = init_distributed(self.hardware, timeout_s=self.args.ddp_timeout)
+        if plan is not None:
+            self.hardware, self.dist = plan.hardware, plan.dist
+        else:
+            self.hardware = detect_hardware()
+            check_liger(self.args, self.hardware)  # before the process group, the engine or the data
+            self.dist = init_distributed(self.hardware, timeout_s=self.args.ddp_timeout)
+        self.layout: ParallelLayout = plan.layout if plan is not None else layout_of(self.args, self.dist)
         hf_logging.set_verbosity(self.args.get_process_log_level())
         if self.args.tf32 is not None and self.hardware.device == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.args.tf32
@@ -149,7 +149,6 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
             default.append(EmptyDeviceCache(self.args.torch_empty_cache_steps))
         self.callback_handler = CallbackHandler(default + list(callbacks or []))
         self.engine: Engine | None = None
-        self.ds_config = ds_config
         self.saver: ckpt.Saver | None = None
         self.snapshots: Snapshots | None = None
         self.watchdog = Watchdog(self.args.output_dir, self.args.hang_timeout_s, fault_plan())
@@ -171,10 +170,10 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         # One run per output_dir (`trainer train` holds it already).
         claim_output_dir(args.output_dir, wait_s=args.preemption_grace_s)
         spec = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
-        # The checkpoint is found before the engine is built: its global batch is part of the config.
         snapshots = snapshot_dir(args.output_dir) if args.snapshot_steps else None
-        checkpoint = ckpt.find_resumable(spec, args.output_dir, self.dist, snapshots)
-        sampler = self._prepare_training(checkpoint)
+        # The checkpoint is found before the engine is built: its global batch is part of the config.
+        sampler = self._prepare_training(spec)
+        args, checkpoint = self.args, self.plan.checkpoint  # the plan's arguments: its accumulation
         if checkpoint is not None:
             with self.watchdog.phase("load"):
                 self._load_checkpoint(checkpoint)
@@ -441,43 +440,53 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         barrier("save_model")
         return target
 
-    def _prepare_training(self, checkpoint: Path | None = None) -> ResumableDistributedSampler:
-        """Keep a resumed checkpoint's global batch, plan the run's length from the data, and build
-        the engine."""
-        args, state = self.args, self.state
+    def _prepare_training(self, spec: Any) -> ResumableDistributedSampler:
+        """Plan the run for resuming ``spec`` (unless the plan given is for it and unused): the
+        checkpoint, the global batch it keeps, the run's length from the data; then build the engine.
+        An engine built already (a second ``train``, or ``evaluate`` first) keeps its config."""
         if self.train_dataset is None:
             raise ValueError("Trainer.train: train_dataset is required")
-        if checkpoint is not None:
-            keep_global_batch(args, checkpoint, self.dist.world_size)
-        plan = plan_steps(args, len(self.train_dataset), self._data_ranks[0])
-        state.steps_per_epoch, state.max_steps, state.num_train_epochs = plan
+        plan = self.plan
+        if plan is None or self.engine is not None or plan.steps is None or plan.resume != spec:
+            self.plan = self._plan_run(spec, len(self.train_dataset), self.state.max_steps)
+        self.args, state = self.plan.args, self.state
+        state.steps_per_epoch, state.max_steps, state.num_train_epochs = self.plan.steps
         self._ensure_engine(state.max_steps)
         return train_sampler(len(self.train_dataset), *self._data_ranks, self.args, self._lengths)
+
+    def _plan_run(self, spec: Any, num_samples: int | None, total_steps: int) -> RunPlan:
+        return plan_run(
+            self.args,
+            self.hardware,
+            self.dist,
+            num_samples=num_samples,
+            total_steps=max(total_steps, 1),
+            hidden_size=_hidden_size(self.model),
+            resume=spec,
+            client_optimizer=self.client_optimizer is not None,
+            client_scheduler=self.client_scheduler is not None,
+            ds_config=self.ds_config if self.engine is not None else None,
+        )
+
+    @property
+    def ds_config(self) -> dict[str, Any] | None:
+        """The DeepSpeed config the engine runs (``ds_config.json``): the plan's."""
+        return self.plan.ds_config if self.plan is not None else None
 
     # ---- engine and data -----------------------------------------------------------------------
 
     @property
     def _data_ranks(self) -> tuple[int, int]:
-        """(data-parallel ranks, this rank's index among them): the ranks of a sequence-parallel
-        group read the same rows."""
-        sp = self.args.sequence_parallel_size
-        return self.dist.world_size // sp, self.dist.rank // sp
+        """(ranks that read rows of their own, this rank's index among them): the layout's."""
+        return self.layout.data_ranks
 
     def _ensure_engine(self, total_steps: int) -> None:
-        """Build the engine once, from the resolved DeepSpeed config (resolved here unless given)."""
+        """Build the engine once, from the plan's DeepSpeed config (an evaluation-only plan first,
+        where the Trainer has none yet)."""
         if self.engine is not None:
             return
-        if self.ds_config is None:
-            self.ds_config = resolve(
-                self.args,
-                world_size=self.dist.world_size,
-                hardware=self.hardware,
-                hidden_size=_hidden_size(self.model),
-                total_steps=total_steps,
-                client_optimizer=self.client_optimizer is not None,
-                client_scheduler=self.client_scheduler is not None,
-            )
-        check_resolved(self.ds_config, self.args, self.dist.world_size)
+        if self.plan is None:
+            self.plan = self._plan_run(None, None, total_steps)
         overridden = type(self).compute_loss is not Trainer.compute_loss  # HF's override point, in use
         objective = objective_for(
             self.model,
@@ -499,7 +508,9 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
                 weight_decay=self.args.weight_decay,
                 gradient_checkpointing=self.args.gradient_checkpointing,
                 objective=objective,
-                tiling=tiling_for(self.args, self.model, self.run_config, objective.token_exact_causal),
+                tiling=tiling_for(
+                    self.args, self.model, self.run_config, objective.token_exact_causal, self.layout
+                ),
                 torch_compile=torch_compile_for(self.args),
             )
         if self.dist.is_main:

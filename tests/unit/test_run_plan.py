@@ -1,0 +1,68 @@
+"""The run plan: the parallel layout (the one place the data-parallel size is computed), the sizes
+it takes from the arguments and the DeepSpeed file alike, and a plan that keeps a resumed
+checkpoint's global batch without touching the user's arguments."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.test_checkpoint import ONE, make_checkpoint
+from trainer.args import TrainingArguments
+from trainer.config import ConfigError, Hardware, parallel_sizes
+from trainer.loop.plan import layout_of, plan_run
+from trainer.runtime.distributed import DistInfo
+from trainer.runtime.layout import ParallelLayout
+
+
+def test_layout_derives_the_data_parallel_size_and_this_ranks_coordinates():
+    layout = ParallelLayout(world=8, rank=5, pipeline=2, sequence=2)
+    assert layout.data == 2
+    assert layout.data_ranks == (4, 2)  # a sequence group shares rows; a pipeline's stages do not
+    assert layout.sequence_rank == 1
+    assert ParallelLayout(world=3).data == 3
+
+
+@pytest.mark.parametrize(
+    ("sizes", "key"), [({"sequence": 4}, "sequence_parallel_size"), ({"pipeline": 4}, "pipeline")]
+)
+def test_layout_refuses_sizes_that_do_not_divide_the_world(sizes, key):
+    with pytest.raises(ConfigError, match="world size 6 is not divisible") as err:
+        ParallelLayout(world=6, **sizes)
+    assert key in str(err.value)
+
+
+def test_layout_refuses_a_rank_outside_the_world():
+    with pytest.raises(ConfigError, match="rank"):
+        ParallelLayout(world=2, rank=2)
+
+
+def test_sizes_come_from_an_explicit_argument_else_the_deepspeed_file():
+    stated = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2, "pipeline": {"stages": 2}}
+    assert parallel_sizes(TrainingArguments(output_dir="o", deepspeed=stated)) == (2, 2)
+    assert parallel_sizes(TrainingArguments(output_dir="o")) == (1, 1)
+    assert parallel_sizes(TrainingArguments(output_dir="o", sequence_parallel_size=4)) == (1, 4)
+    layout = layout_of(TrainingArguments(output_dir="o", deepspeed=stated), DistInfo(3, 3, 8))
+    assert (layout.data, layout.pipeline, layout.sequence, layout.rank) == (2, 2, 2, 3)
+
+
+def test_a_plan_keeps_the_checkpoints_global_batch_without_changing_the_arguments(tmp_path):
+    make_checkpoint(tmp_path, 5, world=2, batch=12)  # 2 ranks × micro-batch 2 × accumulation 3
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=3,
+        max_steps=10, resume_from_checkpoint="auto",
+    )  # fmt: skip
+    plan = plan_run(args, Hardware.cpu(), ONE, num_samples=100)
+    assert args.gradient_accumulation_steps == 3  # the user's arguments stay as they were
+    assert plan.args.gradient_accumulation_steps == 6  # 1 rank × 2 × 6 = the checkpoint's 12
+    assert plan.checkpoint == tmp_path / "checkpoint-5"
+    assert plan.ds_config["gradient_accumulation_steps"] == 6
+    assert plan.ds_config["train_batch_size"] == 12
+    assert plan.steps.steps_per_epoch == 9 and plan.total_steps == 10  # ceil(100 / 2 / 6)
+
+
+def test_a_plan_without_a_checkpoint_runs_the_arguments_as_they_are(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, num_train_epochs=2)
+    plan = plan_run(args, Hardware.cpu(), DistInfo(0, 0, 1), num_samples=10)
+    assert plan.args is args and plan.checkpoint is None
+    assert (plan.steps.steps_per_epoch, plan.total_steps) == (5, 10)
+    assert plan.layout == ParallelLayout(world=1)
