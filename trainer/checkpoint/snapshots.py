@@ -64,12 +64,13 @@ class Snapshots:
         """A snapshot of this step (the loop calls it when one is due)."""
         self._quietly(lambda: self.saver.save(engine, state))
 
-    def written(self) -> list[float]:
-        """This rank's vote for the step's all-reduce: [1.0] once its part is written, [0.0] before,
-        [] with none pending."""
+    def ballot(self) -> list[float]:
+        """This rank's part of the step's vote (``trainer.loop.vote``): [1.0] once its part of the
+        pending snapshot is written, [0.0] before, [] with none pending."""
         return [float(self.saver.written())] if self.saver.pending else []
 
-    def commit(self, ranks_written: list[float]) -> None:
+    def tally(self, ranks_written: list[float]) -> None:
+        """The pending snapshot is committed once every rank has written its part."""
         if ranks_written:
             self._quietly(lambda: self.saver.commit_if_written(ranks_written[0]))
 

@@ -193,6 +193,10 @@ class Engine(ABC):
     def skipped_steps(self) -> int:
         return int(self.ds.skipped_steps)
 
+    def set_lr_scale(self, scale: float) -> None:
+        """A rollback's learning-rate cut: every later step's rate (as the scheduler sets it) times ``scale``."""
+        self.lr_scale = scale
+
     def _apply_lr_scale(self) -> None:
         if self.lr_scale != 1.0:
             for group in self.ds.optimizer.param_groups:

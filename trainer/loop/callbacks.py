@@ -224,3 +224,16 @@ def greater_is_better(args: TrainingArguments) -> bool:
     if args.greater_is_better is not None:
         return args.greater_is_better
     return not metric_key(args).endswith("loss")
+
+
+def update_best_metric(state: TrainerState, args: TrainingArguments) -> None:
+    """After each evaluation of the loop, as HF's: the best metric and its step; a checkpoint saved
+    at that step is the best checkpoint."""
+    key = metric_key(args)
+    latest = next((row[key] for row in reversed(state.log_history) if key in row), None)
+    if latest is None:
+        return
+    sign = 1 if greater_is_better(args) else -1
+    if state.best_metric is None or sign * (latest - state.best_metric) > 0:
+        state.best_metric = latest
+        state.best_global_step = state.global_step

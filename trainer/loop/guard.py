@@ -1,39 +1,77 @@
-"""The training loop's non-finite guard, mixed into the Trainer: at each logging, saving or
-snapshot step every rank says whether a loss since the last check, or the grad norm, was NaN/Inf,
-and ``nonfinite_policy`` decides (skip, rollback to the last checkpoint with a lower learning rate,
-or stop with EXIT_NONFINITE). A non-finite state is never checkpointed."""
+"""The training loop's non-finite guard: at each logging, saving or snapshot step every rank says
+whether a loss since the last check, or the grad norm, was NaN/Inf, and ``nonfinite_policy`` decides
+(skip, rollback to the last checkpoint with a lower learning rate, or stop with EXIT_NONFINITE). A
+non-finite state is never checkpointed."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
 
 from trainer.checkpoint import store as ckpt
-from trainer.runtime.distributed import host_all_reduce, print_main, warn
+from trainer.engine import Engine
+from trainer.loop.vote import poll
+from trainer.runtime.distributed import print_main, warn
 from trainer.runtime.resilience import EXIT_NONFINITE
-from trainer.runtime.state import TrainerControl
+from trainer.runtime.state import TrainerControl, TrainerState
 
 
 class NonfiniteGuard:
-    """Reads the Trainer's engine, state, arguments and window sums (``_nonfinite``, ``_skipped_seen``)."""
+    """Watches the losses of the steps since the last check (on the device until a check reads them)
+    and the engine's grad norm and skipped steps. A participant of a vote of its own (``check``).
 
-    def _guard_finite(self, allow_rollback: bool = True) -> bool:
-        """True if the losses since the last check and the grad norm are finite on every rank.
-        Otherwise apply nonfinite_policy; False means the run rolled back and must re-read its state."""
+    ``finish_save`` commits the checkpoint in flight (a rollback may want it); ``roll_back`` loads a
+    checkpoint into the run and returns the run's state from then on."""
+
+    def __init__(
+        self,
+        args: Any,
+        engine: Engine,
+        finish_save: Callable[[], None],
+        roll_back: Callable[[Path], TrainerState],
+    ):
+        self.args, self.engine, self.finish_save, self.roll_back = args, engine, finish_save, roll_back
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=engine.device)
+        self.skipped_seen = engine.skipped_steps
+        self.bad = False
+
+    def reset(self) -> None:
+        """A new window of steps; the skipped steps so far are the baseline (a checkpoint restores them)."""
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.engine.device)
+        self.skipped_seen = self.engine.skipped_steps
+
+    def observe(self, loss: torch.Tensor) -> None:
+        """A step's loss (on the device: nothing waits for it here)."""
+        self.nonfinite |= ~torch.isfinite(loss)
+
+    def ballot(self) -> list[float]:
         norm = self.engine.grad_norm()
         # Under fp16 a non-finite grad norm is a loss-scale overflow: DeepSpeed skipped that step and
         # lowered the scale, as it is meant to. Only a non-finite loss counts there.
         norm_bad = norm is not None and not math.isfinite(norm) and self.engine.loss_scale() is None
-        local_bad = bool(self._nonfinite.item()) or norm_bad
+        return [float(bool(self.nonfinite.item()) or norm_bad)]
+
+    def tally(self, totals: list[float]) -> None:
+        self.bad = totals[0] != 0
+
+    def check(self, state: TrainerState, control: TrainerControl, allow_rollback: bool = True) -> bool:
+        """True if the losses since the last check and the grad norm are finite on every rank.
+        Otherwise apply nonfinite_policy; False means the run rolled back and must re-read its state."""
         skipped = self.engine.skipped_steps
-        if host_all_reduce([float(local_bad)])[0] == 0:
-            self._skipped_seen = skipped
+        poll([self])
+        if not self.bad:
+            self.skipped_seen = skipped
             return True
-        args, state = self.args, self.state
+        args = self.args
         state.nonfinite_windows += 1
-        self._nonfinite.zero_()
-        self.control.should_save = False  # a non-finite state is never checkpointed
-        if args.nonfinite_policy == "skip" and skipped > self._skipped_seen:
-            self._skipped_seen = skipped
+        self.nonfinite.zero_()
+        control.should_save = False  # a non-finite state is never checkpointed
+        if args.nonfinite_policy == "skip" and skipped > self.skipped_seen:
+            self.skipped_seen = skipped
             warn(f"step {state.global_step}: non-finite loss or grad norm; the optimizer skipped the update")
             return True
         if args.nonfinite_policy == "skip":  # DeepSpeed applied the step: skipping cannot save the weights
@@ -42,7 +80,7 @@ class NonfiniteGuard:
                 "skip the update (nonfinite_policy=skip needs one that does; use rollback or stop)"
             )
             raise SystemExit(EXIT_NONFINITE)
-        self._finish_save()  # a save in flight holds a finite state: the rollback may want it
+        self.finish_save()  # a save in flight holds a finite state: the rollback may want it
         last = [p for p in ckpt.complete_checkpoints(args.output_dir) if ckpt.resumable(p)]
         if (
             args.nonfinite_policy == "rollback"
@@ -51,12 +89,9 @@ class NonfiniteGuard:
             and state.rollbacks < args.nonfinite_max_rollbacks
         ):
             rollbacks, scale = state.rollbacks + 1, state.lr_scale * args.nonfinite_lr_factor
-            with self.watchdog.phase("load"):
-                self._load_checkpoint(last[-1])
-            self.state.rollbacks, self.state.lr_scale = rollbacks, scale
-            self.engine.lr_scale = scale
-            self.control = TrainerControl()
-            self._reset_window_sums()
+            restored = self.roll_back(last[-1])  # resets this guard's window too
+            restored.rollbacks, restored.lr_scale = rollbacks, scale
+            self.engine.set_lr_scale(scale)
             print_main(
                 f"Non-finite loss at step {state.global_step}: rolled back to {last[-1].name}, lr x{scale:g}."
             )

@@ -32,11 +32,10 @@ from trainer.args import RunConfig, TrainingArguments
 from trainer.args.recipe import dump_run_config
 from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.export import export_hf
-from trainer.checkpoint.snapshots import Snapshots, snapshot_dir
 from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
-from trainer.data.loader import accumulation_windows, data_seed, sample_lengths, train_sampler
-from trainer.engine import Engine, Objective, batch_rows, build_engine, is_causal_lm, objective_for
+from trainer.data.loader import accumulation_windows, sample_lengths, train_sampler
+from trainer.engine import Engine, Objective, build_engine, is_causal_lm, objective_for
 from trainer.loop.callbacks import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -46,16 +45,17 @@ from trainer.loop.callbacks import (
     TrainerControl,
     TrainerState,
     callback_states,
-    greater_is_better,
-    metric_key,
     restore_callback_states,
+    update_best_metric,
 )
 from trainer.loop.evaluation import Predictions, eval_batches, evaluation_loop
 from trainer.loop.faults import fault_plan
 from trainer.loop.guard import NonfiniteGuard
 from trainer.loop.hf_methods import HFMethods
 from trainer.loop.plan import RunPlan, layout_of, plan_run
+from trainer.loop.saving import Checkpoints, resumed_state
 from trainer.loop.steps import client_scheduler, tiling_for, torch_compile_for
+from trainer.loop.vote import Preemption, WindowCounts, poll
 from trainer.model.liger import apply_liger_kernel, check_liger
 from trainer.model.modeling import enable_gradient_checkpointing, is_adapter, param_counts
 from trainer.model.neftune import NEFTune
@@ -63,12 +63,7 @@ from trainer.observe.metrics import summary_table
 from trainer.observe.monitor import EmptyDeviceCache, memory_stats
 from trainer.observe.reporting import reporting_callbacks
 from trainer.observe.results import ResultsAPI, TrainTotals, train_metrics
-from trainer.observe.throughput import (
-    StepTimer,
-    flops_per_token_for_model,
-    input_ids_count,
-    non_padding_tokens,
-)
+from trainer.observe.throughput import StepTimer, flops_per_token_for_model
 from trainer.runtime.distributed import (
     all_reduce_sum,
     barrier,
@@ -79,10 +74,10 @@ from trainer.runtime.distributed import (
 )
 from trainer.runtime.layout import ParallelLayout
 from trainer.runtime.ownership import claim_output_dir
-from trainer.runtime.resilience import EXIT_PREEMPTED, PreemptionFlag, Watchdog, save_failed
+from trainer.runtime.resilience import EXIT_PREEMPTED, PreemptionFlag, Watchdog
 
 
-class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
+class Trainer(HFMethods, ResultsAPI):
     def __init__(
         self,
         model: torch.nn.Module | None = None,
@@ -149,8 +144,7 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
             default.append(EmptyDeviceCache(self.args.torch_empty_cache_steps))
         self.callback_handler = CallbackHandler(default + list(callbacks or []))
         self.engine: Engine | None = None
-        self.saver: ckpt.Saver | None = None
-        self.snapshots: Snapshots | None = None
+        self.checkpoints: Checkpoints | None = None  # the saver and snapshots (trainer/loop/saving.py)
         self.watchdog = Watchdog(self.args.output_dir, self.args.hang_timeout_s, fault_plan())
         self.preemption = PreemptionFlag()
         self._fire("on_init_end")
@@ -170,7 +164,6 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         # One run per output_dir (`trainer train` holds it already).
         claim_output_dir(args.output_dir, wait_s=args.preemption_grace_s)
         spec = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
-        snapshots = snapshot_dir(args.output_dir) if args.snapshot_steps else None
         # The checkpoint is found before the engine is built: its global batch is part of the config.
         sampler = self._prepare_training(spec)
         args, checkpoint = self.args, self.plan.checkpoint  # the plan's arguments: its accumulation
@@ -190,9 +183,13 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         if self.state.global_step >= self.state.max_steps:  # a finished run, resumed: not one step more
             print_main(f"Step {self.state.max_steps} was reached already: nothing to train.")
             return self._train_output()
-        if snapshots is not None:
+        if self.checkpoints is None:
             hf_files = (getattr(self.model, "config", None), self.processing_class)
-            self.snapshots = Snapshots(args, self.dist, self.ds_config, self.run_config, *hf_files)
+            saver_args = (args, self.dist, self.ds_config, self.run_config, *hf_files)
+            self.checkpoints = Checkpoints(
+                args, saver_args, lambda c: self._fire("on_save", checkpoint=str(c))
+            )
+        self.checkpoints.start_snapshots()
         self.timer = StepTimer(
             self._flops_per_token(),
             self.hardware.name,
@@ -204,6 +201,8 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
         if args.eval_on_start and self.eval_dataset is not None:
             self.evaluate()
         self.engine.train()
+        self.guard = NonfiniteGuard(args, self.engine, self._finish_save, self._roll_back)
+        self._preemption = Preemption(self.preemption, self._save_and_exit_on_preemption)
         self._reset_window_sums()
         # self.state is re-read every time: a rollback replaces it.
         while self.state.epoch_index < self.state.num_train_epochs and not self.control.should_training_stop:
@@ -219,12 +218,11 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
                 self.state.samples_into_epoch = 0
                 self.state.epoch = float(self.state.epoch_index)
                 self._fire("on_epoch_end")
-                if self.control.should_log and self._guard_finite():  # logging_strategy="epoch"
+                if self.control.should_log and self._finite():  # logging_strategy="epoch"
                     self._log_train()
                 self._maybe_evaluate_and_save()
         self._finish_save()
-        if self.snapshots is not None:
-            self.snapshots.release()
+        self.checkpoints.release_snapshots()
         output = self._train_output()
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             self._load_checkpoint(Path(self.state.best_model_checkpoint), weights_only=True)
@@ -255,65 +253,46 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
             window_loss = self.engine.train_window(window, window_tokens)
             self._accumulate(window_loss, window_tokens, counts)
             self._fire("on_step_end")
-            snapshot = self.snapshots is not None and self.snapshots.due(self.state.global_step)
-            if (self.control.should_log or self.control.should_save or snapshot) and not self._guard_finite():
+            snapshot = self.checkpoints.snapshot_due(self.state.global_step)
+            checked = self.control.should_log or self.control.should_save or snapshot
+            if checked and not self._finite():
                 return False  # rolled back: the epoch restarts from the checkpoint's position
             if snapshot:  # the previous snapshot is committed before this step shows: at most K steps lost
-                self.snapshots.settle()
+                self.checkpoints.settle_snapshot()
             if self.control.should_log:
                 self._log_train()
             if self._maybe_evaluate_and_save():
                 self.timer.start()  # evaluation and checkpoint time is not training throughput
             if snapshot:  # its blocking time (the copy to host memory) counts as training time
-                self.snapshots.take(self.engine, self.state)
+                self.checkpoints.take_snapshot(self.engine, self.state)
             if self.control.should_training_stop:
                 return False
         return True
 
     def _vote(self, window: list[dict[str, torch.Tensor]]) -> tuple[float, tuple[int, int]]:
-        """One host-only all-reduce per step carries the window's target tokens, the preemption flag
-        and, while an asynchronous save is in flight, each rank's "my files are written", so every
-        rank stops, commits and divides the loss alike. It also counts the window's samples and
-        input tokens on all ranks (HF's ``num_input_tokens_seen``, and the run's FLOPs): the
-        non-padding ones, or every input id with ``include_num_input_tokens_seen="all"``, as HF counts.
+        """The step's one host-only all-reduce, over its participants (trainer/loop/vote.py): the
+        checkpoint and the snapshot in flight (committed once every rank has written its part),
+        preemption (every rank saves and exits, before this window trains), and the window's target
+        tokens, samples and input tokens (HF's ``num_input_tokens_seen``, and the run's FLOPs).
         Returns the window's target tokens on all ranks, and its (samples, input tokens) on this one."""
-        counts = (sum(batch_rows(b) for b in window), sum(int(non_padding_tokens(b)) for b in window))
-        every = self.args.include_num_input_tokens_seen == "all"
-        seen = sum(input_ids_count(b) for b in window) if every else counts[1]
-        local = [
-            self.engine.local_targets(window),
-            1.0 if self.preemption.received else 0.0,
-            float(counts[0]),
-            float(seen),
-        ]
-        saving = self.saver is not None and self.saver.pending
-        if saving:
-            local.append(float(self.saver.written()))
-        if self.snapshots is not None:
-            local += self.snapshots.written()
-        window_tokens, preempted, samples, input_tokens, *written = host_all_reduce(local)
-        if saving:
-            self._committed(lambda: self.saver.commit_if_written(written[0]))
-        if self.snapshots is not None:
-            self.snapshots.commit(written[saving:])
-        if preempted:
-            self._save_and_exit_on_preemption()  # before the counts: this window is not trained
-        sp = self.args.sequence_parallel_size  # a group's ranks count the same rows
-        self.state.num_input_tokens_seen += int(input_tokens) // sp
-        self._run.samples += samples / sp
-        return max(window_tokens, 1.0), counts
+        counts = WindowCounts(window, self.engine, self.args.include_num_input_tokens_seen == "all")
+        poll([*self.checkpoints.participants, self._preemption, counts])
+        sp = self.layout.sequence  # a group's ranks count the same rows
+        self.state.num_input_tokens_seen += int(counts.input_tokens) // sp
+        self._run.samples += counts.samples / sp
+        return max(counts.tokens, 1.0), counts.local
 
     def _accumulate(self, loss: torch.Tensor, tokens: float, counts: tuple[int, int]) -> None:
         """Add a step to the logging window's sums (on the device until a logging step reads them)
         and advance the state's step, sample and epoch counters."""
         self._loss_sum += loss
         self._token_sum += tokens
-        self._nonfinite |= ~torch.isfinite(loss)
+        self.guard.observe(loss)
         self._advance(*counts)
 
     def _advance(self, samples: int, input_tokens: int) -> None:
         """One step more in the state and the step timer (this rank's samples and input tokens)."""
-        sp = self.args.sequence_parallel_size  # a group's ranks count the same rows
+        sp = self.layout.sequence  # a group's ranks count the same rows
         self.timer.step_end(tokens=input_tokens / sp, samples=samples / sp)
         state = self.state
         state.global_step += 1
@@ -326,16 +305,25 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
     def _reset_window_sums(self) -> None:
         self._loss_sum = torch.zeros((), device=self.engine.device)
         self._token_sum = 0.0
-        self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.engine.device)
-        self._skipped_seen = self.engine.skipped_steps  # the guard's baseline (a checkpoint restores it)
+        self.guard.reset()
 
-    # ---- preemption (the non-finite guard is trainer/loop/guard.py) ---------------------------------
+    def _finite(self, allow_rollback: bool = True) -> bool:
+        """The non-finite guard's check (trainer/loop/guard.py); False: the run rolled back."""
+        return self.guard.check(self.state, self.control, allow_rollback)
+
+    def _roll_back(self, checkpoint: Path) -> TrainerState:
+        """The non-finite guard's rollback: the run goes on from ``checkpoint``; its state is returned."""
+        with self.watchdog.phase("load"):
+            self._load_checkpoint(checkpoint)
+        self.control = TrainerControl()
+        self._reset_window_sums()
+        return self.state
 
     def _save_and_exit_on_preemption(self) -> None:
-        if self._guard_finite(allow_rollback=False):
+        if self._finite(allow_rollback=False):
             with self.watchdog.phase("save", self.args.preemption_grace_s):
                 self._save_checkpoint(resumable=True)
-                self._committed(self.saver.finish)
+                self.checkpoints.finish()
             print_main(
                 f"Preempted: saved checkpoint-{self.state.global_step}; exiting with {EXIT_PREEMPTED}."
             )
@@ -567,11 +555,11 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
     def _maybe_evaluate_and_save(self) -> bool:
         """Evaluate and/or save as the control flags ask; True if anything ran."""
         ran = False
-        if self.snapshots is not None and (self.control.should_evaluate or self.control.should_save):
-            self.snapshots.settle()
+        if self.control.should_evaluate or self.control.should_save:
+            self.checkpoints.settle_snapshot()
         if self.control.should_evaluate and self.eval_dataset is not None:
             self.evaluate()
-            self._update_best_metric()
+            update_best_metric(self.state, self.args)
             ran = True
         if self.control.should_save:
             with self.watchdog.phase("save"):
@@ -585,78 +573,22 @@ class Trainer(HFMethods, ResultsAPI, NonfiniteGuard):
             torch.cuda.synchronize()
 
     def _save_checkpoint(self, resumable: bool = False) -> None:
-        """Start a checkpoint of this step. on_save fires when it is committed: at once for a
-        synchronous save, at a later step's vote (or the end of training) for an async one. With
-        save_only_model it holds the weights alone, unless it must be ``resumable`` (preemption)."""
-        final = ckpt.final_dir(self.args.output_dir, self.state.global_step)
-        model_only = self.args.save_only_model and not resumable
-        saved = getattr(self, "_saved", None)  # (step, weights alone) of this run's last save
-        if saved is not None and saved[0] == self.state.global_step and (model_only or not saved[1]):
-            return  # saved already in this run (an epoch-end save on a save_steps multiple)
-        if self.state.best_global_step == self.state.global_step:
-            self.state.best_model_checkpoint = str(final)
-        if self.saver is None:
-            config = getattr(self.model, "config", None)
-            self.saver = ckpt.Saver(
-                self.args, self.dist, self.ds_config, self.run_config, config, self.processing_class
-            )
-        self._saved = (self.state.global_step, model_only)
-        self.state.stateful_callbacks = callback_states(self.callback_handler.callbacks, self.control)
-        self._committed(lambda: self.saver.save(self.engine, self.state, model_only=model_only))
+        """Start a checkpoint of this step (trainer/loop/saving.py); on_save fires once it is committed."""
+        states = lambda: callback_states(self.callback_handler.callbacks, self.control)  # noqa: E731
+        self.checkpoints.save(self.engine, self.state, states, resumable)
 
     def _finish_save(self) -> None:
         """Commit a pending asynchronous save (collective); a no-op when none is pending."""
-        if self.saver is not None and self.saver.pending:
+        if self.checkpoints.pending:
             with self.watchdog.phase("save"):
-                self._committed(self.saver.finish)
-
-    def _committed(self, save: Callable[[], Path | None]) -> None:
-        """One step of saving; on_save fires once a checkpoint is committed. A checkpoint that cannot
-        be written (its partial files are gone by now) follows save_failure_policy."""
-        try:
-            checkpoint = save()
-        except ckpt.CheckpointWriteError as err:
-            return save_failed(err, self.args.save_failure_policy)
-        if checkpoint is not None:
-            self._fire("on_save", checkpoint=str(checkpoint))
-
-    def _update_best_metric(self) -> None:
-        """After each evaluation of the loop, as HF's: the best metric and its step; a checkpoint
-        saved at that step is the best checkpoint."""
-        key = metric_key(self.args)
-        latest = next((row[key] for row in reversed(self.state.log_history) if key in row), None)
-        if latest is None:
-            return
-        sign = 1 if greater_is_better(self.args) else -1
-        best = self.state.best_metric
-        if best is None or sign * (latest - best) > 0:
-            self.state.best_metric = latest
-            self.state.best_global_step = self.state.global_step
+                self.checkpoints.finish()
 
     def _load_checkpoint(self, path: Path, weights_only: bool = False) -> None:
         saved = ckpt.load(self.engine, path, self.dist, restore_rng=not weights_only)
         if not weights_only:
-            if saved.world_size != self._data_ranks[0]:
-                # The samples all ranks consumed, re-divided among this run's ranks.
-                sampler = ResumableDistributedSampler(
-                    len(self.train_dataset), *self._data_ranks, seed=data_seed(self.args)
-                )
-                sampler.load_state_dict(
-                    {"epoch": saved.epoch_index, "start": saved.samples_into_epoch, "seed": data_seed(self.args),
-                     "num_replicas": saved.world_size}
-                )  # fmt: skip
-                saved.samples_into_epoch = sampler.start
-            # Where the run is comes from the checkpoint; how long it runs from these arguments.
-            for plan in (
-                "is_world_process_zero",
-                "is_local_process_zero",
-                "world_size",
-                "max_steps",
-                "num_train_epochs",
-                "steps_per_epoch",
-            ):
-                setattr(saved, plan, getattr(self.state, plan))
-            self.state = saved
+            self.state = resumed_state(
+                saved, self.state, len(self.train_dataset), self._data_ranks, self.args
+            )
 
     # ---- small helpers -------------------------------------------------------------------------
 

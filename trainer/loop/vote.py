@@ -1,0 +1,80 @@
+"""The step's vote: one host-only all-reduce that every rank takes part in before each step.
+
+A participant puts a few numbers on the vote (``ballot``) and acts on their sums over the ranks
+(``tally``): every rank sees the same sums, so every rank decides alike (commits the same save,
+stops at the same step). The step's participants, in the order they act:
+
+- the asynchronous checkpoint in flight (``trainer.loop.saving.Checkpoints``): each rank's "my files
+  are written"; committed once every rank's are;
+- the pending snapshot (``trainer.checkpoint.snapshots.Snapshots``), the same way;
+- preemption (``Preemption``): any rank's signal saves and exits every rank, before this window trains;
+- the window itself (``WindowCounts``): its target tokens (what every rank divides its loss by), its
+  samples and input tokens (``state.num_input_tokens_seen``, the run's FLOPs).
+
+A participant with nothing to say puts nothing on the vote; that is the same on every rank (a save
+is pending on all of them or on none). The non-finite guard (``trainer.loop.guard``) takes part in
+a vote of its own, at the steps that log, save or snapshot: it judges the step just trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from trainer.engine import Engine, batch_rows
+from trainer.observe.throughput import input_ids_count, non_padding_tokens
+from trainer.runtime.distributed import host_all_reduce
+from trainer.runtime.resilience import PreemptionFlag
+
+
+class Participant(Protocol):
+    def ballot(self) -> list[float]:
+        """This rank's numbers for the vote ([] for none)."""
+        ...
+
+    def tally(self, totals: list[float]) -> None:
+        """Act on the sums over the ranks of what ``ballot`` put on the vote (the same on every rank)."""
+        ...
+
+
+def poll(participants: Sequence[Participant]) -> None:
+    """One host all-reduce of every participant's ballot; then each acts on its sums, in order."""
+    ballots = [p.ballot() for p in participants]
+    totals = host_all_reduce([value for ballot in ballots for value in ballot])
+    at = 0
+    for participant, ballot in zip(participants, ballots, strict=True):
+        participant.tally(totals[at : at + len(ballot)])
+        at += len(ballot)
+
+
+class WindowCounts:
+    """An accumulation window's part: its normaliser (target tokens for a causal LM) and its samples
+    and input tokens, counted on the host from the CPU batches: the non-padding ones, or every input
+    id with ``include_num_input_tokens_seen="all"``, as HF counts."""
+
+    def __init__(self, window: list[dict[str, Any]], engine: Engine, every_input_id: bool):
+        # This rank's (samples, non-padding tokens): the step timer's numbers.
+        self.local = (sum(batch_rows(b) for b in window), sum(int(non_padding_tokens(b)) for b in window))
+        seen = sum(input_ids_count(b) for b in window) if every_input_id else self.local[1]
+        self._ballot = [engine.local_targets(window), float(self.local[0]), float(seen)]
+        self.tokens = self.samples = self.input_tokens = 0.0
+
+    def ballot(self) -> list[float]:
+        return self._ballot
+
+    def tally(self, totals: list[float]) -> None:
+        self.tokens, self.samples, self.input_tokens = totals
+
+
+class Preemption:
+    """The preemption flag's part: a signal on any rank stops every rank at the same step."""
+
+    def __init__(self, flag: PreemptionFlag, stop: Callable[[], None]):
+        self.flag, self.stop = flag, stop
+
+    def ballot(self) -> list[float]:
+        return [1.0 if self.flag.received else 0.0]
+
+    def tally(self, totals: list[float]) -> None:
+        if totals[0]:
+            self.stop()
