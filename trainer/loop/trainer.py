@@ -57,7 +57,7 @@ from trainer.loop.saving import Checkpoints, resumed_state
 from trainer.loop.steps import client_scheduler, tiling_for, torch_compile_for
 from trainer.loop.vote import Preemption, WindowCounts, poll
 from trainer.model.liger import apply_liger_kernel, check_liger
-from trainer.model.modeling import enable_gradient_checkpointing, is_adapter, param_counts
+from trainer.model.modeling import enable_gradient_checkpointing, is_adapter, model_hidden_size, param_counts
 from trainer.model.neftune import NEFTune
 from trainer.observe.metrics import summary_table
 from trainer.observe.monitor import EmptyDeviceCache, memory_stats
@@ -449,7 +449,7 @@ class Trainer(HFMethods, ResultsAPI):
             self.dist,
             num_samples=num_samples,
             total_steps=max(total_steps, 1),
-            hidden_size=_hidden_size(self.model),
+            hidden_size=model_hidden_size(self.model),
             resume=spec,
             client_optimizer=self.client_optimizer is not None,
             client_scheduler=self.client_scheduler is not None,
@@ -590,16 +590,9 @@ class Trainer(HFMethods, ResultsAPI):
                 saved, self.state, len(self.train_dataset), self._data_ranks, self.args
             )
 
-    # ---- small helpers -------------------------------------------------------------------------
-
     def _flops_per_token(self) -> float | None:
         """A causal LM's model FLOPs per token (MFU); None for other models, whose rows are not
         token blocks."""
         if not is_causal_lm(self.model) or self.train_dataset is None:
             return None
         return flops_per_token_for_model(self.model, len(self.train_dataset[0]["input_ids"]))
-
-
-def _hidden_size(model: torch.nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    return getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)

@@ -73,6 +73,12 @@ def hidden_size_of(config: PretrainedConfig) -> int:
     return int(getattr(config, "hidden_size", None) or config.n_embd)
 
 
+def model_hidden_size(model: torch.nn.Module) -> int | None:
+    """A model's hidden size where its config names one the way decoders do; None otherwise."""
+    config = getattr(model, "config", None)
+    return getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+
+
 def build_model(
     model_args: ModelArguments,
     config: PretrainedConfig,
