@@ -198,9 +198,7 @@ def summarise(args, world, nbytes, rows, raw, dd, engine) -> dict:
     gb = nbytes / 1e9
     med = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in rows.items()}
     report = {
-        "model_params": sum(
-            p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters()
-        ),
+        "model_params": engine.parameter_counts()[1],
         "zero_stage": args.zero_stage,
         "world_size": world,
         "checkpoint_bytes": nbytes,

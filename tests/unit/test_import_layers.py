@@ -150,3 +150,68 @@ def test_no_script_or_test_edits_sys_path():
             if isinstance(node, ast.Attribute) and ast.unparse(node) == "sys.path":
                 edits.append(str(path.relative_to(ROOT)))
     assert edits == []
+
+
+# ---- the engine seam -----------------------------------------------------------------------------
+
+# ZeRO-3's parameter internals: a partitioned stub's size, shard, id and state, and DeepSpeed's gather.
+ZERO_NAMES = {"ds_numel", "ds_tensor", "ds_id", "ds_status", "GatheredParameters"}
+# Outside trainer/engine/, DeepSpeed may be imported only to start the process group, and by the
+# benchmark, which runs plain DeepSpeed as a baseline system (systems.py) and starts each system's
+# process group itself, before any engine exists (worker.py, loop_overhead.py).
+DEEPSPEED_IMPORTERS = {
+    "trainer.runtime.distributed",
+    "trainer.bench.systems",
+    "trainer.bench.worker",
+    "trainer.bench.loop_overhead",
+}
+
+
+def seam_breaches(modules: dict[str, Path]) -> list[str]:
+    """Where a module outside ``trainer/engine/`` imports DeepSpeed (unless allowed to) or names a
+    ZeRO internal (an attribute, a name or a string, as ``getattr(p, "ds_numel")`` reads it)."""
+    found = []
+    for module, path in sorted(modules.items()):
+        if module == "trainer.engine" or module.startswith("trainer.engine."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                imported = [node.module or ""]
+            else:
+                imported = []
+            if module not in DEEPSPEED_IMPORTERS and any(
+                name == "deepspeed" or name.startswith("deepspeed.") for name in imported
+            ):
+                found.append(f"{module}:{node.lineno}: import {', '.join(imported)}")
+            named = (
+                node.attr
+                if isinstance(node, ast.Attribute)
+                else node.id
+                if isinstance(node, ast.Name)
+                else node.value
+                if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                else None
+            )
+            if named in ZERO_NAMES:
+                found.append(f"{module}:{node.lineno}: {named}")
+    return sorted(found, key=lambda line: (line.split(":")[0], int(line.split(":")[1])))
+
+
+def test_deepspeed_and_zero_internals_stay_behind_the_engine():
+    """Everything outside ``trainer/engine/`` asks the ``Engine`` contract or ``trainer.engine.zero``."""
+    assert seam_breaches(_modules()) == []
+
+
+def test_the_seam_check_finds_a_breach(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import deepspeed\nfrom deepspeed.utils import x\nn = getattr(p, 'ds_numel', 0)\nq.ds_tensor\n"
+    )
+    assert seam_breaches({"trainer.loop.bad": bad, "trainer.engine.fine": bad}) == [
+        "trainer.loop.bad:1: import deepspeed",
+        "trainer.loop.bad:2: import deepspeed.utils",
+        "trainer.loop.bad:3: ds_numel",
+        "trainer.loop.bad:4: ds_tensor",
+    ]

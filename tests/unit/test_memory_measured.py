@@ -1,8 +1,9 @@
 """Measured against predicted: the bytes each of 2 CPU ranks holds in model states, ZeRO 0-3.
 
 One torchrun launch runs every stage in fp32 and bf16 on a tiny Llama; each rank sums the bytes of the
-engine's tensors (``trainer.observe.monitor.engine_state_bytes``) after the backward of a micro-step inside a
-gradient-accumulation window, when gradients are held as the stage keeps them between micro-steps.
+engine's tensors (``trainer.engine.zero.state_bytes``, what ``Engine.state_bytes`` reports) after the
+backward of a micro-step inside a gradient-accumulation window, when gradients are held as the stage
+keeps them between micro-steps.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import deepspeed, torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from trainer.observe.monitor import engine_state_bytes
+    from trainer.engine.zero import state_bytes
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
@@ -50,7 +51,7 @@ SCRIPT = textwrap.dedent(
             results[f"{precision}/{stage}"] = {
                 "n_params": sum(p.numel() for p in model.parameters()) if stage < 3 else
                             sum(p.ds_numel for p in model.parameters()),
-                **engine_state_bytes(engine),
+                **state_bytes(engine.module, engine.optimizer),
             }
             engine.destroy()
             del engine, model

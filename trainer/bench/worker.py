@@ -71,6 +71,7 @@ def run(system: str, job: Job, gate: GateClient, rank: int, local_rank: int) -> 
     import deepspeed
     import torch
 
+    from trainer.engine.zero import numel
     from trainer.observe.monitor import memory_stats
     from trainer.observe.throughput import flops_per_token_for_model
 
@@ -106,9 +107,7 @@ def run(system: str, job: Job, gate: GateClient, rank: int, local_rank: int) -> 
         "final_loss": outcome.final_loss,
         "dp_world_size": outcome.dp_world_size,
         "flops_per_token": flops_per_token_for_model(outcome.model, job.seq_len),
-        "n_params": sum(
-            {id(p): int(getattr(p, "ds_numel", p.numel())) for p in outcome.model.parameters()}.values()
-        ),
+        "n_params": sum({id(p): numel(p) for p in outcome.model.parameters()}.values()),
         "peak_memory_bytes": int(memory_stats(device)["peak_memory_allocated_bytes"]),
         "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
         "notes": outcome.notes,

@@ -4,7 +4,7 @@ Two sources, one writer. ``export_hf`` writes the live weights a run holds (``Tr
 ``export_checkpoint`` is the offline export of a checkpoint directory, in one process: the checkpoint
 carries the model's HF config and the tokenizer (or, if written without them, a run config they are
 rebuilt from), so nothing but the checkpoint is needed. Its weights come from DeepSpeed's shards
-(consolidated to fp32 by DeepSpeed's own ``zero_to_fp32`` for ZeRO 1-3, read from the model-states
+(consolidated to fp32 by DeepSpeed's own ``zero_to_fp32``, through ``trainer.engine.zero``, for ZeRO 1-3, read from the model-states
 file for ZeRO-0; a ``save_only_model`` checkpoint's from its safetensors). Files are checked against
 the manifest first: DeepSpeed's shards are pickles, and only verified files are unpickled.
 """
@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 import yaml
-from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import trainer.checkpoint.store as ckpt
 from trainer.args import RunConfig
 from trainer.data import get_tokenizer
+from trainer.engine.zero import fp32_state_dict
 from trainer.model.modeling import model_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -136,7 +136,7 @@ def _consolidated_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch
             path / ckpt.DS_TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
         )
         return {k: v.float() for k, v in saved["module"].items()}
-    return get_fp32_state_dict_from_zero_checkpoint(str(path), tag=ckpt.DS_TAG)
+    return fp32_state_dict(path, tag=ckpt.DS_TAG)
 
 
 def _tied_keys(model: torch.nn.Module) -> set[str]:

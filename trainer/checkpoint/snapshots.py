@@ -23,11 +23,14 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.checkpoint import store as ckpt
 from trainer.runtime.distributed import DistInfo, barrier, warn
 from trainer.runtime.ownership import LOCK_FILE
+
+if TYPE_CHECKING:
+    from trainer.engine import Engine
 
 SHM = Path("/dev/shm")
 PREFIX = f"trainer-snapshots-{os.getuid()}-"
@@ -60,7 +63,7 @@ class Snapshots:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def take(self, engine: Any, state: Any) -> None:
+    def take(self, engine: Engine, state: Any) -> None:
         """A snapshot of this step (the loop calls it when one is due)."""
         self._quietly(lambda: self.saver.save(engine, state))
 

@@ -13,6 +13,7 @@ token-exact loss, any HF model's own loss or a ``compute_loss`` override plug in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.utils import clip_grad_norm_
 
+from trainer.engine import zero
 from trainer.engine.objectives import Batch, Objective
 
 if TYPE_CHECKING:
@@ -102,7 +104,10 @@ class Engine(ABC):
 
     ``ds`` is DeepSpeed's engine, which only engines touch; ``module`` the HF model (what the
     export is written from); ``objective`` what a step minimises; ``world_size`` the data-parallel
-    size; ``lr_scale`` a rollback's learning-rate cut, applied after the scheduler sets each step's rate."""
+    size; ``partitions`` the ranks ZeRO shards the optimizer over; ``lr_scale`` a rollback's
+    learning-rate cut, applied after the scheduler sets each step's rate. What callers outside
+    ``trainer/engine/`` need of DeepSpeed and ZeRO (parameter counts, state bytes, the whole
+    weights, checkpoint shards) they ask of this contract or of ``trainer.engine.zero``."""
 
     ds: Any
     module: torch.nn.Module
@@ -141,11 +146,17 @@ class Engine(ABC):
         ``window_tokens``: the window's target tokens on all ranks. Returns this rank's summed
         loss, on the device."""
 
-    @abstractmethod
     def eval_step(self, batch: Batch, outputs: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """(summed loss, its count, the model's outputs when ``outputs``, else None) of this rank's
         evaluation batch, on the device; a sum over ranks counts every batch once. A collective, like
         every forward under ZeRO-3 or a pipeline."""
+        result = self._eval_step(batch, outputs)
+        self._after("eval_step", batch, outputs=outputs)
+        return result
+
+    @abstractmethod
+    def _eval_step(self, batch: Batch, outputs: bool) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``eval_step`` as each engine carries it out."""
 
     def generate(self, batch: Batch, **kwargs: Any) -> torch.Tensor:
         """The model's ``generate`` on this rank's batch (``predict_with_generate``)."""
@@ -157,6 +168,32 @@ class Engine(ABC):
         only the parameters that train (a LoRA adapter's)."""
 
     # ---- shared ---------------------------------------------------------------------------------
+
+    @property
+    def partitions(self) -> int:
+        """The ranks ZeRO shards the optimizer states over (what a checkpoint's shards are cut for)."""
+        return self.world_size
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(trainable, total) parameters of the HF model; a ZeRO-3 partition counts its full size."""
+        return zero.parameter_counts(self.module)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds in model states: ``params``, ``grads``, ``optimizer``, ``other``
+        (``trainer.engine.zero.state_bytes``; compare with ``trainer.planner.model_state_bytes``)."""
+        return zero.state_bytes(self.module, self.optimizer)
+
+    def after(self, method: str, hook: Callable[..., None]) -> None:
+        """Run ``hook`` after every call of ``method`` (``"save"`` or ``"eval_step"``) returns, with
+        that call's arguments (a save's directory first, an evaluation's batch). Fault injection
+        (``trainer.loop.faults``) crashes a rank there; nothing else in training uses it."""
+        if method not in ("save", "eval_step"):
+            raise ValueError(f"no hook point {method!r}; there are 'save' and 'eval_step'")
+        self.__dict__.setdefault("_hooks", {}).setdefault(method, []).append(hook)
+
+    def _after(self, method: str, *args: Any, **kwargs: Any) -> None:
+        for hook in self.__dict__.get("_hooks", {}).get(method, ()):
+            hook(*args, **kwargs)
 
     def local_targets(self, window: list[Batch]) -> float:
         """This rank's share of the window's normaliser (target tokens for a causal LM), counted on
@@ -215,6 +252,7 @@ class Engine(ABC):
             self.ds.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
         finally:
             self.ds.checkpoint_engine = own
+        self._after("save", directory, tag, client_state=client_state, writer=writer)
 
     def load(self, directory: str, tag: str, load_optimizer_states: bool = True) -> dict[str, Any]:
         path, client_state = self.ds.load_checkpoint(
@@ -239,10 +277,7 @@ class Engine(ABC):
             raise ValueError(f"the saved weights do not match the model: missing {missing[:5]}")
         for name, tensor in tensors.items():
             gather = partitioned and isinstance(tensor, torch.nn.Parameter)
-            with (
-                torch.no_grad(),
-                deepspeed.zero.GatheredParameters([tensor], modifier_rank=0, enabled=gather),
-            ):
+            with torch.no_grad(), zero.gathered([tensor], modifier_rank=0, enabled=gather):
                 if not gather or self.ds.global_rank == 0:
                     tensor.copy_(weights[name].to(tensor.dtype))
 

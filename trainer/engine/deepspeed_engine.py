@@ -16,6 +16,7 @@ import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
 from trainer.data import IGNORE_INDEX
+from trainer.engine import zero
 from trainer.engine.core import Batch, Engine, TorchCompile, weight_decay_groups
 from trainer.engine.loss import next_token_targets
 from trainer.engine.objectives import CausalLM, Objective, causal_inputs
@@ -63,7 +64,10 @@ class DeepSpeedEngine(Engine):
         # ZeRO-3's reduce-scatter averages over every rank, sequence-parallel ones too (0.19).
         zero3_sp = self.sp is not None and self.ds.zero_optimization_partition_weights()
         self.grad_divisor = self.ds.seq_dp_world_size if zero3_sp else self.world_size
-        self.partitions: int = self.ds.seq_dp_world_size  # what ZeRO shards over, SP ranks included
+
+    @property
+    def partitions(self) -> int:
+        return self.ds.seq_dp_world_size  # what ZeRO shards over, SP ranks included
 
     @property
     def module(self) -> torch.nn.Module:
@@ -113,7 +117,7 @@ class DeepSpeedEngine(Engine):
         return self.objective.token_loss_sum(self.ds(**inputs).logits, targets)
 
     @torch.no_grad()
-    def eval_step(self, batch: Batch, outputs: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _eval_step(self, batch: Batch, outputs: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
         if self.sp is not None and outputs:
             raise NotImplementedError(
                 "predictions (predict, compute_metrics) with sequence_parallel_size > 1: each rank holds a "
@@ -144,7 +148,7 @@ class DeepSpeedEngine(Engine):
             state = {}
             for name, param in self.module.named_parameters():
                 if param.requires_grad:
-                    with deepspeed.zero.GatheredParameters([param], enabled=partitioned):
+                    with zero.gathered([param], enabled=partitioned):
                         state[name] = param.detach().cpu().clone()
             return state if self.ds.global_rank == 0 else None
         if partitioned:

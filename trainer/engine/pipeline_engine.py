@@ -123,7 +123,7 @@ class PipelineEngine(Engine):
         return self.loss.result(self.device)[0]
 
     @torch.no_grad()
-    def eval_step(self, batch: Batch, outputs: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _eval_step(self, batch: Batch, outputs: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """The pipeline's pooled batches on its last stage (zero loss and count on the others). With
         ``outputs``, the last stage computes the logits of all of them and each stage takes its own
         back."""

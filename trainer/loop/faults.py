@@ -54,7 +54,8 @@ def crash_now() -> None:
 
 
 class FaultInjection(TrainerCallback):
-    """Carries out a fault plan through the engine the Trainer passes to callbacks.
+    """Carries out a fault plan through the engine the Trainer passes to callbacks: its declared
+    ``objective`` and its ``after`` hooks (nothing of the engine is replaced).
 
     ``nan``: the engine's loss function returns NaN for one step (once per process, or a rollback
     would replay it forever). ``crash`` after a step: SIGKILL once the step ends. ``crash`` with
@@ -81,11 +82,11 @@ class FaultInjection(TrainerCallback):
             crash_now()
         snapshots = snapshot_dir(args.output_dir)
         if fault_due(self.plan, "crash", self.rank, state.global_step, phase="save"):
-            engine.save = _crash_after(engine.save, lambda path, *a, **k: snapshots not in Path(path).parents)
+            engine.after("save", _crash_if(lambda path, *a, **k: snapshots not in Path(path).parents))
         if fault_due(self.plan, "crash", self.rank, state.global_step, phase="snapshot"):
-            engine.save = _crash_after(engine.save, lambda path, *a, **k: snapshots in Path(path).parents)
+            engine.after("save", _crash_if(lambda path, *a, **k: snapshots in Path(path).parents))
         if fault_due(self.plan, "crash", self.rank, state.global_step, phase="eval"):
-            engine.eval_step = _crash_after(engine.eval_step, lambda *a, **k: True)
+            engine.after("eval_step", _crash_if(lambda *a, **k: True))
 
 
 class NaNLoss:
@@ -105,13 +106,11 @@ class NaNLoss:
         return self.objective.token_loss_sum(*args) * float("nan")
 
 
-def _crash_after(method: Callable[..., Any], due: Callable[..., bool]) -> Callable[..., Any]:
-    """``method``, followed by SIGKILL on the first call that ``due`` picks out."""
+def _crash_if(due: Callable[..., bool]) -> Callable[..., None]:
+    """An engine hook (``Engine.after``): SIGKILL after the first call that ``due`` picks out."""
 
-    def then_crash(*a: Any, **k: Any) -> Any:
-        result = method(*a, **k)
+    def crash(*a: Any, **k: Any) -> None:
         if due(*a, **k):
             crash_now()
-        return result
 
-    return then_crash
+    return crash

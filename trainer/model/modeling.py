@@ -8,10 +8,8 @@ rank ever holds the full model.
 from __future__ import annotations
 
 import zlib
-from contextlib import nullcontext
 from typing import Any
 
-import deepspeed
 import torch
 from transformers import (
     AutoConfig,
@@ -25,6 +23,7 @@ from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from trainer.args import ModelArguments
+from trainer.engine import zero
 
 # A small Llama that trains visibly on two CPU cores in a few minutes.
 DEFAULT_LLAMA = dict(
@@ -120,12 +119,7 @@ def is_adapter(model: Any) -> bool:
 
 def param_counts(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameters; a ZeRO-3 partition counts its full size."""
-    trainable = total = 0
-    for param in model.parameters():
-        n = getattr(param, "ds_numel", param.numel())
-        total += n
-        trainable += n if param.requires_grad else 0
-    return trainable, total
+    return zero.parameter_counts(model)
 
 
 def quantization(model_args: ModelArguments) -> Any:
@@ -151,8 +145,11 @@ def init_weights(model: torch.nn.Module, seed: int, zero3: bool = False) -> None
     """
     std = getattr(model.config, "initializer_range", 0.02)
     for name, param in model.named_parameters():
-        gathered = deepspeed.zero.GatheredParameters([param], modifier_rank=0) if zero3 else nullcontext()
-        with gathered, torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with (
+            zero.gathered([param], modifier_rank=0, enabled=zero3),
+            torch.no_grad(),
+            torch.random.fork_rng(devices=[]),
+        ):
             torch.manual_seed(seed + zlib.crc32(name.encode()))
             if name.endswith("bias"):
                 param.zero_()

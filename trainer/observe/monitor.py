@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import resource
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.runtime.state import TrainerCallback
+
+if TYPE_CHECKING:
+    from trainer.engine import Engine
 
 
 def _host_rss_bytes() -> int | None:
@@ -78,55 +81,9 @@ class EmptyDeviceCache(TrainerCallback):
             self.empty()
 
 
-def engine_state_bytes(engine: Any) -> dict[str, int]:
-    """Bytes this rank holds in model states, summed over the engine's tensors (each storage once).
-
-    ``params``: the module's parameters (under ZeRO-3, this rank's partitions). ``optimizer``: the
-    inner optimizer's states and the fp32 master weights it steps, when those are not the module's
-    parameters, and the wrapper's fp32 partitions (attributes named ``*fp32*``). ``grads``: gradients
-    of either, and the wrapper's gradient partitions and buffers (attributes named ``*grad*``).
-    ``other``: any further tensors of the wrapper (communication buckets). Meta tensors hold no
-    memory and are skipped. Compare with ``trainer.planner.model_state_bytes`` (docs/memory.md).
+def engine_state_bytes(engine: Engine) -> dict[str, int]:
+    """Bytes this rank holds in model states (``Engine.state_bytes``): ``params`` (under ZeRO-3, this
+    rank's partitions), ``grads``, ``optimizer`` (states and fp32 master weights) and ``other``
+    (communication buckets). Compare with ``trainer.planner.model_state_bytes`` (docs/memory.md).
     """
-    seen: set[int] = set()
-    out = {"params": 0, "grads": 0, "optimizer": 0, "other": 0}
-
-    def add(tensor: Any, kind: str) -> None:
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta" or tensor.numel() == 0:
-            return
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            out[kind] += storage.nbytes()
-        if tensor.grad is not None:
-            add(tensor.grad, "grads")
-
-    for p in engine.module.parameters():
-        add(getattr(p, "ds_tensor", None), "params")
-        add(p, "params")
-    wrapper = engine.optimizer
-    inner = getattr(wrapper, "optimizer", wrapper)
-    for group in inner.param_groups:
-        for p in group["params"]:
-            add(p, "optimizer")
-    for state in inner.state.values():
-        for value in state.values():
-            add(value, "optimizer")
-    if wrapper is not inner:
-        for name, value in vars(wrapper).items():
-            for tensor in _tensors_in(value):
-                kind = "grads" if "grad" in name else "optimizer" if "fp32" in name else "other"
-                add(tensor, kind)
-    return out
-
-
-def _tensors_in(value: Any, depth: int = 0) -> Iterable[Any]:
-    """Tensors inside nested lists, tuples and dicts (not inside other objects)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif depth < 4 and isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors_in(item, depth + 1)
-    elif depth < 4 and isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors_in(item, depth + 1)
+    return engine.state_bytes()

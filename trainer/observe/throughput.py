@@ -33,24 +33,23 @@ def model_flops_per_token(
 
 def lookup_params(model: Any) -> int:
     """Parameters of ``model``'s embedding tables that are only looked up (not tied to the output layer)."""
+    from trainer.engine.zero import numel  # a ZeRO-3 stub's real size; DeepSpeed loads only when counting
+
     out_weight = None
     if hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None:
         out_weight = model.get_output_embeddings().weight
     return sum(
-        _numel(m.weight)
+        numel(m.weight)
         for m in model.modules()
         if isinstance(m, torch.nn.Embedding) and m.weight is not out_weight
     )
 
 
-def _numel(p: Any) -> int:
-    # Under ZeRO-3 a parameter is a partitioned stub; ds_numel is its real size.
-    return int(getattr(p, "ds_numel", p.numel()))
-
-
 def flops_per_token_for_model(model: Any, seq_len: int) -> float:
     """``model_flops_per_token`` for an HF causal LM, reading layers and hidden size from its config."""
-    unique = {id(p): _numel(p) for p in model.parameters()}  # tied weights once
+    from trainer.engine.zero import numel  # a ZeRO-3 stub's real size; DeepSpeed loads only when counting
+
+    unique = {id(p): numel(p) for p in model.parameters()}  # tied weights once
     cfg = model.config
     return model_flops_per_token(
         sum(unique.values()), cfg.num_hidden_layers, cfg.hidden_size, seq_len, lookup_params(model)

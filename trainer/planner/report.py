@@ -118,16 +118,15 @@ def deepspeed_estimates(spec: ModelSpec, cluster: Cluster) -> dict[str, dict[str
     Imports deepspeed, so it is kept out of the planner's path; docs/memory.md compares the two.
     """
     # Function-local on purpose: deepspeed is optional to the planner, which must answer without it.
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from trainer.engine.zero import estimate_zero2_model_states, estimate_zero3_model_states
 
     common = {"num_gpus_per_node": cluster.gpus_per_node, "num_nodes": cluster.nodes}
     out = {}
     for offload in (False, True):
-        cpu, gpu = estimate_zero2_model_states_mem_needs(spec.n_params, cpu_offload=offload, **common)
+        cpu, gpu = estimate_zero2_model_states(spec.n_params, cpu_offload=offload, **common)
         out[f"zero2{'_offload_optimizer' if offload else ''}"] = {"gpu_gb": gpu / GB, "cpu_gb": cpu / GB}
     for offload_optimizer, offload_param in ((False, False), (True, False), (True, True)):
-        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+        cpu, gpu, _ = estimate_zero3_model_states(
             spec.n_params, spec.largest_layer_params, cpu_offload=offload_optimizer,
             cpu_offload_params=offload_param, **common,
         )  # fmt: skip

@@ -1,0 +1,147 @@
+"""DeepSpeed's ZeRO internals, behind the engine layer: the one place outside the engines that reads
+a partitioned parameter's attributes or calls DeepSpeed's ZeRO tools.
+
+Under ZeRO-3 a parameter is a stub whose real size is ``ds_numel`` and whose local shard is
+``ds_tensor``; reading or changing its values needs a gather. Offline, a ZeRO checkpoint is
+consolidated by DeepSpeed's ``zero_to_fp32`` and converted for another world size by its
+``ds_to_universal``. Callers outside ``trainer/engine/`` use these helpers (or the ``Engine`` that
+wraps them) and never DeepSpeed itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed.checkpoint import ds_to_universal
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+
+def numel(param: torch.Tensor) -> int:
+    """A parameter's full number of elements; under ZeRO-3 a partitioned stub's real size."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters of ``model`` (tied ones once); a ZeRO-3 partition counts its full size."""
+    trainable = total = 0
+    for param in model.parameters():
+        n = numel(param)
+        total += n
+        trainable += n if param.requires_grad else 0
+    return trainable, total
+
+
+@contextlib.contextmanager
+def gathered(
+    params: Sequence[torch.Tensor], modifier_rank: int | None = None, enabled: bool = True
+) -> Iterator[None]:
+    """Inside: the whole of each ZeRO-3 partitioned parameter on every rank (``modifier_rank``:
+    the rank whose changes are partitioned back as the block ends). A no-op for parameters that are
+    not partitioned, or when not ``enabled``."""
+    if not enabled:
+        yield
+        return
+    with deepspeed.zero.GatheredParameters(list(params), modifier_rank=modifier_rank):
+        yield
+
+
+def state_bytes(module: torch.nn.Module, optimizer: Any) -> dict[str, int]:
+    """Bytes this rank holds in model states, summed over the tensors (each storage once).
+
+    ``params``: the module's parameters (under ZeRO-3, this rank's partitions). ``optimizer``: the
+    inner optimizer's states and the fp32 master weights it steps, when those are not the module's
+    parameters, and the wrapper's fp32 partitions (attributes named ``*fp32*``). ``grads``: gradients
+    of either, and the wrapper's gradient partitions and buffers (attributes named ``*grad*``).
+    ``other``: any further tensors of the wrapper (communication buckets). Meta tensors hold no
+    memory and are skipped. ``optimizer`` is what ``deepspeed.initialize`` returned (DeepSpeed's
+    ZeRO or mixed-precision wrapper, or a plain optimizer).
+    """
+    seen: set[int] = set()
+    out = {"params": 0, "grads": 0, "optimizer": 0, "other": 0}
+
+    def add(tensor: Any, kind: str) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta" or tensor.numel() == 0:
+            return
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            out[kind] += storage.nbytes()
+        if tensor.grad is not None:
+            add(tensor.grad, "grads")
+
+    for p in module.parameters():
+        add(getattr(p, "ds_tensor", None), "params")
+        add(p, "params")
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            add(p, "optimizer")
+    for state in inner.state.values():
+        for value in state.values():
+            add(value, "optimizer")
+    if optimizer is not inner:
+        for name, value in vars(optimizer).items():
+            for tensor in _tensors_in(value):
+                kind = "grads" if "grad" in name else "optimizer" if "fp32" in name else "other"
+                add(tensor, kind)
+    return out
+
+
+def _tensors_in(value: Any, depth: int = 0) -> Iterable[Any]:
+    """Tensors inside nested lists, tuples and dicts (not inside other objects)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 4 and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item, depth + 1)
+
+
+# ---- checkpoints, offline ------------------------------------------------------------------------
+
+
+def fp32_state_dict(checkpoint_dir: str | Path, tag: str) -> dict[str, torch.Tensor]:
+    """The whole model's fp32 weights from a ZeRO 1-3 checkpoint's shards (DeepSpeed's ``zero_to_fp32``),
+    in one process."""
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+
+
+def convert_to_universal(source: str | Path, target: str | Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` of the checkpoint ``source`` (a tag directory) into ``target``,
+    in this process (no worker processes forked from a training rank); it writes ``latest_universal``
+    next to ``target``."""
+    options = argparse.Namespace(
+        input_folder=str(source),
+        output_folder=str(target),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
+    )
+    ds_to_universal.main(options)
+
+
+# ---- DeepSpeed's own memory estimators (the planner compares with them) ---------------------------
+
+
+def estimate_zero2_model_states(n_params: int, **kwargs: Any) -> tuple[float, float]:
+    """(cpu, gpu) bytes: DeepSpeed's ``estimate_zero2_model_states_mem_needs``."""
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    return estimate_zero2_model_states_mem_needs(n_params, **kwargs)
+
+
+def estimate_zero3_model_states(n_params: int, largest_layer_params: int, **kwargs: Any) -> tuple[Any, ...]:
+    """(cpu, gpu, largest layer memory) bytes: DeepSpeed's ``estimate_zero3_model_states_mem_needs``."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    return estimate_zero3_model_states_mem_needs(n_params, largest_layer_params, **kwargs)
