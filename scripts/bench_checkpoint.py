@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
+from trainer import checkpoint as ckpt
 from trainer.args import TrainingArguments
-from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.snapshots import Snapshots
 from trainer.config import resolve
 from trainer.engine import DeepSpeedEngine, Engine

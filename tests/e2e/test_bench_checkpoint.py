@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.helpers.launch import launch
-from trainer.checkpoint import store as ckpt
+from trainer import checkpoint as ckpt
 from trainer.checkpoint.snapshots import snapshot_dir
 
 pytestmark = pytest.mark.distributed

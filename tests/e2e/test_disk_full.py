@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.helpers.launch import launch
-from trainer.checkpoint import store as ckpt
+from trainer import checkpoint as ckpt
 from trainer.model.modeling import DEFAULT_LLAMA
 
 pytestmark = pytest.mark.distributed

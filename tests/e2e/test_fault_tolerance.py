@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.launch import BIN, ROOT, free_port, launch, run_env
-from trainer.checkpoint import store as ckpt
+from trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.distributed
 

@@ -176,8 +176,8 @@ def save_only_model(out: Path) -> dict[str, Any]:
     evaluations, the weights after training against the best checkpoint's (read by transformers'
     from_pretrained and by `trainer export`), and the refused resumes. The higher eval loss ranks best
     here, so the weights reloaded at the end are not the last step's."""
+    from trainer.checkpoint import CheckpointError
     from trainer.checkpoint.export import export_checkpoint
-    from trainer.checkpoint.store import CheckpointError
 
     fields = dict(save_only_model=True, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
                   load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True)  # fmt: skip

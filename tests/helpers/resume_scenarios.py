@@ -24,7 +24,7 @@ from tests.helpers.trainer_scenarios import (
     token_dataset,
 )
 from trainer import Trainer, TrainingArguments
-from trainer.checkpoint.store import CheckpointError
+from trainer.checkpoint import CheckpointError
 from trainer.data import CausalLMCollator
 from trainer.loop.callbacks import TrainerCallback
 from trainer.runtime.distributed import (

@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
+from trainer import checkpoint as ckpt
 from trainer.args import RunConfig
-from trainer.checkpoint import store as ckpt
 from trainer.cli import train as run_module
 from trainer.config.errors import ConfigError
 from trainer.runtime.distributed import DistInfo

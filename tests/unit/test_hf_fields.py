@@ -17,10 +17,9 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 from transformers import GenerationConfig, HfArgumentParser
 
-from trainer import Seq2SeqTrainingArguments, TrainingArguments
+from trainer import Seq2SeqTrainingArguments, TrainingArguments, checkpoint
 from trainer.args import RunConfig, hf_fields
 from trainer.args.hf_fields import ONLY, OWN_DEFAULTS, REFUSED, SAME_AS_DEFAULT, hf_fields_doc
-from trainer.checkpoint import store as checkpoint
 from trainer.config.errors import ConfigError
 from trainer.loop.callbacks import DefaultFlowCallback, TrainerControl, TrainerState
 

@@ -7,8 +7,9 @@ import os
 import time
 
 from tests.unit.test_ownership import hold
+from trainer import checkpoint as ckpt
 from trainer.checkpoint import snapshots
-from trainer.checkpoint import store as ckpt
+from trainer.checkpoint.resume import _candidates
 
 
 def committed(root, step):
@@ -48,6 +49,6 @@ def test_a_start_sweeps_only_the_snapshots_of_jobs_that_are_gone(tmp_path, monke
 def test_resume_candidates_are_the_newest_first_disk_before_memory(tmp_path):
     disk, shm = tmp_path / "out", tmp_path / "shm"
     committed(disk, 4), committed(disk, 8), committed(shm, 8), committed(shm, 9)
-    assert ckpt._candidates(disk, shm) == [shm / "checkpoint-9", disk / "checkpoint-8", shm / "checkpoint-8",
+    assert _candidates(disk, shm) == [shm / "checkpoint-9", disk / "checkpoint-8", shm / "checkpoint-8",
                                            disk / "checkpoint-4"]  # fmt: skip
-    assert ckpt._candidates(disk, None) == [disk / "checkpoint-8", disk / "checkpoint-4"]
+    assert _candidates(disk, None) == [disk / "checkpoint-8", disk / "checkpoint-4"]

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.checkpoint import store as ckpt
+from trainer.checkpoint.layout import CheckpointWriteError
+from trainer.checkpoint.store import Saver
 from trainer.runtime.distributed import DistInfo, barrier, warn
 from trainer.runtime.ownership import LOCK_FILE
 
@@ -58,7 +59,7 @@ class Snapshots:
         shm_args = args.model_copy(
             update={"output_dir": str(self.dir), "async_save": True, "save_total_limit": 1}
         )
-        self.saver = ckpt.Saver(shm_args, dist, ds_config, run_config, *hf_files)
+        self.saver = Saver(shm_args, dist, ds_config, run_config, *hf_files)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -93,7 +94,7 @@ class Snapshots:
     def _quietly(self, step: Any) -> None:
         try:
             step()
-        except ckpt.CheckpointWriteError as err:  # a snapshot is an optimisation: the run goes on
+        except CheckpointWriteError as err:  # a snapshot is an optimisation: the run goes on
             warn(f"snapshot skipped: {err}")
 
 

@@ -1,9 +1,8 @@
 """Checkpoint directories: the layout, and saving (``Saver``: staging, the ranks' vote, the atomic
 commit, retention). The names, manifest, commit and rotation are ``trainer/checkpoint/layout.py``'s;
 finding, verifying and loading a checkpoint to resume from (and the universal conversion for a new
-world size) ``trainer/checkpoint/resume.py``'s; HF exports ``trainer/checkpoint/export.py``'s. Every
-name of those two modules is importable from here too (``from trainer.checkpoint import store as
-ckpt``; ``ckpt.find_resumable``).
+world size) ``trainer/checkpoint/resume.py``'s; HF exports ``trainer/checkpoint/export.py``'s. The
+package (``from trainer import checkpoint as ckpt``) exports what the rest of the trainer uses.
 
 ``output_dir/checkpoint-<step>/`` holds::
 
@@ -40,48 +39,20 @@ from typing import TYPE_CHECKING, Any
 from trainer.args import RunConfig, TrainingArguments
 from trainer.args.recipe import dump_run_config
 from trainer.checkpoint import disk
-from trainer.checkpoint.layout import (  # noqa: F401  (the checkpoint layer's names, importable from here)
-    _OPTIM_SHARD,
+from trainer.checkpoint.layout import (
     DISK_FULL_BYTES,
     DS_TAG,
-    MANIFEST,
-    MARKER,
-    PREFIX,
-    STAGING,
-    UNIVERSAL,
     WEIGHTS,
     CheckpointError,
     CheckpointWriteError,
     commit,
     complete_checkpoints,
     final_dir,
-    is_complete,
-    load_rng,
     read_manifest,
     remove_stale_staging,
     rng_state,
     rotate,
-    save_rng,
-    set_rng_state,
     staging_dir,
-    step_of,
-    verify,
-    verify_on_all_ranks,
-    write_manifest,
-)
-from trainer.checkpoint.resume import (  # noqa: F401
-    _candidates,
-    accumulation_for,
-    find_resumable,
-    load,
-    needs_universal,
-    refuse_model_only,
-    resumable,
-    resume_candidate,
-    run_config_changes,
-    saved_batch,
-    steps_left,
-    universal_copy,
 )
 from trainer.checkpoint.writer import FileWriter, save_weights
 from trainer.config.files import precision_of

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from trainer.checkpoint import CheckpointError
 from trainer.checkpoint.export import export_checkpoint
-from trainer.checkpoint.store import CheckpointError
 from trainer.config.errors import ConfigError
 
 

@@ -17,9 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+from trainer import checkpoint as ckpt
 from trainer.args import RunConfig
 from trainer.args.recipe import HELP_FLAGS, parse_run_config, run_help
-from trainer.checkpoint import store as ckpt
 from trainer.config import Hardware, check
 from trainer.config.errors import ConfigError
 from trainer.engine.sequence_parallel import check_layout

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import store as ckpt
+from trainer import checkpoint as ckpt
 from trainer.engine import Engine
 from trainer.loop.vote import poll
 from trainer.runtime.distributed import print_main, warn

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer import checkpoint as ckpt
 from trainer.args import RunConfig, TrainingArguments
-from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.snapshots import snapshot_dir
 from trainer.config import Hardware, parallel_sizes, resolve
 from trainer.loop.steps import StepPlan, kept_accumulation, plan_steps

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import store as ckpt
+from trainer import checkpoint as ckpt
 from trainer.checkpoint.snapshots import Snapshots
 from trainer.data import ResumableDistributedSampler
 from trainer.data.loader import data_seed

@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 import torch
 from transformers import get_scheduler
 
+from trainer import checkpoint as ckpt
 from trainer.args import TrainingArguments
-from trainer.checkpoint import store as ckpt
 from trainer.engine import Tiling, TorchCompile, plan_tiling
 from trainer.runtime.distributed import print_main
 from trainer.runtime.layout import ParallelLayout

@@ -28,9 +28,9 @@ from transformers.trainer_utils import (
 )
 from transformers.utils import logging as hf_logging
 
+from trainer import checkpoint as ckpt
 from trainer.args import RunConfig, TrainingArguments
 from trainer.args.recipe import dump_run_config
-from trainer.checkpoint import store as ckpt
 from trainer.checkpoint.export import export_hf
 from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
