@@ -21,8 +21,8 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import trainer.checkpoint.store as ckpt
 from trainer.args import RunConfig
+from trainer.checkpoint import layout
 from trainer.data import get_tokenizer
 from trainer.engine.zero import fp32_state_dict
 from trainer.model.modeling import model_config
@@ -41,7 +41,7 @@ def export_hf(
     if not state_dict:
         raise ValueError(f"{out_dir}: refusing to export an empty state dict")
     out = Path(out_dir)
-    tmp = out.parent / f"{ckpt.STAGING}export-{out.name}"
+    tmp = out.parent / f"{layout.STAGING}export-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     _save_pretrained(model, tokenizer, tmp, state_dict=state_dict)
@@ -62,17 +62,19 @@ def export_checkpoint(
     """Write an HF model directory of a verified checkpoint's weights, cast to ``dtype``. A LoRA
     checkpoint gives its peft adapter directory, or with ``merge`` the base with the adapters folded in."""
     path = Path(checkpoint)
-    if not ckpt.is_complete(path):
-        raise ckpt.CheckpointError(f"{path}: not a complete checkpoint (no {ckpt.MARKER} marker or manifest)")
-    problems = ckpt.verify(path)
+    if not layout.is_complete(path):
+        raise layout.CheckpointError(
+            f"{path}: not a complete checkpoint (no {layout.MARKER} marker or manifest)"
+        )
+    problems = layout.verify(path)
     if problems:
-        raise ckpt.CheckpointError("; ".join(problems))
+        raise layout.CheckpointError("; ".join(problems))
     config, tokenizer = _model_and_tokenizer(path)
-    state = _consolidated_state(path, ckpt.read_manifest(path))
+    state = _consolidated_state(path, layout.read_manifest(path))
     run = _run_config(path)
     adapter = run is not None and run.model.use_peft
     if merge and not adapter:
-        raise ckpt.CheckpointError(
+        raise layout.CheckpointError(
             f"{path}: --merge folds LoRA adapters into their base; this run trained no adapters"
         )
     if adapter:
@@ -86,7 +88,7 @@ def export_checkpoint(
     # Tied weights are stored once; anything else missing means the checkpoint does not fit the model.
     missing = [k for k in missing if k not in _tied_keys(model)]
     if missing or unexpected:
-        raise ckpt.CheckpointError(
+        raise layout.CheckpointError(
             f"{path}: weights do not match the model (missing {missing}, unexpected {unexpected})"
         )
     if merge:
@@ -120,7 +122,7 @@ def _model_and_tokenizer(path: Path) -> tuple[Any, Any]:
         has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
         return config, AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     if not (path / "run_config.yaml").is_file():
-        raise ckpt.CheckpointError(
+        raise layout.CheckpointError(
             f"{path}: neither a model config.json nor a run_config.yaml to rebuild the model from"
         )
     run = _run_config(path)
@@ -130,13 +132,13 @@ def _model_and_tokenizer(path: Path) -> tuple[Any, Any]:
 
 def _consolidated_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
     if manifest.get("model_only"):  # save_only_model: the whole model's weights in one file
-        return {k: v.float() for k, v in load_file(str(path / ckpt.WEIGHTS)).items()}
+        return {k: v.float() for k, v in load_file(str(path / layout.WEIGHTS)).items()}
     if manifest.get("zero_stage", 0) == 0:
         saved = torch.load(
-            path / ckpt.DS_TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
+            path / layout.DS_TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
         )
         return {k: v.float() for k, v in saved["module"].items()}
-    return fp32_state_dict(path, tag=ckpt.DS_TAG)
+    return fp32_state_dict(path, tag=layout.DS_TAG)
 
 
 def _tied_keys(model: torch.nn.Module) -> set[str]:
