@@ -8,12 +8,12 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from trainer.engine.zero import deepspeed_estimates
 from trainer.planner import (
     GB,
     Cluster,
     Setup,
     buffer_bytes,
-    deepspeed_estimates,
     model_state_bytes,
     spec_from_counts,
 )

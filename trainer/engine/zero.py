@@ -14,12 +14,17 @@ import argparse
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import deepspeed
 import torch
 from deepspeed.checkpoint import ds_to_universal
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+from trainer.planner import GB
+
+if TYPE_CHECKING:
+    from trainer.planner import Cluster, ModelSpec
 
 
 def numel(param: torch.Tensor) -> int:
@@ -133,15 +138,27 @@ def convert_to_universal(source: str | Path, target: str | Path) -> None:
 # ---- DeepSpeed's own memory estimators (the planner compares with them) ---------------------------
 
 
-def estimate_zero2_model_states(n_params: int, **kwargs: Any) -> tuple[float, float]:
-    """(cpu, gpu) bytes: DeepSpeed's ``estimate_zero2_model_states_mem_needs``."""
+def deepspeed_estimates(spec: ModelSpec, cluster: Cluster) -> dict[str, dict[str, float]]:
+    """DeepSpeed's own model-state estimators for the planner's model and cluster, in GB per GPU / per
+    node: here, beside DeepSpeed, so the planner answers without it; docs/memory.md compares the two.
+    """
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    return estimate_zero2_model_states_mem_needs(n_params, **kwargs)
-
-
-def estimate_zero3_model_states(n_params: int, largest_layer_params: int, **kwargs: Any) -> tuple[Any, ...]:
-    """(cpu, gpu, largest layer memory) bytes: DeepSpeed's ``estimate_zero3_model_states_mem_needs``."""
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-
-    return estimate_zero3_model_states_mem_needs(n_params, largest_layer_params, **kwargs)
+    common = {"num_gpus_per_node": cluster.gpus_per_node, "num_nodes": cluster.nodes}
+    out = {}
+    for offload in (False, True):
+        cpu, gpu = estimate_zero2_model_states_mem_needs(spec.n_params, cpu_offload=offload, **common)
+        out[f"zero2{'_offload_optimizer' if offload else ''}"] = {"gpu_gb": gpu / GB, "cpu_gb": cpu / GB}
+    for offload_optimizer, offload_param in ((False, False), (True, False), (True, True)):
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            spec.n_params, spec.largest_layer_params, cpu_offload=offload_optimizer,
+            cpu_offload_params=offload_param, **common,
+        )  # fmt: skip
+        name = (
+            "zero3"
+            + ("_offload_optimizer" if offload_optimizer else "")
+            + ("_param" if offload_param else "")
+        )
+        out[name] = {"gpu_gb": gpu / GB, "cpu_gb": cpu / GB}
+    return out

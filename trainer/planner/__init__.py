@@ -21,7 +21,8 @@ Nothing here imports torch or deepspeed: the planner must answer in milliseconds
   logits, the host memory of a node.
 - ``search``: the configurations and their order, one estimate, the sequence-parallel sizes a run
   can use, and the plan.
-- ``report``: the plan in words and tables, why nothing fits, and DeepSpeed's own estimators.
+- ``report``: the plan in words and tables, why nothing fits (DeepSpeed's own estimators, for comparison,
+  are ``trainer.engine.zero.deepspeed_estimates``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from trainer.planner.memory import (
     tiled_loss_auto,
 )
 from trainer.planner.report import (
-    deepspeed_estimates,
     describe,
     format_activation_table,
     format_table,
@@ -97,7 +97,6 @@ __all__ = [
     "buffer_bytes",
     "candidate_setups",
     "cpu_bytes_per_node",
-    "deepspeed_estimates",
     "describe",
     "estimate",
     "format_activation_table",

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.planner.spec import GB, Cluster, ModelSpec
-
 
 def describe(row: dict[str, Any]) -> str:
     """A configuration in words: "ZeRO-3, optimizer offload, activation checkpointing, sequence parallel 8"."""
@@ -110,30 +108,3 @@ def format_activation_table(result: dict[str, Any]) -> str:
         offloaded = "".join(f"{host['by_sp'][sp]['cpu_gb_per_node']:9.2f}" for sp in sizes)
         lines.append(f"{'offload: host per node':>24} |{offloaded}")
     return "\n".join(lines)
-
-
-def deepspeed_estimates(spec: ModelSpec, cluster: Cluster) -> dict[str, dict[str, float]]:
-    """DeepSpeed's own model-state estimators for the same model and cluster, in GB per GPU / per node.
-
-    Imports deepspeed, so it is kept out of the planner's path; docs/memory.md compares the two.
-    """
-    # Function-local on purpose: deepspeed is optional to the planner, which must answer without it.
-    from trainer.engine.zero import estimate_zero2_model_states, estimate_zero3_model_states
-
-    common = {"num_gpus_per_node": cluster.gpus_per_node, "num_nodes": cluster.nodes}
-    out = {}
-    for offload in (False, True):
-        cpu, gpu = estimate_zero2_model_states(spec.n_params, cpu_offload=offload, **common)
-        out[f"zero2{'_offload_optimizer' if offload else ''}"] = {"gpu_gb": gpu / GB, "cpu_gb": cpu / GB}
-    for offload_optimizer, offload_param in ((False, False), (True, False), (True, True)):
-        cpu, gpu, _ = estimate_zero3_model_states(
-            spec.n_params, spec.largest_layer_params, cpu_offload=offload_optimizer,
-            cpu_offload_params=offload_param, **common,
-        )  # fmt: skip
-        name = (
-            "zero3"
-            + ("_offload_optimizer" if offload_optimizer else "")
-            + ("_param" if offload_param else "")
-        )
-        out[name] = {"gpu_gb": gpu / GB, "cpu_gb": cpu / GB}
-    return out
