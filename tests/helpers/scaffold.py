@@ -20,7 +20,7 @@ import torch
 
 # ---- tiny runs of scripts/train.py -----------------------------------------------------------------
 
-# The 2-layer, width-64 Llama most runs train (the recipe's other settings stay).
+# The model of most tiny runs: the recipe's Llama with 2 layers of width 64 (--model_config_overrides).
 TINY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 
 # A tiny run of the embedded default recipe: four steps, each logged, one eval and one checkpoint at
