@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.helpers.launch import launch, shm_buffers
+from tests.helpers.scaffold import assert_same_weights, load_weights
 
 pytestmark = pytest.mark.distributed
 
@@ -52,14 +53,10 @@ def test_zero_stages_share_loss_trajectory(results):
 
 def test_zero_stages_share_final_weights(results):
     out, _ = results
-    base = torch.load(out / "zero_stages" / "zero0.pt", weights_only=True)
+    base = load_weights(out / "zero_stages" / "zero0.pt")
     for stage in (1, 2, 3):
-        other = torch.load(out / "zero_stages" / f"zero{stage}.pt", weights_only=True)
-        assert other.keys() == base.keys()
-        for name in base:
-            torch.testing.assert_close(
-                other[name], base[name], rtol=1e-4, atol=1e-5, msg=f"zero{stage} {name}"
-            )
+        other = out / "zero_stages" / f"zero{stage}.pt"
+        assert_same_weights(other, base, rtol=1e-4, atol=1e-5, what=f"zero{stage}")
 
 
 TORCH_ADAMW = "torch.optim.adamw.AdamW"
@@ -134,10 +131,9 @@ def test_trainer_export_of_each_zero_stage_gives_the_engines_logits(results, sta
 def test_grad_accum_equals_one_big_batch(results, stage):
     """micro 2 x accum 4 x 2 ranks == one 16-sample batch, with variable padding."""
     out, res = results
-    ref = torch.load(out / "grad_accum" / "reference.pt", weights_only=True)
-    got = torch.load(out / "grad_accum" / f"zero{stage}.pt", weights_only=True)
-    for name in ref:
-        torch.testing.assert_close(got[name], ref[name].float(), rtol=1e-4, atol=2e-6, msg=name)
+    ref = {name: tensor.float() for name, tensor in load_weights(out / "grad_accum" / "reference.pt").items()}
+    got = out / "grad_accum" / f"zero{stage}.pt"
+    assert_same_weights(got, ref, rtol=1e-4, atol=2e-6, same_keys=False)
     assert max_rel_diff(res["grad_accum"][f"zero{stage}"], res["grad_accum"]["reference"]) <= 1e-5
     # Clipped AdamW hides a constant gradient scale; the norm before clipping does not.
     norms, ref_norms = res["grad_accum"][f"zero{stage}_grad_norm"], res["grad_accum"]["reference_grad_norm"]
@@ -154,11 +150,9 @@ def test_short_last_window_of_an_epoch_matches_a_plain_torch_loop(results):
     assert len(run["reference"]) == 3
     assert max_rel_diff(run["losses"], run["reference"]) <= 1e-5
     assert max_rel_diff(run["grad_norm"], run["reference_grad_norm"]) <= 1e-5
-    ref = torch.load(out / "partial_window" / "reference.pt", weights_only=True)
-    got = torch.load(out / "partial_window" / "trainer.pt", weights_only=True)
-    assert got.keys() == ref.keys()
-    for name in ref:
-        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=2e-6, msg=name)
+    assert_same_weights(
+        out / "partial_window" / "trainer.pt", out / "partial_window" / "reference.pt", rtol=1e-4, atol=2e-6
+    )
 
 
 def test_activation_checkpointing_keeps_gradients(results):

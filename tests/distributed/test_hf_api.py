@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.launch import launch
+from tests.helpers.scaffold import read_metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -32,10 +33,6 @@ def run(tmp_path_factory):
     return out, ranks, proc.stdout
 
 
-def rows(out):
-    return [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_train_returns_hfs_train_output_matching_metrics_jsonl(run):
     out, ranks, _ = run
     for res in ranks:
@@ -46,7 +43,7 @@ def test_train_returns_hfs_train_output_matching_metrics_jsonl(run):
         assert loss == metrics["train_loss"]
     _, loss, metrics = ranks[0]["train_output"]
     assert ranks[1]["train_output"][2]["train_loss"] == loss  # every rank reports the run's loss
-    logged = rows(out)
+    logged = read_metrics(out / "run")
     losses = [r["loss"] for r in logged if "loss" in r]
     assert [r["step"] for r in logged if "loss" in r] == [1, 2, 3, 4]
     # Every step has 4 rows x 23 target tokens: the token-weighted mean is the mean of the steps.

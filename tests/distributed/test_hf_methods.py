@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tests.helpers.launch import launch
+from tests.helpers.scaffold import read_metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -24,10 +25,6 @@ def run(tmp_path_factory):
     launch(["tests/helpers/hf_methods_scenario.py", str(out)])
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     return out, ranks
-
-
-def metrics_rows(out):
-    return [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_the_train_loader_yields_the_micro_batches_training_consumed(run):
@@ -88,7 +85,7 @@ def test_log_adds_epoch_and_step_to_the_history_and_metrics_jsonl(run):
         {"without_writer": 1.0, "epoch": epoch, "step": 4},
         {"writer_back": 1.0, "epoch": epoch, "step": 4},
     ]
-    rows = metrics_rows(out)
+    rows = read_metrics(out / "run")
     assert {"during_training": 3.0, "epoch": 0.6, "step": 3} in rows
     # Rows logged after train() are written too: the evaluation, and log() while MetricsCallback is in.
     assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4, 4]

@@ -20,6 +20,7 @@ import torch
 from transformers import TrainerState as HFTrainerState
 
 from tests.helpers.launch import ROOT, free_port, launch, run_env
+from tests.helpers.scaffold import bpe_tokenizer
 
 pytestmark = pytest.mark.distributed
 
@@ -79,9 +80,6 @@ def prepared(tmp_path_factory) -> dict:
     import argparse
     import dataclasses
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     root = tmp_path_factory.mktemp("run_clm")
     lines = [
         line
@@ -91,14 +89,7 @@ def prepared(tmp_path_factory) -> dict:
     ]
     (root / "train.txt").write_text("\n".join(lines[:400]) + "\n")
     (root / "validation.txt").write_text("\n".join(lines[400:480]) + "\n")
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    special = ["<unk>", "<pad>", "<eos>"]
-    bpe.train_from_iterator(lines[:480], trainers.BpeTrainer(vocab_size=512, special_tokens=special))
-    PreTrainedTokenizerFast(
-        tokenizer_object=bpe, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>", model_max_length=128
-    ).save_pretrained(root / "tokenizer")
+    bpe_tokenizer(lines[:480], model_max_length=128).save_pretrained(root / "tokenizer")
     (root / "ds.json").write_text(json.dumps(DS_CONFIG, indent=2))
 
     source = SCRIPT.read_text()

@@ -5,56 +5,29 @@ no partial files are left."""
 
 from __future__ import annotations
 
-import contextlib
 import re
-import subprocess
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.helpers.launch import launch
+from tests.helpers.scaffold import TINY_MODEL, mounted_tmpfs, tiny_flags
 from trainer import checkpoint as ckpt
 from trainer.model.modeling import DEFAULT_LLAMA
 
 pytestmark = pytest.mark.distributed
 
-OVERRIDES = '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}'
-TINY = ["--save_steps", "2", "--logging_steps", "1", "--eval_steps", "1000", "--max_train_samples", "100",
-        "--max_eval_samples", "8", "--block_size", "64", "--vocab_size", "4096",
-        "--model_config_overrides", OVERRIDES]  # fmt: skip
+TINY = tiny_flags(max_steps=None, save_steps=2, eval_steps=1000, max_train_samples=100, max_eval_samples=8,
+                  vocab_size=4096)  # fmt: skip
 KIB = 1024
 
 
 def estimate() -> int:
     """What the first save expects (the planner's fp32 figure: weights 4 + Adam 8 bytes per parameter)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(
-            LlamaConfig(
-                **{
-                    **DEFAULT_LLAMA,
-                    "vocab_size": 4096,
-                    "hidden_size": 64,
-                    "intermediate_size": 128,
-                    "num_hidden_layers": 2,
-                }
-            )  # fmt: skip
-        )
+        model = LlamaForCausalLM(LlamaConfig(**{**DEFAULT_LLAMA, "vocab_size": 4096, **TINY_MODEL}))
     return 12 * sum(p.numel() for p in model.parameters())
-
-
-@contextlib.contextmanager
-def small_filesystem(path, size: int):
-    path.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 def train(out, *extra):
@@ -67,7 +40,7 @@ def train(out, *extra):
 def test_a_save_that_would_not_fit_is_skipped_and_training_goes_on(tmp_path):
     # Room for checkpoint-2 (the estimate plus ~290 KiB of tokenizer and RNG files), then 2.2 MiB:
     # enough for final/, not for checkpoint-4.
-    with small_filesystem(tmp_path / "disk", estimate() + 300 * KIB + 2200 * KIB) as disk:
+    with mounted_tmpfs(tmp_path / "disk", estimate() + 300 * KIB + 2200 * KIB) as disk:
         out = disk / "run"
         code, text = train(out, "--max_steps", "6", "--save_failure_policy", "continue")
         assert code == 0, text
@@ -89,7 +62,7 @@ def test_a_save_that_would_not_fit_is_skipped_and_training_goes_on(tmp_path):
 
 def test_a_disk_that_fills_during_a_save_stops_the_run_with_one_line(tmp_path):
     # The first save's estimate fits, the checkpoint itself (its tokenizer files too) does not.
-    with small_filesystem(tmp_path / "disk", estimate() + 150 * KIB) as disk:
+    with mounted_tmpfs(tmp_path / "disk", estimate() + 150 * KIB) as disk:
         out = disk / "run"
         code, text = train(out, "--max_steps", "4")
         assert code == 74, text

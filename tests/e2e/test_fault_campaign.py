@@ -12,29 +12,18 @@ import sys
 import pytest
 
 from tests.helpers.launch import ROOT, run_env
+from tests.helpers.scaffold import tmpfs_refusal
 
 pytestmark = pytest.mark.distributed
 
 EQUAL_KINDS = ("kill", "sigterm", "disk", "cache")
 
 
-def tmpfs_mountable(path) -> str | None:
-    """None when a tmpfs can be mounted here, else the system's reason."""
-    path.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        return mounted.stderr.decode().strip() or f"mount exited {mounted.returncode}"
-    subprocess.run(["umount", str(path)], check=True)
-    return None
-
-
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory):
     """The campaign's JSON and printed output; the disk kind is left out where no tmpfs can be mounted."""
     tmp = tmp_path_factory.mktemp("campaign")
-    no_tmpfs = tmpfs_mountable(tmp / "probe")
+    no_tmpfs = tmpfs_refusal(tmp / "probe")
     kinds = ["kill", "sigterm", "nan", *([] if no_tmpfs else ["disk"]), "cache"]
     cmd = [sys.executable, "scripts/fault_campaign.py", "--runs", str(len(kinds)), "--kinds", ",".join(kinds),
            "--seed", "1", "--out", str(tmp / "out")]  # fmt: skip

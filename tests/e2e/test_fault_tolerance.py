@@ -6,7 +6,6 @@ exactly the reference's final weights (or a clear non-zero exit for a hang).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -18,30 +17,16 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.helpers.launch import BIN, ROOT, free_port, launch, run_env
+from tests.helpers.scaffold import assert_same_weights, load_weights, loss_steps, tiny_flags
 from trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.distributed
 
 # Small and quick: checkpoints every 4 steps, a metrics row every step.
-RUN = [
-    "--max_steps",
-    "16",
-    "--save_steps",
-    "4",
-    "--logging_steps",
-    "1",
-    "--eval_strategy",
-    "no",
-    "--max_train_samples",
-    "256",
-    "--max_eval_samples",
-    "8",
-    "--block_size",
-    "32",
-]
+RUN = tiny_flags(max_steps=16, eval_steps=None, eval_strategy="no", max_train_samples=256, max_eval_samples=8,
+                 block_size=32, model_config_overrides=None)  # fmt: skip
 
 
 def torchrun_cmd(out: Path, max_restarts: int = 0) -> list[str]:
@@ -58,20 +43,7 @@ def torchrun_cmd(out: Path, max_restarts: int = 0) -> list[str]:
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(out / "final" / "model.safetensors")
-
-
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-
-
-def logged_steps(out: Path) -> list[int]:
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"loss"' in line]
+    return load_weights(out / "final")
 
 
 def resumed_at(output: str, out: Path) -> int:
@@ -85,7 +57,7 @@ def resumed_at(output: str, out: Path) -> int:
     step = int(found[0][1]) if found else 0
     if found:
         assert found[0][0] == str(out / f"checkpoint-{step}"), found
-    logged = logged_steps(out)
+    logged = loss_steps(out)
     before = len(logged) - (total - step)  # rows of the interrupted attempt
     assert before >= step, (step, logged)
     assert logged == list(range(1, before + 1)) + list(range(step + 1, total + 1)), (step, logged)
@@ -105,7 +77,8 @@ def worker(agent: subprocess.Popen, rank: int) -> psutil.Process | None:
 def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if logged_steps(out) and max(logged_steps(out)) >= step:
+        logged = loss_steps(out, missing_ok=True)  # polled from the start: no file yet reads as no rows
+        if logged and max(logged) >= step:
             return
         assert proc.poll() is None, "the run ended before the fault could be injected"
         time.sleep(0.05)
@@ -189,7 +162,7 @@ def test_sigterm_saves_within_grace_and_resumes_exactly(tmp_path, reference):
     )
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
     assert resumed_at(resumed.stdout, out) == saved
-    assert logged_steps(out) == list(range(1, 17))  # steps 1..saved, then saved+1..16
+    assert loss_steps(out) == list(range(1, 17))  # steps 1..saved, then saved+1..16
     assert_same_weights(final_weights(out), reference)
 
 
@@ -230,7 +203,7 @@ def test_hang_in_save_dumps_every_rank_and_exits(tmp_path):
         assert "phase 'save'" in dump and "File " in dump  # a real stack trace follows the message
     assert "in phase" in (out / "hang-1.txt").read_text()  # rank 1 is caught where it stalls
     # It stalled in the first save (step 4) and nothing was committed.
-    assert max(logged_steps(out)) == 4 and not (out / "checkpoint-4").exists()
+    assert max(loss_steps(out)) == 4 and not (out / "checkpoint-4").exists()
 
 
 def test_a_flash_snapshot_every_step_loses_at_most_one_step(tmp_path, reference):
@@ -248,7 +221,7 @@ def test_a_flash_snapshot_every_step_loses_at_most_one_step(tmp_path, reference)
     output, _ = agent.communicate(timeout=900)
     assert agent.returncode == 0, output[-4000:]
     found = re.findall(r"Resumed from (\S+) at step (\d+)\.", output)
-    resumed, logged = int(found[0][1]), logged_steps(out)
+    resumed, logged = int(found[0][1]), loss_steps(out)
     # The snapshot, unless a disk checkpoint of that very step exists (disk comes first on a tie).
     source = out if resumed % 4 == 0 else snapshot_dir(out)
     assert len(found) == 1 and found[0][0] == str(source / f"checkpoint-{resumed}"), found

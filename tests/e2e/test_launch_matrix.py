@@ -17,19 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from tests.helpers.launch import ROOT, launch
+from tests.helpers.scaffold import TINY_MODEL, assert_same_weights, tiny_flags, train_rows
 
 pytestmark = pytest.mark.distributed
 
-TINY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 STEPS = 4
-TINY = [
-    "--max_steps", str(STEPS), "--logging_steps", "1", "--save_steps", str(STEPS),
-    "--eval_steps", str(STEPS), "--max_train_samples", "200", "--max_eval_samples", "16",
-    "--block_size", "64", "--vocab_size", "4096", "--model_config_overrides", json.dumps(TINY_MODEL),
-]  # fmt: skip
+TINY = tiny_flags(max_steps=STEPS, save_steps=STEPS, eval_steps=STEPS, vocab_size=4096)
 
 
 RECIPE = yaml.safe_load((ROOT / "scripts" / "recipes" / "default.yaml").read_text())
@@ -121,11 +116,6 @@ def runs(tmp_path_factory):
     return get
 
 
-def train_rows(out: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "loss" in r]
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_command_trains_and_exports_a_loadable_model(runs, name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -161,12 +151,8 @@ def assert_same_run(got: Run, ref: Run, rtol: float) -> None:
     for x, y in zip(a, b, strict=True):
         assert abs(x["loss"] - y["loss"]) <= rtol * y["loss"], (x["step"], x["loss"], y["loss"])
         assert abs(x["grad_norm"] - y["grad_norm"]) <= rtol * y["grad_norm"], (x["step"], "grad_norm")
-    final = load_file(got.out / "final" / "model.safetensors")
-    expected = load_file(ref.out / "final" / "model.safetensors")
-    assert final.keys() == expected.keys()
-    for key in expected:
-        # The optimizer moved every tensor: an export of the initial weights fails here too.
-        torch.testing.assert_close(final[key], expected[key], rtol=rtol, atol=1e-6, msg=key)
+    # The optimizer moved every tensor: an export of the initial weights fails here too.
+    assert_same_weights(got.out / "final", ref.out / "final", rtol=rtol, atol=1e-6)
 
 
 FP32_TWO_RANKS = [

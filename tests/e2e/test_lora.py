@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from tests.helpers.launch import launch
 from tests.helpers.lora_base import make_base
+from tests.helpers.scaffold import assert_same_weights, load_weights, losses, read_metrics, tiny_flags
 
 pytestmark = pytest.mark.distributed
 
 RUN = ["--use_peft", "--lora_target_modules", "all-linear", "--lora_r", "4", "--lora_alpha", "8",
-       "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1", "--eval_steps", "4",
-       "--block_size", "64", "--learning_rate", "1e-2", "--max_eval_samples", "8"]  # fmt: skip
+       *tiny_flags(save_steps=2, max_train_samples=None, max_eval_samples=8, model_config_overrides=None,
+                   learning_rate="1e-2")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def zero3(base) -> tuple[Path, str]:
 
 
 def adapter(directory: Path) -> dict[str, torch.Tensor]:
-    return load_file(directory / "adapter_model.safetensors")
+    return load_weights(directory / "adapter_model.safetensors")
 
 
 def test_final_is_a_peft_adapter_equal_to_the_trained_weights(zero3, tmp_path):
@@ -60,9 +60,7 @@ def test_final_is_a_peft_adapter_equal_to_the_trained_weights(zero3, tmp_path):
         ["-m", "trainer.cli.main", "export", str(out / "checkpoint-4"), str(tmp_path / "a")],
         launcher="python",
     )
-    exported = adapter(tmp_path / "a")
-    assert exported.keys() == final.keys()
-    assert all(torch.equal(exported[k], final[k]) for k in final)
+    assert_same_weights(adapter(tmp_path / "a"), final)
 
 
 def test_merged_export_has_the_adapter_models_logits(zero3, tmp_path):
@@ -78,9 +76,7 @@ def test_merged_export_has_the_adapter_models_logits(zero3, tmp_path):
     with torch.no_grad():
         a, b = merged(input_ids=ids).logits, with_adapter(input_ids=ids).logits
     assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
-    assert not any(
-        k.startswith("base_model") or "lora" in k for k in load_file(tmp_path / "m" / "model.safetensors")
-    )
+    assert not any(k.startswith("base_model") or "lora" in k for k in load_weights(tmp_path / "m"))
 
 
 def test_only_the_adapters_train_and_are_counted(zero3, base):
@@ -88,7 +84,7 @@ def test_only_the_adapters_train_and_are_counted(zero3, base):
     trainable = sum(t.numel() for t in adapter(out / "final").values())
     total = trainable + sum(p.numel() for p in LlamaForCausalLM.from_pretrained(base["base"]).parameters())
     assert f"Parameters: {trainable:,} trainable of {total:,} (" in text
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out)
     assert {(r["trainable_params"], r["total_params"]) for r in rows if "loss" in r} == {(trainable, total)}
     # The optimizer's fp32 state (master copy and two moments) covers the adapters alone.
     optim = sum(f.stat().st_size for f in (out / "checkpoint-4" / "ds").glob("*optim_states.pt"))
@@ -101,8 +97,7 @@ def test_resume_is_bit_exact(zero3, base):
     shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("checkpoint-4", "final", ".trainer.lock"))
     proc = train(base, resumed, "--zero_stage", "3")
     assert f"Resumed from {resumed / 'checkpoint-2'} at step 2" in proc.stdout + proc.stderr
-    again, first = adapter(resumed / "final"), adapter(out / "final")
-    assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
+    assert_same_weights(adapter(resumed / "final"), adapter(out / "final"))
 
 
 @pytest.mark.parametrize(
@@ -111,9 +106,8 @@ def test_resume_is_bit_exact(zero3, base):
 )
 def test_other_stages_offload_and_checkpointing(base, flags, tmp_path):
     train(base, tmp_path / "o", *flags, launcher="python")
-    rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in rows if "loss" in r]
-    assert len(losses) == 4 and all(0 < x < 20 for x in losses)
+    trained = losses(tmp_path / "o")
+    assert len(trained) == 4 and all(0 < x < 20 for x in trained)
     assert adapter(tmp_path / "o" / "final")
 
 

@@ -13,17 +13,14 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from tests.helpers.launch import BIN, ROOT, free_port, launch, run_env
+from tests.helpers.scaffold import assert_same_weights, read_metrics, tiny_flags, train_rows
 
 pytestmark = pytest.mark.distributed
 
 # A tiny run of the embedded default recipe: ZeRO-1 so the pipeline run can use the same settings.
-TINY = ["--max_steps", "8", "--logging_steps", "2", "--save_steps", "8", "--eval_steps", "8",
-        "--max_train_samples", "200", "--max_eval_samples", "16", "--block_size", "64", "--zero_stage", "1",
-        "--model_config_overrides", '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}']  # fmt: skip
+TINY = tiny_flags(max_steps=8, logging_steps=2, save_steps=8, eval_steps=8, zero_stage=1)
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +74,8 @@ def pipeline(runs) -> Path:
     return out
 
 
-def train_rows(out: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "loss" in r]
-
-
 def eval_loss(out: Path) -> float:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["eval_loss"] for r in rows if "eval_loss" in r][-1]
+    return [r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r][-1]
 
 
 def assert_same_training(got: Path, ref: Path, rtol: float) -> None:
@@ -93,13 +84,7 @@ def assert_same_training(got: Path, ref: Path, rtol: float) -> None:
     for x, y in zip(a, b, strict=True):
         assert abs(x["loss"] - y["loss"]) <= rtol * y["loss"], (x["step"], x["loss"], y["loss"])
     assert abs(eval_loss(got) - eval_loss(ref)) <= rtol * eval_loss(ref)
-    final, expected = (
-        load_file(got / "final" / "model.safetensors"),
-        load_file(ref / "final" / "model.safetensors"),
-    )
-    assert final.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(final[name], expected[name], rtol=rtol, atol=1e-6, msg=name)
+    assert_same_weights(got / "final", ref / "final", rtol=rtol, atol=1e-6)
 
 
 def test_two_nodes_train_to_the_one_node_result(two_nodes, one_node):

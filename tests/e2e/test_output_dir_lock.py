@@ -14,12 +14,11 @@ import time
 import pytest
 
 from tests.helpers.launch import ROOT, launch, run_env
+from tests.helpers.scaffold import tiny_flags
 
 pytestmark = pytest.mark.distributed
 
-TINY = ["--logging_steps", "1", "--save_steps", "1000", "--eval_steps", "1000",
-        "--max_train_samples", "400", "--max_eval_samples", "8", "--block_size", "64",
-        "--model_config_overrides", '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}']  # fmt: skip
+TINY = tiny_flags(max_steps=None, save_steps=1000, eval_steps=1000, max_train_samples=400, max_eval_samples=8)
 
 
 def test_a_second_run_is_refused_and_a_killed_holder_is_taken_over(tmp_path):

@@ -14,12 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.launch import launch, run_env
+from tests.helpers.scaffold import read_metrics, tiny_flags
 
-TINY = [
-    "--max_steps", "4", "--logging_steps", "2", "--save_steps", "4", "--eval_steps", "4",
-    "--max_train_samples", "200", "--max_eval_samples", "16", "--block_size", "64", "--vocab_size", "4096",
-    "--model_config_overrides", json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}),
-]  # fmt: skip
+TINY = tiny_flags(logging_steps=2, vocab_size=4096)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +30,7 @@ def run(tmp_path_factory):
          "--run_name", "tiny-run", *TINY],
         launcher="python", timeout=600, env=env,
     )  # fmt: skip
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out)
     return out, store, rows, proc
 
 

@@ -3,18 +3,16 @@ nothing, a changed model or dataset is refused before anything loads, safe chang
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.launch import launch
+from tests.helpers.scaffold import loss_steps, tiny_flags
 
 pytestmark = pytest.mark.distributed
 
-TINY = ["--max_steps", "4", "--logging_steps", "2", "--save_steps", "4", "--eval_steps", "4",
-        "--max_train_samples", "100", "--max_eval_samples", "8", "--block_size", "64",
-        "--model_config_overrides", '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}']  # fmt: skip
+TINY = tiny_flags(logging_steps=2, max_train_samples=100, max_eval_samples=8)
 
 
 def train(out: Path, *extra: str, check: bool = True):
@@ -22,11 +20,6 @@ def train(out: Path, *extra: str, check: bool = True):
         ["scripts/train.py", "--output_dir", str(out), *TINY, *extra], launcher="python", check=check
     )
     return proc.returncode, proc.stdout + proc.stderr
-
-
-def steps(out: Path) -> list[int]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["step"] for r in rows if "loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +34,7 @@ def test_rerunning_a_finished_run_trains_nothing_and_keeps_final(finished):
     code, text = train(finished)
     assert code == 0
     assert f"{finished / 'checkpoint-4'} already reached the end of this run: nothing to train" in text
-    assert steps(finished) == [2, 4]
+    assert loss_steps(finished) == [2, 4]
     assert not (finished / "checkpoint-5").exists()
     assert (finished / "final" / "model.safetensors").stat().st_mtime_ns == final
 
@@ -68,4 +61,4 @@ def test_safe_changes_resume_and_are_named(finished):
     assert code == 0
     assert "with changed settings: logging_steps, max_eval_samples, max_steps" in text
     assert f"Resumed from {finished / 'checkpoint-4'} at step 4." in text
-    assert steps(finished) == [2, 4, 5, 6]
+    assert loss_steps(finished) == [2, 4, 5, 6]

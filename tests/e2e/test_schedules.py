@@ -12,16 +12,15 @@ import torch
 from transformers import get_scheduler
 
 from tests.helpers.launch import launch
+from tests.helpers.scaffold import read_metrics, tiny_flags
 from trainer.cli import train as train_cli
 
 pytestmark = pytest.mark.distributed
 
 STEPS, LR, WARMUP = 6, 1e-3, 2
 SCHEDULE = ["--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}']
-TINY = ["--max_steps", str(STEPS), "--logging_steps", "1", "--save_steps", "3", "--eval_strategy", "no",
-        "--max_train_samples", "100", "--block_size", "64", "--learning_rate", str(LR),
-        "--warmup_steps", str(WARMUP), *SCHEDULE,
-        "--model_config_overrides", '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}']  # fmt: skip
+TINY = [*tiny_flags(max_steps=STEPS, save_steps=3, eval_steps=None, eval_strategy="no", max_train_samples=100,
+                    max_eval_samples=None, learning_rate=LR, warmup_steps=WARMUP), *SCHEDULE]  # fmt: skip
 
 
 def train(out: Path) -> None:
@@ -29,8 +28,7 @@ def train(out: Path) -> None:
 
 
 def rows(out: Path) -> dict[int, dict]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
+    return {r["step"]: r for r in read_metrics(out) if "loss" in r}
 
 
 @pytest.fixture(scope="module")

@@ -13,32 +13,27 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.helpers.launch import BIN, free_port, launch
+from tests.helpers.scaffold import assert_same_weights, read_metrics, tiny_flags
 
 pytestmark = pytest.mark.distributed
 
 MODEL = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 2}  # fmt: skip
 COMMON = [
-    "scripts/train.py", "--max_steps", "3", "--logging_steps", "1", "--save_steps", "2", "--eval_steps", "3",
-    "--max_train_samples", "8", "--max_eval_samples", "2", "--block_size", "4096", "--vocab_size", "8192",
-    "--zero_stage", "3", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
-    "--model_config_overrides", json.dumps(MODEL),
+    "scripts/train.py",
+    *tiny_flags(max_steps=3, save_steps=2, eval_steps=3, max_train_samples=8, max_eval_samples=2, block_size=4096,
+                vocab_size=8192, zero_stage=3, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                model_config_overrides=MODEL),
 ]  # fmt: skip
 TILED = ["--tiled_loss", "true", "--tile_tokens", "512", "--tiled_mlp", "--offload_activations",
          "--gradient_checkpointing"]  # fmt: skip
 
 
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _losses(out: Path) -> dict[tuple[int, str], float]:
-    return {(r["step"], k): r[k] for r in _rows(out) for k in ("loss", "eval_loss") if k in r}
+    return {(r["step"], k): r[k] for r in read_metrics(out) for k in ("loss", "eval_loss") if k in r}
 
 
 def _peak(out: Path, cmd: list[str], nproc: int) -> int:
@@ -84,11 +79,7 @@ def test_the_largest_rank_holds_well_below_one_process(runs):
 
 
 def test_the_export_is_the_one_rank_model(runs):
-    one = load_file(runs["one"] / "final" / "model.safetensors")
-    sp = load_file(runs["sp"] / "final" / "model.safetensors")
-    assert one.keys() == sp.keys()
-    for name in one:
-        torch.testing.assert_close(sp[name], one[name], rtol=0, atol=1e-4, msg=name)
+    assert_same_weights(runs["sp"] / "final", runs["one"] / "final", rtol=0, atol=1e-4)
     model = AutoModelForCausalLM.from_pretrained(runs["sp"] / "final")
     assert model.config.num_attention_heads == MODEL["num_attention_heads"]
 
@@ -98,9 +89,7 @@ def test_a_resume_with_tiling_and_offload_continues_the_run(runs):
     assert sorted(resumed) == [(3, "eval_loss"), (3, "loss")]
     for key, value in resumed.items():
         assert value == pytest.approx(sp[key], rel=1e-4), key
-    weights = load_file(runs["resumed"] / "final" / "model.safetensors")
-    for name, tensor in load_file(runs["sp"] / "final" / "model.safetensors").items():
-        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-4, msg=name)
+    assert_same_weights(runs["resumed"] / "final", runs["sp"] / "final", rtol=0, atol=1e-4, same_keys=False)
 
 
 def test_a_sequence_parallel_checkpoint_resumes_on_one_process(runs):

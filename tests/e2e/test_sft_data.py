@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from tests.helpers.launch import launch
+from tests.helpers.scaffold import read_metrics, tiny_flags
 from trainer.data import DEFAULT_CHAT_TEMPLATE
 
 pytestmark = pytest.mark.distributed
@@ -36,13 +37,12 @@ def test_sharegpt_chats_train_packed_and_evaluate_on_the_validation_file(tmp_pat
     out, cache = tmp_path / "run", tmp_path / "cache"
     launch(
         ["scripts/train.py", "--output_dir", str(out), "--dataset", train, "--validation_file", val,
-         "--data_format", "sharegpt", "--packing", "true", "--max_steps", "3", "--logging_steps", "1",
-         "--eval_steps", "3", "--save_steps", "3", "--per_device_train_batch_size", "2",
-         "--block_size", "64", "--vocab_size", "4096", "--cache_dir", str(cache),
-         "--model_config_overrides", '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}'],
+         "--data_format", "sharegpt", "--packing", "true", "--cache_dir", str(cache),
+         *tiny_flags(max_steps=3, eval_steps=3, save_steps=3, max_train_samples=None, max_eval_samples=None,
+                     per_device_train_batch_size=2, vocab_size=4096)],
         launcher="python",
     )  # fmt: skip
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out)
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     evals = [r for r in rows if "eval_loss" in r]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,26 +11,13 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.helpers.launch import ROOT, launch
+from tests.helpers.scaffold import loss_steps, read_metrics, tiny_flags
 
 pytestmark = pytest.mark.distributed
 
-# A short version of the embedded default: same recipe, fewer steps.
-SHORT = [
-    "--max_steps",
-    "24",
-    "--logging_steps",
-    "4",
-    "--save_steps",
-    "12",
-    "--eval_steps",
-    "12",
-    "--max_train_samples",
-    "400",
-    "--max_eval_samples",
-    "32",
-    "--block_size",
-    "64",
-]
+# A short version of the embedded default: same recipe (its model too), fewer steps.
+SHORT = tiny_flags(max_steps=24, logging_steps=4, save_steps=12, eval_steps=12, max_train_samples=400,
+                   max_eval_samples=32, model_config_overrides=None)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +25,6 @@ def default_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("default") / "run"
     proc = launch(["scripts/train.py", "--output_dir", str(out), *SHORT])
     return out, proc
-
-
-def read_metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_metrics_rows_have_the_contract_fields(default_run):
@@ -112,8 +94,7 @@ def test_rerun_resumes_from_newest_complete_checkpoint(default_run):
     out, _ = default_run
     proc = launch(["scripts/train.py", "--output_dir", str(out), *SHORT, "--max_steps", "28"])
     assert f"Resumed from {out / 'checkpoint-24'} at step 24" in proc.stdout
-    steps = [r["step"] for r in read_metrics(out) if "loss" in r]
-    assert steps[-1] == 28
+    assert loss_steps(out)[-1] == 28
 
 
 def _plain(args: list[str], **env) -> tuple[int, str]:
@@ -166,8 +147,7 @@ def test_hf_trainer_script_runs_with_our_import(tmp_path):
     metrics = json.loads(proc.stdout.split("METRICS", 1)[1].strip().splitlines()[0])
     assert metrics["eval_loss"] > 0
     out = tmp_path / "out"
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows if "loss" in r] == [4, 8, 12]
+    assert loss_steps(out) == [4, 8, 12]
     # Under ZeRO-3, in HF's layout: the gathered weights (not empty shards) and the results files.
     weights = load_file(out / "model.safetensors")
     assert weights["model.embed_tokens.weight"].shape[1] == 64

@@ -65,35 +65,35 @@ def test_qlora_through_the_public_command(tmp_path):
     """A 4-bit NF4 base with LoRA adapters (bitsandbytes), ZeRO-2 then ZeRO-3, bf16, one GPU."""
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
-    from safetensors.torch import load_file
-
     from tests.helpers.launch import launch, run_env
     from tests.helpers.lora_base import make_base
+    from tests.helpers.scaffold import load_weights, tiny_flags
 
     base = make_base(tmp_path)
     for stage in ("2", "3"):
         out = tmp_path / f"qlora{stage}"
         proc = launch(["scripts/train.py", "--output_dir", str(out), "--model_name_or_path", str(base["base"]),
                        "--dataset", str(base["corpus"]), "--use_peft", "--load_in_4bit", "--bf16",
-                       "--zero_stage", stage, "--max_steps", "4", "--logging_steps", "1", "--block_size", "64",
-                       "--learning_rate", "1e-2", "--save_steps", "4", "--eval_steps", "4"],
+                       "--zero_stage", stage,
+                       *tiny_flags(max_train_samples=None, max_eval_samples=None, model_config_overrides=None,
+                                   learning_rate="1e-2")],
                       launcher="python", env=run_env(DS_ACCELERATOR="cuda"))  # fmt: skip
         assert "Parameters: " in proc.stdout + proc.stderr
-        adapter = load_file(out / "final" / "adapter_model.safetensors")
+        adapter = load_weights(out / "final" / "adapter_model.safetensors")
         assert adapter and all(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)
 
 
 def test_tiled_loss_mlp_and_offload_on_a_long_block(tmp_path):
     """8192-token blocks, bf16, ZeRO-3, one GPU: the tiled loss, tiled MLPs and activations offloaded to
     pinned host memory follow the untiled run's losses, with a lower peak of GPU memory."""
-    import json
-
     from tests.helpers.launch import launch, run_env
+    from tests.helpers.scaffold import read_metrics, tiny_flags
 
-    common = ["scripts/train.py", "--max_steps", "3", "--logging_steps", "1", "--save_steps", "3", "--eval_steps", "3",
-              "--max_train_samples", "8", "--max_eval_samples", "2", "--block_size", "8192", "--vocab_size", "8192",
-              "--bf16", "--zero_stage", "3", "--gradient_checkpointing", "--model_config_overrides",
-              json.dumps({"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 4})]  # fmt: skip
+    common = ["scripts/train.py",
+              *tiny_flags(max_steps=3, save_steps=3, eval_steps=3, max_train_samples=8, max_eval_samples=2,
+                          block_size=8192, vocab_size=8192, bf16=True, zero_stage=3, gradient_checkpointing=True,
+                          model_config_overrides={"hidden_size": 512, "intermediate_size": 2048,
+                                                  "num_hidden_layers": 4})]  # fmt: skip
     runs = {}
     for name, extra in (("plain", ["--tiled_loss", "false"]),
                         ("tiled", ["--tiled_loss", "true", "--tile_tokens", "1024", "--tiled_mlp",
@@ -102,7 +102,7 @@ def test_tiled_loss_mlp_and_offload_on_a_long_block(tmp_path):
         launch(
             [*common, "--output_dir", str(out), *extra], launcher="python", env=run_env(DS_ACCELERATOR="cuda")
         )
-        runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = read_metrics(out)
     losses = {name: [r["loss"] for r in rows if "loss" in r] for name, rows in runs.items()}
     assert losses["tiled"] == pytest.approx(losses["plain"], rel=2e-2)  # bf16
     peak = {name: max(r.get("peak_memory_allocated_bytes", 0) for r in rows) for name, rows in runs.items()}

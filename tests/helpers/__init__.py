@@ -1,6 +1,9 @@
 """What the tests run and share, kept apart from the tests themselves (pytest collects none of it).
 
 - ``launch``: runs a script under a real launcher (deepspeed, torchrun, accelerate, python).
+- ``scaffold``: what many tests share around a run: ``tiny_flags`` (a tiny ``scripts/train.py`` run's
+  flags, each test's differences as overrides), ``read_metrics`` and its filters (``metrics.jsonl``),
+  ``assert_same_weights``/``weights_equal``, ``mounted_tmpfs``/``tmpfs_refusal``, ``bpe_tokenizer``.
 - ``trainer_scenarios``: engine and Trainer scenarios on 2 ranks; the tests compare their results.
 - ``resume_scenarios``: checkpoint scenarios (exact resume, corruption, world-size change, export).
 - ``pipeline_scenarios``: pipeline-parallel scenarios against the same model without a pipeline.

@@ -70,24 +70,14 @@ def wordpiece_tokenizer(path: Path, corpus: list[str]) -> None:
     ).save_pretrained(path)
 
 
-def bpe_tokenizer(path: Path, corpus: list[str]) -> None:
+def t5_bpe_tokenizer(path: Path, corpus: list[str]) -> None:
     """A byte-level BPE tokenizer with T5's special tokens (``<pad>`` 0, ``</s>`` 1) that ends every
     sequence with ``</s>`` (the T5's tokenizer, and the causal LM's: ``</s>`` ends each line)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tests.helpers.scaffold import bpe_tokenizer
 
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(
-        corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "</s>", "<unk>"])
-    )
-    bpe.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", bpe.token_to_id("</s>"))]
-    )
-    PreTrainedTokenizerFast(
-        tokenizer_object=bpe, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=64
-    ).save_pretrained(path)
+    bpe_tokenizer(corpus, vocab_size=300, special_tokens=("<pad>", "</s>", "<unk>"), add_prefix_space=True,
+                  end_with_eos=True, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                  model_max_length=64).save_pretrained(path)  # fmt: skip
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -197,6 +187,6 @@ def write_inputs(root: Path) -> None:
     ]
     wordpiece_tokenizer(root / "bert_tokenizer", bert_corpus)
     summary_texts = [text for rows in summaries.values() for row in rows for text in row.values()]
-    bpe_tokenizer(
+    t5_bpe_tokenizer(
         root / "bpe_tokenizer", [*summary_texts, *(line for lines in mlm.values() for line in lines)]
     )

@@ -22,6 +22,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+from tests.helpers.scaffold import read_metrics, weights_equal
 from trainer import Trainer, TrainingArguments
 from trainer.data import CausalLMCollator, ResumableDistributedSampler
 
@@ -149,9 +150,8 @@ def tokens_seen(out: Path) -> dict[str, Any]:
         seen = [r.get("num_input_tokens_seen") for r in trainer.state.log_history]
         found[f"{name}-{mode}"] = {"rows": seen, "keys": [sorted(r) for r in trainer.state.log_history]}
         if name == "ours":
-            lines = (out / f"{name}-{mode}" / "metrics.jsonl").read_text().splitlines()
             found[f"{name}-{mode}"]["jsonl"] = [
-                json.loads(line).get("num_input_tokens_seen") for line in lines
+                row.get("num_input_tokens_seen") for row in read_metrics(out / f"{name}-{mode}")
             ]
     return found
 
@@ -195,8 +195,10 @@ def save_only_model(out: Path) -> dict[str, Any]:
             "best": best.name,
             "eval_after": trainer.evaluate()["eval_loss"],
             "files": {p.name: sorted(f.name for f in p.iterdir()) for p in sorted(run.glob("checkpoint-*"))},
-            "from_pretrained_equal": equal(LlamaForCausalLM.from_pretrained(best).state_dict(), weights),
-            "export_equal": equal(
+            "from_pretrained_equal": weights_equal(
+                LlamaForCausalLM.from_pretrained(best).state_dict(), weights
+            ),
+            "export_equal": weights_equal(
                 LlamaForCausalLM.from_pretrained(
                     export_checkpoint(best, out / f"export{stage}")
                 ).state_dict(),
@@ -210,10 +212,6 @@ def save_only_model(out: Path) -> dict[str, Any]:
         except CheckpointError as err:
             found["refusals"].append(str(err))
     return found
-
-
-def equal(loaded: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> bool:
-    return loaded.keys() == weights.keys() and all(torch.equal(loaded[k], v) for k, v in weights.items())
 
 
 @scenario

@@ -7,8 +7,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.helpers.scaffold import bpe_tokenizer
 
 
 def make_base(root: Path) -> dict[str, Path]:
@@ -19,15 +20,7 @@ def make_base(root: Path) -> dict[str, Path]:
     lines += [line for line in Path(shutil.__file__).read_text().splitlines() if line.strip()]
     corpus = root / "corpus.txt"
     corpus.write_text("\n".join(lines) + "\n")
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(
-        lines, trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<pad>", "</s>"])
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, unk_token="<unk>", pad_token="<pad>", eos_token="</s>"
-    )
+    tokenizer = bpe_tokenizer(lines, special_tokens=("<unk>", "<pad>", "</s>"))
     torch.manual_seed(0)
     model = LlamaForCausalLM(
         LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -16,6 +16,7 @@ from pathlib import Path
 import deepspeed
 import torch
 
+from tests.helpers.scaffold import loss_steps
 from tests.helpers.trainer_scenarios import (
     StepsRun,
     build_tiny_run,
@@ -75,12 +76,6 @@ def train(out_dir: Path, resume: str | None = None, **overrides) -> tuple[Traine
     return trainer, losses_of(trainer)
 
 
-def metrics_steps(out_dir: Path) -> list[int]:
-    """Steps of the loss rows this output_dir's metrics.jsonl holds (a resumed run appends)."""
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row["step"] for row in rows if "loss" in row]
-
-
 def copy_checkpoints(src: Path, dst: Path, steps: list[int]) -> None:
     if dist_info().is_main:
         shutil.rmtree(dst, ignore_errors=True)
@@ -109,7 +104,7 @@ def resume_pair(out: Path, name: str, **overrides) -> dict:
         "reference_ran": ref.ran,
         "resumed_ran": res.ran,
         # Only checkpoint-5 was copied over: the metrics file is the resumed run's own.
-        "resumed_metrics_steps": metrics_steps(out / name / "resumed") if dist_info().is_main else None,
+        "resumed_metrics_steps": loss_steps(out / name / "resumed") if dist_info().is_main else None,
         "engine": engine_kind(res),
         "trainer": ref,
     }
