@@ -26,6 +26,7 @@ from trainer.checkpoint import layout
 from trainer.data import get_tokenizer
 from trainer.engine.zero import fp32_state_dict
 from trainer.model.modeling import model_config
+from trainer.runtime.run_files import RUN_CONFIG
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -110,7 +111,7 @@ def _save_pretrained(model: Any, tokenizer: Any, out: Path, **options: Any) -> N
 
 
 def _run_config(path: Path) -> RunConfig | None:
-    file = path / "run_config.yaml"
+    file = path / RUN_CONFIG
     return RunConfig.from_flat(yaml.safe_load(file.read_text())) if file.is_file() else None
 
 
@@ -121,7 +122,7 @@ def _model_and_tokenizer(path: Path) -> tuple[Any, Any]:
         config = AutoConfig.from_pretrained(path)
         has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
         return config, AutoTokenizer.from_pretrained(path) if has_tokenizer else None
-    if not (path / "run_config.yaml").is_file():
+    if not (path / RUN_CONFIG).is_file():
         raise layout.CheckpointError(
             f"{path}: neither a model config.json nor a run_config.yaml to rebuild the model from"
         )

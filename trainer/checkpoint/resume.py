@@ -40,6 +40,7 @@ from trainer.checkpoint.layout import (
     verify_on_all_ranks,
 )
 from trainer.runtime.distributed import DistInfo, all_gather_object, warn
+from trainer.runtime.run_files import DS_CONFIG, RUN_CONFIG
 from trainer.runtime.state import TrainerState
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ def run_config_changes(checkpoint: Path, run: RunConfig) -> tuple[list[str], lis
     or training data, which a resume must refuse; other fields, which it may take on).
     Nothing is compared when the checkpoint holds no run config (written through the Trainer API);
     a field the saved config lacks (one added since it was written) counts as its default there."""
-    saved_file = checkpoint / "run_config.yaml"
+    saved_file = checkpoint / RUN_CONFIG
     if not saved_file.is_file():
         return [], []
     saved, current = yaml.safe_load(saved_file.read_text()) or {}, run.to_flat()
@@ -165,8 +166,8 @@ def saved_batch(path: Path) -> tuple[int, int]:
     manifest = read_manifest(path)
     world = manifest.get("data_parallel_size", manifest.get("world_size"))
     total = manifest.get("train_batch_size")
-    if total is None and (path / "ds_config.json").is_file():
-        total = json.loads((path / "ds_config.json").read_text()).get("train_batch_size")
+    if total is None and (path / DS_CONFIG).is_file():
+        total = json.loads((path / DS_CONFIG).read_text()).get("train_batch_size")
     if not isinstance(world, int) or not isinstance(total, int):
         raise CheckpointError(f"{path / MANIFEST}: no world size or train_batch_size recorded")
     return world, total

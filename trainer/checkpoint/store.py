@@ -57,6 +57,7 @@ from trainer.checkpoint.layout import (
 from trainer.checkpoint.writer import FileWriter, save_weights
 from trainer.config.files import precision_of
 from trainer.runtime.distributed import DistInfo, all_gather_object, barrier, warn
+from trainer.runtime.run_files import DS_CONFIG, RUN_CONFIG
 from trainer.runtime.state import TrainerState
 
 if TYPE_CHECKING:
@@ -137,11 +138,9 @@ class Saver:
                 writer.save(rng_state(), staging / f"rng_state_{dist.rank}.pt")
             if dist.is_main:
                 writer.write_text(staging / "trainer_state.json", state.to_json())
-                writer.write_text(
-                    staging / "ds_config.json", json.dumps(self.ds_config, indent=2, sort_keys=True)
-                )
+                writer.write_text(staging / DS_CONFIG, json.dumps(self.ds_config, indent=2, sort_keys=True))
                 if self.run_config is not None:
-                    dump_run_config(self.run_config, staging / "run_config.yaml")
+                    dump_run_config(self.run_config, staging / RUN_CONFIG)
                 for item in self.hf_files:
                     item.save_pretrained(staging)
         except Exception as err:  # torch.save and tokenizers raise RuntimeError/Exception for OS errors

@@ -38,6 +38,7 @@ from trainer.runtime.distributed import (
     print_main,
 )
 from trainer.runtime.ownership import claim_output_dir
+from trainer.runtime.run_files import FINAL
 
 RAW_ARGV = True
 
@@ -68,7 +69,7 @@ def run(run_config: RunConfig) -> int:
     if evals:
         loss = evals[-1]["eval_loss"]
         print_main(f"eval_loss {loss:.4f}  perplexity {safe_exp(loss):.2f}")
-    final = trainer.save_model(str(Path(args.output_dir) / "final"))
+    final = trainer.save_model(str(Path(args.output_dir) / FINAL))
     if dist_info().is_main:
         plot_runs([args.output_dir])
         print_main(f"Exported the model to {final}")

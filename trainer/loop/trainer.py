@@ -75,6 +75,7 @@ from trainer.runtime.distributed import (
 from trainer.runtime.layout import ParallelLayout
 from trainer.runtime.ownership import claim_output_dir
 from trainer.runtime.resilience import EXIT_PREEMPTED, PreemptionFlag, Watchdog
+from trainer.runtime.run_files import DS_CONFIG, RUN_CONFIG
 
 
 class Trainer(HFMethods, ResultsAPI):
@@ -504,9 +505,9 @@ class Trainer(HFMethods, ResultsAPI):
         if self.dist.is_main:
             out = Path(self.args.output_dir)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2, sort_keys=True))
+            (out / DS_CONFIG).write_text(json.dumps(self.ds_config, indent=2, sort_keys=True))
             if self.run_config is not None:
-                dump_run_config(self.run_config, out / "run_config.yaml")
+                dump_run_config(self.run_config, out / RUN_CONFIG)
 
     # ---- logging, evaluation, saving -----------------------------------------------------------
 
