@@ -35,10 +35,10 @@ import torch
 from trainer import checkpoint as ckpt
 from trainer.args import TrainingArguments
 from trainer.checkpoint.snapshots import Snapshots
-from trainer.config import resolve
 from trainer.engine import DeepSpeedEngine, Engine
 from trainer.loop.callbacks import TrainerState
-from trainer.runtime.distributed import barrier, detect_hardware, host_all_reduce, init_distributed
+from trainer.loop.plan import plan_run
+from trainer.runtime.distributed import DistInfo, barrier, detect_hardware, host_all_reduce, init_distributed
 
 CHUNK = 4 << 20
 
@@ -58,7 +58,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_engine(args: argparse.Namespace, train_args: TrainingArguments, world: int) -> tuple[Engine, dict]:
+def build_engine(
+    args: argparse.Namespace, train_args: TrainingArguments, info: DistInfo
+) -> tuple[Engine, dict]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -70,7 +72,11 @@ def build_engine(args: argparse.Namespace, train_args: TrainingArguments, world:
         max_position_embeddings=128,
     )
     torch.manual_seed(0)
-    ds_config = resolve(train_args, world, detect_hardware(), hidden_size=args.hidden_size, total_steps=10)
+    # The run's plan, as a run of these arguments makes it (no data: a 10-step schedule).
+    plan = plan_run(
+        train_args, detect_hardware(), info, num_samples=None, total_steps=10, hidden_size=args.hidden_size
+    )
+    ds_config = plan.ds_config
     engine = DeepSpeedEngine(LlamaForCausalLM(config), ds_config, weight_decay=0.0)
     train_step(engine, one_batch(args.vocab_size))
     return engine, ds_config
@@ -159,7 +165,7 @@ def main(argv: list[str]) -> int:
     barrier("bench:prepare")
     base = dict(output_dir=str(out), zero_stage=args.zero_stage, per_device_train_batch_size=1)
     engines_args = {mode: TrainingArguments(**base, async_save=mode == "async") for mode in ("sync", "async")}
-    engine, ds_config = build_engine(args, engines_args["sync"], info.world_size)
+    engine, ds_config = build_engine(args, engines_args["sync"], info)
     savers = {mode: ckpt.Saver(a, info, ds_config, None) for mode, a in engines_args.items()}
     snapshots = Snapshots(TrainingArguments(**base, snapshot_steps=1), info, ds_config, None)
     savers["snapshot"] = snapshots.saver

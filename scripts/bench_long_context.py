@@ -370,11 +370,13 @@ class Prober:
         """The model config and DeepSpeed dict our run of the same shape resolves (HF gets them as
         files): the recipe train.py starts from, with the same flags."""
         from trainer.args.recipe import parse_run_config
-        from trainer.config import resolve
+        from trainer.loop.plan import plan_run
+        from trainer.runtime.distributed import DistInfo
 
         ours = Setup(setup.name, setup.label, "ours", setup.ranks, setup.sp, ["--tiled_loss", "false"])
         run = parse_run_config(["--config", str(RECIPE), *self.ours_flags(ours, length, out_dir)])
-        ds = resolve(run, setup.ranks, self.hardware(), total_steps=self.args.steps)
+        world = DistInfo(rank=0, local_rank=0, world_size=setup.ranks)
+        ds = plan_run(run, self.hardware(), world, num_samples=None, total_steps=self.args.steps).ds_config
         # HF checks train_batch_size against its own world size, which accelerate gets wrong on CPU
         # ranks; DeepSpeed derives the same value from micro-batch x accumulation x data parallel.
         ds.pop("train_batch_size", None)

@@ -185,7 +185,7 @@ def test_both_trainers_write_hfs_output_layout(ours, hf):
     assert hf_files - ours_files == set()
     assert ours_files - hf_files <= OURS_ONLY_FILES
     args = torch.load(ours[0] / "training_args.bin", weights_only=False)  # as HF's are read back
-    assert type(args).__module__ == "trainer.args" and args.zero_stage == 3
+    assert type(args).__module__ == "trainer.args.training" and args.zero_stage == 3
 
 
 def test_result_files_have_hfs_keys(ours, hf):

@@ -66,3 +66,41 @@ def test_a_plan_without_a_checkpoint_runs_the_arguments_as_they_are(tmp_path):
     assert plan.args is args and plan.checkpoint is None
     assert (plan.steps.steps_per_epoch, plan.total_steps) == (5, 10)
     assert plan.layout == ParallelLayout(world=1)
+
+
+@pytest.fixture
+def zero3_args(tmp_path):
+    """Hand-built ZeRO-3 arguments, which register their config with transformers when created."""
+    from transformers.integrations.deepspeed import deepspeed_config, unset_hf_deepspeed_config
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=4, zero_stage=3
+    )
+    assert deepspeed_config() is args._hf_deepspeed.config  # the dict zero.Init gets for a model built now
+    yield args
+    unset_hf_deepspeed_config()
+
+
+def test_a_zero3_plan_fills_the_dict_its_arguments_registered_for_zero_init(zero3_args):
+    registered = zero3_args._hf_deepspeed.config
+    zero_before = dict(registered["zero_optimization"])
+    plan = plan_run(zero3_args, Hardware.cpu(), ONE, num_samples=16, hidden_size=32)
+    assert plan.ds_config is registered  # zero.Init's config and the engine's: one object
+    zero = plan.ds_config["zero_optimization"]
+    assert {k: v for k, v in zero.items() if k in zero_before} == zero_before
+    assert zero["stage3_param_persistence_threshold"] == 320  # the hidden-size sizes, filled now
+    assert plan.ds_config["train_batch_size"] == 2
+
+
+@pytest.mark.parametrize(
+    ("section", "value", "key"),
+    [
+        ("zero_optimization", {"stage": 3, "overlap_comm": False}, "zero_optimization.overlap_comm"),
+        ("bf16", {"enabled": True}, "bf16.enabled"),
+    ],
+)
+def test_a_zero3_plan_refuses_to_change_what_zero_init_partitioned_with(zero3_args, section, value, key):
+    zero3_args._hf_deepspeed.config[section] = value  # as if zero.Init had partitioned with this
+    with pytest.raises(ConfigError, match="the model was partitioned") as err:
+        plan_run(zero3_args, Hardware.cpu(), ONE, num_samples=16, hidden_size=32)
+    assert key in str(err.value)

@@ -225,3 +225,44 @@ def zero3_init(args: Any) -> Any:
     else:
         set_world_env()
     return HfDeepSpeedConfig(config)
+
+
+_ABSENT = object()
+
+
+def finalize_zero3(args: Any, final: dict[str, Any]) -> dict[str, Any]:
+    """What HF's Trainer does with the config its arguments registered (``trainer_config_finalize``):
+    the run's final resolution is filled into that same dict, so the engine runs the very object
+    ``zero.Init`` partitioned the script's model with. Only the hidden-size sizes left out at
+    registration (``zero.Init`` ran with DeepSpeed's defaults for them, as under HF; the engine
+    re-marks persistence with the final threshold) are set now. Any other difference in the ZeRO
+    section or the dtype would train a model partitioned one way under a config saying another: it
+    is refused, naming the key. Returns ``final`` itself where the arguments registered nothing."""
+    registered = getattr(args, "_hf_deepspeed", None)
+    if registered is None:
+        return final
+    used = registered.config
+    problems = []
+    zero_used, zero_final = used.get("zero_optimization", {}), final.get("zero_optimization", {})
+    for key in sorted(set(zero_used) | set(zero_final)):
+        was, now = zero_used.get(key, _ABSENT), zero_final.get(key, _ABSENT)
+        if was != now and not (was is _ABSENT and key in HIDDEN_SIZE_KNOBS):
+            problems.append((f"zero_optimization.{key}", _changed(was, now)))
+    for dtype in ("bf16", "fp16"):
+        was, now = (bool((c.get(dtype) or {}).get("enabled")) for c in (used, final))
+        if was != now:
+            problems.append((f"{dtype}.enabled", _changed(was, now)))
+    if problems:
+        raise ConfigError(problems)
+    used.clear()
+    used.update(final)
+    return used
+
+
+def _changed(was: Any, now: Any) -> str:
+    show = lambda v: "unset" if v is _ABSENT else json.dumps(v)  # noqa: E731
+    return (
+        f"the model was partitioned (zero.Init, with the config the TrainingArguments registered when "
+        f"created) with {show(was)}, but the run resolves {show(now)}; set it before creating the "
+        "TrainingArguments, then build the model"
+    )

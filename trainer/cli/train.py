@@ -20,7 +20,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from trainer import checkpoint as ckpt
 from trainer.args import RunConfig
 from trainer.args.recipe import HELP_FLAGS, parse_run_config, run_help
-from trainer.config import Hardware, check
+from trainer.config import Hardware, check, parallel_sizes
 from trainer.config.errors import ConfigError
 from trainer.engine.sequence_parallel import check_layout
 from trainer.loop.build import build_run
@@ -59,7 +59,14 @@ def run(run_config: RunConfig) -> int:
         leave_process_group()
         return 0
     callbacks = [FaultInjection(plan)] if (plan := fault_plan()) else None
-    trainer = build_run(run_config, callbacks=callbacks, hardware=hardware, dist=dist)
+    trainer = build_run(  # the checks and the claim above are the run's only ones
+        run_config,
+        callbacks=callbacks,
+        hardware=hardware,
+        dist=dist,
+        layout_checked=True,
+        output_dir_claimed=True,
+    )
     trainer.train()
     state = trainer.state
     eval_ds = trainer.eval_dataset
@@ -92,8 +99,8 @@ def _check_inputs(run_config: RunConfig, hardware: Hardware) -> None:
     is_local = model_path and (model_path.startswith((".", "/")) or Path(model_path).exists())
     if is_local and not (Path(model_path) / "config.json").is_file():
         raise ConfigError([("model_name_or_path", f"{model_path}: no config.json there")])
-    sp = run_config.training.sequence_parallel_size
-    if sp > 1:  # the model's heads against the split, from its config alone
+    sp = parallel_sizes(run_config)[1]  # the argument's, else the DeepSpeed file's (as the layout's)
+    if sp > 1:  # the model's heads against the split, from its config alone (the run's one check)
         check_layout(model_config(model, None, run_config.data.block_size), sp, dist_info().world_size)
     dataset = run_config.data.dataset
     if (

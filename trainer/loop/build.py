@@ -41,12 +41,16 @@ def build_run(
     callbacks: list[TrainerCallback] | None = None,
     hardware: Hardware | None = None,
     dist: DistInfo | None = None,
+    layout_checked: bool = False,
+    output_dir_claimed: bool = False,
 ) -> Trainer:
     """A Trainer for ``run_config``, its model built. The tokenizer, the datasets and the model's HF
     config come from ``run_config`` unless given (tests and benchmarks bring their own; either
     dataset alone counts as given, so an evaluation-only run loads no training data). ``hardware``
     and ``dist``: the caller detected the one and started the process group already (``trainer
-    train``); otherwise both happen here, once."""
+    train``); otherwise both happen here, once. ``layout_checked``: the caller checked the sequence
+    split against the model's config before anything loaded; ``output_dir_claimed``: it holds
+    ``output_dir`` (``trainer train`` does both, so neither happens twice in a run)."""
     args, model_args, data_args = run_config.training, run_config.model, run_config.data
     hardware = hardware or detect_hardware()
     check_liger(args, hardware)  # before anything loads
@@ -56,8 +60,9 @@ def build_run(
     if tokenizer is None and (not given_data or config is None):
         tokenizer = get_tokenizer(model_args, data_args)
     config = config if config is not None else model_config(model_args, tokenizer, data_args.block_size)
-    layout = layout_of(run_config, dist)
-    check_layout(config, layout.sequence, layout.world)  # before any data loads
+    if not layout_checked:
+        layout = layout_of(run_config, dist)
+        check_layout(config, layout.sequence, layout.world)  # before any data loads
     if not given_data:
         train_dataset, eval_dataset = build_datasets(data_args, tokenizer, seed=args.seed)
         if eval_dataset is not None and data_args.max_eval_samples:
@@ -68,6 +73,7 @@ def build_run(
         dist,
         num_samples=len(train_dataset) if train_dataset is not None else None,
         hidden_size=hidden_size_of(config),
+        output_dir_claimed=output_dir_claimed,
     )
     set_seed(args.seed)
     model: torch.nn.Module = build_model(

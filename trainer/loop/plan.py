@@ -3,7 +3,10 @@
 plans its run when ``train`` or ``evaluate`` first needs it, unless it was given one).
 
 The plan holds the parallel layout (the one place the data-parallel size is computed), the step
-plan, the checkpoint to resume and the global batch it keeps, and the resolved DeepSpeed dict.
+plan, the checkpoint to resume and the global batch it keeps, and the resolved DeepSpeed dict:
+under ZeRO-3 a hand-built run's dict is the very one its ``TrainingArguments`` registered for
+``zero.Init`` when they were created, finalised in place (``args.hf.finalize_zero3``), as HF's Trainer
+finalises the config its arguments registered.
 
 The user's arguments are never changed. Where a resumed checkpoint's global batch changes the
 accumulation steps, ``RunPlan.args`` is a copy of them with the effective value: the loop, the data
@@ -20,6 +23,7 @@ from typing import Any
 
 from trainer import checkpoint as ckpt
 from trainer.args import RunConfig, TrainingArguments
+from trainer.args.hf import finalize_zero3
 from trainer.checkpoint.snapshots import snapshot_dir
 from trainer.config import Hardware, parallel_sizes, resolve
 from trainer.loop.steps import StepPlan, kept_accumulation, plan_steps
@@ -40,6 +44,7 @@ class RunPlan:
     checkpoint: Path | None  # the verified checkpoint to resume
     resume: Any  # the resume_from_checkpoint spec the checkpoint was found for
     ds_config: dict[str, Any]
+    output_dir_claimed: bool = False  # the caller (`trainer train`) holds output_dir already
 
 
 def layout_of(args: TrainingArguments | RunConfig, dist: DistInfo) -> ParallelLayout:
@@ -61,12 +66,20 @@ def plan_run(
     client_optimizer: bool = False,
     client_scheduler: bool = False,
     ds_config: dict[str, Any] | None = None,
+    output_dir_claimed: bool = False,
 ) -> RunPlan:
     """The run's plan, after the process group is up (the checkpoint to resume is verified on every
     rank). ``num_samples``: the training set's size (None: evaluation only, whose schedule spans
     ``total_steps`` if given, else ``max_steps``, or one step). ``resume``: the
-    ``resume_from_checkpoint`` spec (default: the arguments'). ``ds_config``: an engine's config already built, kept as it is."""
-    args = run.training if isinstance(run, RunConfig) else run
+    ``resume_from_checkpoint`` spec (default: the arguments'). ``ds_config``: an engine's config
+    already built, kept as it is. ``output_dir_claimed``: the caller holds ``output_dir`` (the Trainer
+    then claims it no more).
+
+    Where the arguments registered a ZeRO-3 config with transformers when they were created (a
+    hand-built run: the script's model is partitioned by ``zero.Init`` with it), the resolution is
+    filled into that dict and the plan holds it: ``zero.Init``'s config and the engine's are one
+    object; a resolution that would change what ``zero.Init`` used is refused, naming the key."""
+    args = user_args = run.training if isinstance(run, RunConfig) else run
     layout = layout_of(args, dist)
     spec = args.resume_from_checkpoint if resume is KEEP else resume
     snapshots = snapshot_dir(args.output_dir) if args.snapshot_steps else None
@@ -94,4 +107,7 @@ def plan_run(
             client_scheduler=client_scheduler,
             data_parallel=layout.data,
         )
-    return RunPlan(hardware, dist, layout, args, steps, total_steps, checkpoint, spec, ds_config)
+        ds_config = finalize_zero3(user_args, ds_config)
+    return RunPlan(
+        hardware, dist, layout, args, steps, total_steps, checkpoint, spec, ds_config, output_dir_claimed
+    )

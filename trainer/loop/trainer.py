@@ -162,8 +162,9 @@ class Trainer(HFMethods, ResultsAPI):
         """Train to ``max_steps``; returns HF's ``TrainOutput(global_step, training_loss, metrics)``
         (trainer/observe/results.py says what each metric means). ``self.state`` holds the log history."""
         args = self.args
-        # One run per output_dir (`trainer train` holds it already).
-        claim_output_dir(args.output_dir, wait_s=args.preemption_grace_s)
+        # One run per output_dir, claimed once (not where the plan says `trainer train` or we hold it).
+        if self.plan is None or not self.plan.output_dir_claimed:
+            claim_output_dir(args.output_dir, wait_s=args.preemption_grace_s)
         spec = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         # The checkpoint is found before the engine is built: its global batch is part of the config.
         sampler = self._prepare_training(spec)
@@ -437,25 +438,19 @@ class Trainer(HFMethods, ResultsAPI):
             raise ValueError("Trainer.train: train_dataset is required")
         plan = self.plan
         if plan is None or self.engine is not None or plan.steps is None or plan.resume != spec:
-            self.plan = self._plan_run(spec, len(self.train_dataset), self.state.max_steps)
+            self.plan = self._plan_run(spec, len(self.train_dataset), self.state.max_steps, held=True)
         self.args, state = self.plan.args, self.state
         state.steps_per_epoch, state.max_steps, state.num_train_epochs = self.plan.steps
         self._ensure_engine(state.max_steps)
         return train_sampler(len(self.train_dataset), *self._data_ranks, self.args, self._lengths)
 
-    def _plan_run(self, spec: Any, num_samples: int | None, total_steps: int) -> RunPlan:
+    def _plan_run(self, spec: Any, num_samples: int | None, total_steps: int, held: bool = False) -> RunPlan:
         return plan_run(
-            self.args,
-            self.hardware,
-            self.dist,
-            num_samples=num_samples,
-            total_steps=max(total_steps, 1),
-            hidden_size=model_hidden_size(self.model),
-            resume=spec,
-            client_optimizer=self.client_optimizer is not None,
-            client_scheduler=self.client_scheduler is not None,
+            self.args, self.hardware, self.dist, num_samples=num_samples, total_steps=max(total_steps, 1),
+            hidden_size=model_hidden_size(self.model), resume=spec, output_dir_claimed=held,
+            client_optimizer=self.client_optimizer is not None, client_scheduler=self.client_scheduler is not None,
             ds_config=self.ds_config if self.engine is not None else None,
-        )
+        )  # fmt: skip
 
     @property
     def ds_config(self) -> dict[str, Any] | None:
