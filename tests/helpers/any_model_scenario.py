@@ -10,6 +10,7 @@ each) in each step, so both runs must log the same losses and gradient norms.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -173,3 +174,8 @@ if __name__ == "__main__":
     for stage in stages:
         for name in argv[3:] or TASKS:
             run(out, name, grad_acc, stage)
+            # The Trainer and its arguments sit in reference cycles (its components call back into
+            # it), so they are freed at a collection, not when run() returns: until then the ZeRO-3
+            # config the arguments registered with transformers partitions the next task's model
+            # as it is built (HF's arguments register it the same way).
+            gc.collect()
