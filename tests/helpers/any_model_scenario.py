@@ -10,7 +10,6 @@ each) in each step, so both runs must log the same losses and gradient norms.
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 from pathlib import Path
@@ -173,9 +172,4 @@ if __name__ == "__main__":
     out, grad_acc, stages = Path(argv[0]), int(argv[1]), [int(s) for s in argv[2].split(",")]
     for stage in stages:
         for name in argv[3:] or TASKS:
-            run(out, name, grad_acc, stage)
-            # The Trainer and its arguments sit in reference cycles (its components call back into
-            # it), so they are freed at a collection, not when run() returns: until then the ZeRO-3
-            # config the arguments registered with transformers partitions the next task's model
-            # as it is built (HF's arguments register it the same way).
-            gc.collect()
+            run(out, name, grad_acc, stage)  # its Trainer, arguments and ZeRO-3 registration go here

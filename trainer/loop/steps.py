@@ -86,14 +86,16 @@ def client_scheduler(
     if "scheduler" in ds_config:
         return None
     warmup = args.warmup_steps if args.warmup_steps > 0 else math.ceil(args.warmup_ratio * total_steps)
+    kind, kwargs = args.lr_scheduler_type, dict(args.lr_scheduler_kwargs)  # not the arguments: the
+    # engine keeps this callable, and the arguments must be freed with the Trainer
 
     def build(optimizer: torch.optim.Optimizer) -> Any:
         return get_scheduler(
-            args.lr_scheduler_type,
+            kind,
             optimizer,
             num_warmup_steps=warmup,
             num_training_steps=total_steps,
-            scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs),
+            scheduler_specific_kwargs=kwargs,
         )
 
     return build

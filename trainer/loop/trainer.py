@@ -55,7 +55,7 @@ from trainer.loop.hf_methods import HFMethods
 from trainer.loop.plan import RunPlan, layout_of, plan_run
 from trainer.loop.saving import Checkpoints, resumed_state
 from trainer.loop.steps import client_scheduler, tiling_for, torch_compile_for
-from trainer.loop.vote import Preemption, WindowCounts, poll
+from trainer.loop.vote import Preemption, WindowCounts, poll, weakly
 from trainer.model.liger import apply_liger_kernel, check_liger
 from trainer.model.modeling import enable_gradient_checkpointing, is_adapter, model_hidden_size, param_counts
 from trainer.model.neftune import NEFTune
@@ -188,9 +188,7 @@ class Trainer(HFMethods, ResultsAPI):
         if self.checkpoints is None:
             hf_files = (getattr(self.model, "config", None), self.processing_class)
             saver_args = (args, self.dist, self.ds_config, self.run_config, *hf_files)
-            self.checkpoints = Checkpoints(
-                args, saver_args, lambda c: self._fire("on_save", checkpoint=str(c))
-            )
+            self.checkpoints = Checkpoints(args, saver_args, weakly(self._saved))
         self.checkpoints.start_snapshots()
         self.timer = StepTimer(
             self._flops_per_token(),
@@ -203,8 +201,8 @@ class Trainer(HFMethods, ResultsAPI):
         if args.eval_on_start and self.eval_dataset is not None:
             self.evaluate()
         self.engine.train()
-        self.guard = NonfiniteGuard(args, self.engine, self._finish_save, self._roll_back)
-        self._preemption = Preemption(self.preemption, self._save_and_exit_on_preemption)
+        self.guard = NonfiniteGuard(args, self.engine, weakly(self._finish_save), weakly(self._roll_back))
+        self._preemption = Preemption(self.preemption, weakly(self._save_and_exit_on_preemption))
         self._reset_window_sums()
         # self.state is re-read every time: a rollback replaces it.
         while self.state.epoch_index < self.state.num_train_epochs and not self.control.should_training_stop:
@@ -572,6 +570,9 @@ class Trainer(HFMethods, ResultsAPI):
         """Start a checkpoint of this step (trainer/loop/saving.py); on_save fires once it is committed."""
         states = lambda: callback_states(self.callback_handler.callbacks, self.control)  # noqa: E731
         self.checkpoints.save(self.engine, self.state, states, resumable)
+
+    def _saved(self, checkpoint: Path) -> None:
+        self._fire("on_save", checkpoint=str(checkpoint))
 
     def _finish_save(self) -> None:
         """Commit a pending asynchronous save (collective); a no-op when none is pending."""

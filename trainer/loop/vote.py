@@ -18,6 +18,7 @@ a vote of its own, at the steps that log, save or snapshot: it judges the step j
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -35,6 +36,15 @@ class Participant(Protocol):
     def tally(self, totals: list[float]) -> None:
         """Act on the sums over the ranks of what ``ballot`` put on the vote (the same on every rank)."""
         ...
+
+
+def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A bound ``method`` that holds its object weakly. The participants call back into the Trainer
+    that owns them; a strong reference would make a cycle, and a Trainer the user dropped (with the
+    ZeRO-3 config its arguments registered with transformers) would live on until the next garbage
+    collection."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args, **kwargs: ref()(*args, **kwargs)
 
 
 def poll(participants: Sequence[Participant]) -> None:
