@@ -39,16 +39,19 @@ $(VENV)/.installed: pyproject.toml
 # installs a `trainer` package): remove that one from an old venv first.
 	$(BIN)/python -m pip uninstall -q -y trainer 2>/dev/null || true
 	$(BIN)/python -m pip install -q -e ".[dev]"
-	$(BIN)/python scripts/warm_ops.py
 	touch $@
 
 demo: install
 	$(DEMO_LAUNCH) scripts/train.py
 
+# DeepSpeed's JIT ops that the tests load (two-rank collectives, offload's CPU Adam, adamw_fused's
+# FusedAdam) are built first, two at a time; the one-process demo needs none of them.
 test: install
+	$(BIN)/python scripts/warm_ops.py
 	$(BIN)/python -m pytest -m "not slow and not gpu" -q
 
 test-all: install
+	$(BIN)/python scripts/warm_ops.py
 	$(BIN)/python -m pytest -q
 
 lint: install

@@ -1,8 +1,10 @@
-"""Compile DeepSpeed's JIT ops once at install time, so runs and tests do not pay for it.
+"""Compile DeepSpeed's JIT ops ahead of the runs that load them, so the tests do not pay for it.
 
-On CPU that is the shared-memory collective op (built at every init otherwise), the CPU Adam used
-by optimizer offload and the CPU FusedAdam. The builds go to TORCH_EXTENSIONS_DIR (the Makefile pins it to a stable path).
-On a GPU box nothing is forced: ops build on first use there.
+``python scripts/warm_ops.py [BUILDER ...]`` (default: all three). On CPU: the shared-memory
+collective op (loaded by every run of two or more ranks), the CPU Adam of optimizer offload, and the
+CPU FusedAdam of ``optim=adamw_fused``. ``make test`` runs it; a one-process run (``make demo``)
+loads none of them. The builds go to TORCH_EXTENSIONS_DIR (the Makefile pins it to a stable path);
+one already built loads in a second. On a GPU box nothing is forced: ops build on first use there.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+BUILDERS = ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder")
 
 
 def build(name: str) -> str:
@@ -28,9 +32,13 @@ def main() -> int:
     # Independent builds, two at a time with one compiler each: one per core, and each compiler
     # can take gigabytes, which ninja's default of cores + 2 jobs per build multiplies.
     os.environ.setdefault("MAX_JOBS", "1")
-    # FusedAdam backs optim=adamw_fused.
+    names = sys.argv[1:] or list(BUILDERS)
+    unknown = sorted(set(names) - set(BUILDERS))
+    if unknown:
+        print(f"warm_ops: unknown builder {', '.join(unknown)} (known: {', '.join(BUILDERS)})", file=sys.stderr)
+        return 2
     with ThreadPoolExecutor(max_workers=2) as pool:
-        for line in pool.map(build, ["ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder"]):
+        for line in pool.map(build, names):
             print("warm_ops:", line, flush=True)
     return 0
 

@@ -149,6 +149,10 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
                 world_size=info.world_size,
                 timeout=timeout,
             )
+        if hardware.device == "cpu" and info.world_size == 1:
+            # One process has no peer to share memory with: DeepSpeed's shared-memory collective
+            # op (a minute's compile on a fresh machine) is neither built nor loaded.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
         # A script that never leaves the group (any HF-style script) still must not leave gloo's
         # threads to interpreter exit; every rank is past its last collective by then.

@@ -1,9 +1,13 @@
-"""A Trainer the user drops is freed at once, with its arguments, as HF's is: no reference cycle waits
-for a garbage collection. Under ZeRO-3 that matters beyond memory: the arguments registered their
-config with transformers, and while they live every model built next is partitioned by ``zero.Init``.
+"""What a one-process run leaves behind, seen from one child process (plain python, one rank, the
+collector off) that trains under ZeRO-3 with saving, evaluation and the non-finite guard on, drops
+the Trainer, and builds the next model:
 
-One child process (plain python, one rank, the collector off) trains under ZeRO-3 with saving,
-evaluation and the non-finite guard on, drops the Trainer, and builds the next model.
+- a Trainer the user drops is freed at once, with its arguments, as HF's is: no reference cycle
+  waits for a garbage collection. Under ZeRO-3 that matters beyond memory: the arguments registered
+  their config with transformers, and while they live every model built next is partitioned by
+  ``zero.Init``;
+- no DeepSpeed op was compiled or loaded: one process has no use for the shared-memory collective,
+  whose compile would be most of a fresh machine's ``make demo``.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 import json
 import textwrap
 
-from tests.helpers.launch import launch
+import pytest
+
+from tests.helpers.launch import launch, run_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -53,14 +59,28 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_a_dropped_trainer_and_its_zero3_registration_go_at_once(tmp_path):
-    script = tmp_path / "lifetime.py"
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("one_process")
+    script = tmp / "lifetime.py"
     script.write_text(SCRIPT)
-    launch([str(script), str(tmp_path / "out")], launcher="python", timeout=600)
-    assert json.loads((tmp_path / "out" / "lifetime.json").read_text()) == {
+    extensions = tmp / "torch_extensions"  # empty: any op the run needs is built here
+    launch([str(script), str(tmp / "out")], launcher="python", timeout=600,
+           env=run_env(TORCH_EXTENSIONS_DIR=str(extensions)))  # fmt: skip
+    return tmp / "out", extensions
+
+
+def test_a_dropped_trainer_and_its_zero3_registration_go_at_once(run):
+    out, _ = run
+    assert json.loads((out / "lifetime.json").read_text()) == {
         "registered_while_alive": True,
         "trainer_alive": False,
         "args_alive": False,
         "registered_after": False,
         "next_model_whole": True,
     }
+
+
+def test_no_deepspeed_op_is_built_for_one_process(run):
+    _, extensions = run
+    assert sorted(extensions.rglob("*")) == []
