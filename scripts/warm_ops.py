@@ -35,7 +35,9 @@ def main() -> int:
     names = sys.argv[1:] or list(BUILDERS)
     unknown = sorted(set(names) - set(BUILDERS))
     if unknown:
-        print(f"warm_ops: unknown builder {', '.join(unknown)} (known: {', '.join(BUILDERS)})", file=sys.stderr)
+        print(
+            f"warm_ops: unknown builder {', '.join(unknown)} (known: {', '.join(BUILDERS)})", file=sys.stderr
+        )
         return 2
     with ThreadPoolExecutor(max_workers=2) as pool:
         for line in pool.map(build, names):

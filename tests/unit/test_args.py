@@ -7,8 +7,10 @@ import json
 
 import pytest
 
+from tests.helpers.scaffold import tiny_flags
 from trainer.args import RunConfig, TrainingArguments
 from trainer.args.recipe import parse_cli, parse_run_config
+from trainer.config import Hardware, resolve
 from trainer.config.errors import ConfigError
 
 
@@ -166,3 +168,37 @@ def test_training_arguments_in_code_take_unset_fields_from_the_deepspeed_config(
     args = TrainingArguments(deepspeed="zero2_offload", per_device_train_batch_size=2)
     assert (args.zero_stage, args.offload_optimizer, args.per_device_train_batch_size) == (2, "cpu", 2)
     assert TrainingArguments(deepspeed={"zero_optimization": {"stage": "auto"}}).zero_stage == 0
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (["--lora_r", "8", "--use_rslora", "true"], "error: lora_r, use_rslora: LoRA settings without use_peft"),
+        (["--tile_tokens", "256", "--tiled_loss", "false"], "error: tile_tokens, tiled_loss, tiled_mlp: a tile size with nothing tiled"),
+        (["--nvme_path", "/tmp/nvme"], "error: nvme_path: set, but nothing is offloaded to NVMe"),
+    ],
+)  # fmt: skip
+def test_a_setting_without_its_switch_is_refused_before_the_run(tmp_path, capsys, flags, error):
+    """`trainer train` refuses, in one line naming both, a setting its switch would have used; nothing
+    is written. (Were it accepted, the tiny run would train one step and exit 0.)"""
+    from trainer.cli.train import EXIT_BAD_INPUT, main
+
+    out = tmp_path / "out"
+    assert (
+        main([*tiny_flags(max_steps=1, save_steps=1, eval_steps=1), *flags, "--output_dir", str(out)])
+        == EXIT_BAD_INPUT
+    )
+    stderr = capsys.readouterr().err.strip()
+    assert stderr.startswith(error) and "\n" not in stderr
+    assert not out.exists()
+
+
+def test_the_same_settings_with_their_switches_are_accepted():
+    lora = parse_run_config(["--use_peft", "true", "--model_name_or_path", "base", "--lora_r", "8"])
+    assert lora.model.lora_r == 8
+    assert parse_run_config(["--tile_tokens", "256"]).training.tile_tokens == 256  # tiled_loss auto
+    assert parse_run_config(["--tile_tokens", "256", "--tiled_loss", "false", "--tiled_mlp", "true"])
+    # The run's rules pass with NVMe offload on (the DeepSpeed dict gets the path).
+    run = parse_run_config(["--nvme_path", "/tmp/nvme", "--zero_stage", "2", "--offload_optimizer", "nvme"])
+    resolved = resolve(run, 1, Hardware.cpu())
+    assert resolved["zero_optimization"]["offload_optimizer"]["nvme_path"] == "/tmp/nvme"

@@ -69,7 +69,20 @@ class ModelArguments(ArgsModel):
             )
         if self.load_in_4bit and not self.use_peft:
             raise ValueError("load_in_4bit: a 4-bit base cannot be trained in full; add use_peft (QLoRA)")
+        if not self.use_peft:  # a LoRA setting without LoRA would be ignored: say so
+            fields = type(self).model_fields
+            changed = [n for n in LORA_FIELDS if getattr(self, n) != fields[n].default]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)}: LoRA settings without use_peft, which would train the whole "
+                    "model and ignore them; add use_peft true, or drop them"
+                )
         return self
+
+
+LORA_FIELDS = (
+    "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_rslora", "use_dora"
+)  # fmt: skip
 
 
 class DataArguments(ArgsModel):

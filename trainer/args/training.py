@@ -447,6 +447,15 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
         return self
 
     @model_validator(mode="after")
+    def _tile_size_needs_tiling(self) -> TrainingFields:
+        if self.tile_tokens and self.tiled_loss == "false" and not self.tiled_mlp:
+            raise ValueError(
+                "tile_tokens, tiled_loss, tiled_mlp: a tile size with nothing tiled (tiled_loss false, "
+                "tiled_mlp false) would be ignored; turn one of them on, or drop tile_tokens"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _best_model_is_checkpointed(self) -> TrainingFields:
         """As HF's: the best model is reloaded from the checkpoint saved when it was evaluated, so
         checkpoints must be saved at evaluations."""

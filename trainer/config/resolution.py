@@ -271,6 +271,11 @@ class _Resolver:
             for b in ("offload_optimizer", "offload_param")
         ):
             self.data.setdefault("aio", dict(AIO_BLOCK))
+        elif self.args.nvme_path:
+            self.problems.append(
+                ("nvme_path", "set, but nothing is offloaded to NVMe, so it would be ignored; add "
+                 "offload_optimizer nvme or offload_param nvme, or drop nvme_path")
+            )  # fmt: skip
         if (
             self.hardware is not None
             and self.hardware.device != "cuda"
