@@ -103,6 +103,24 @@ def test_evaluation_weights_each_batch_mean_by_its_rows_as_hf():
     torch.testing.assert_close(loss, model(**batch).loss * 3)
 
 
+def test_seq2seq_evaluation_counts_each_batch_mean_once_and_causal_stays_token_exact():
+    """HF's Seq2SeqTrainer weighs every batch's mean alike (a short last batch too); a causal LM
+    keeps its token-weighted sum under the same flag."""
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(LlamaConfig(num_labels=3, **LLAMA)).eval()
+    batch = {"input_ids": torch.randint(1, 40, (3, 6)), "labels": torch.tensor([0, 2, 1])}
+    loss, count, _ = objective_for(model, eval_per_batch=True).eval_sum(model, batch)
+    assert count.item() == 1
+    torch.testing.assert_close(loss, model(**batch).loss)
+    causal = LlamaForCausalLM(LlamaConfig(**LLAMA)).eval()
+    input_ids = torch.randint(1, 40, (2, 6))
+    tokens = {"input_ids": input_ids, "labels": input_ids.clone()}
+    tokens["labels"][1, 3:] = -100
+    loss, count, _ = objective_for(causal, eval_per_batch=True).eval_sum(causal, tokens)
+    assert count.item() == 5 + 2  # the shifted targets that are not -100
+    torch.testing.assert_close(loss / count, causal(**tokens).loss)
+
+
 def test_features_that_compute_the_causal_loss_themselves_refuse_other_objectives():
     model = LlamaForSequenceClassification(LlamaConfig(num_labels=3, **LLAMA))
     for ds_config, feature in (

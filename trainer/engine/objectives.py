@@ -15,7 +15,8 @@ total; the loop never branches on which objective runs.
   model's forward under the same rules, as HF's does.
 
 Evaluation asks ``eval_sum``: HF's evaluation loss is the mean of batch losses weighted by their
-rows; the causal-LM objective keeps its token-weighted mean. A batch without its labels
+rows (``eval_per_batch``: each batch's mean counted once, as HF's ``Seq2SeqTrainer`` counts them);
+the causal-LM objective keeps its token-weighted mean. A batch without its labels
 (``label_names``: predicting on a test set) is forwarded alone and counts for nothing, as HF's
 ``prediction_step`` reports no loss for it.
 """
@@ -50,6 +51,11 @@ class Objective(ABC):
     token_exact_causal: bool = False
     #: The batch keys that hold the targets (HF's ``label_names``).
     label_names: tuple[str, ...] = ("labels",)
+    #: Evaluation counts each batch's mean loss once, not once per row. HF's ``Seq2SeqTrainer``
+    #: gathers its losses with plain ``gather``, which keeps the repeats ``evaluation_loop`` pads a
+    #: short last batch's mean to (``losses.repeat(eval_batch_size)``): every batch weighs alike.
+    #: HF's ``Trainer`` gathers for metrics, which cuts them to the rows there are.
+    eval_per_batch: bool = False
 
     def labelled(self, batch: Batch) -> bool:
         """HF's ``has_labels``: the batch carries every label (none named: no loss to compute)."""
@@ -66,7 +72,8 @@ class Objective(ABC):
 
     def eval_sum(self, forward: Forward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """(summed loss, its count, model outputs) of one evaluation batch: by default HF's
-        weighting, the batch's mean loss counted once per row. Without labels, the forward alone (a
+        weighting, the batch's mean loss counted once per row (once, with ``eval_per_batch``).
+        Without labels, the forward alone (a
         ``compute_loss`` override is not called, as HF's) and a zero loss over a zero count."""
         if not self.labelled(batch):
             outputs = forward(**batch)
@@ -76,8 +83,8 @@ class Objective(ABC):
         count = float(self.count(batch))
         loss, outputs = self.loss_sum(forward, dict(batch), count)
         loss = loss / max(count, 1.0)
-        rows = torch.tensor(float(batch_rows(batch)), device=loss.device)
-        return loss * rows, rows, outputs
+        weight = torch.tensor(1.0 if self.eval_per_batch else float(batch_rows(batch)), device=loss.device)
+        return loss * weight, weight, outputs
 
 
 class CausalLM(Objective):
@@ -214,11 +221,14 @@ def objective_for(
     compute_loss: ComputeLoss | None = None,
     label_smoothing: float = 0.0,
     label_names: list[str] | None = None,
+    eval_per_batch: bool = False,
 ) -> Objective:
     """The objective a Trainer runs for ``model``: token-exact causal LM for a causal LM, the
     model's own loss otherwise, and a ``compute_loss`` override in place of either's forward.
     ``label_names``: HF's argument; by default the label arguments of the model's forward, as HF
-    finds them (``labels``; ``start_positions``/``end_positions`` for question answering)."""
+    finds them (``labels``; ``start_positions``/``end_positions`` for question answering).
+    ``eval_per_batch``: the model's own loss evaluates as HF's ``Seq2SeqTrainer`` (each batch's
+    mean once); the causal-LM objective stays token-exact."""
     causal = is_causal_lm(model)
     if compute_loss is None and causal:
         objective: Objective = CausalLM(label_smoothing)
@@ -227,6 +237,7 @@ def objective_for(
         if getattr(config, "problem_type", None) == "multi_label_classification":
             label_smoothing = 0.0  # HF's Trainer turns it off there too: labels are not classes
         objective = ModelLoss(accepts_loss_kwargs(model), causal, compute_loss, label_smoothing)
+        objective.eval_per_batch = eval_per_batch
     names = label_names if label_names is not None else find_labels(type(unwrap_peft_model(model)))
     objective.label_names = tuple(names)
     return objective

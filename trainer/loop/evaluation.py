@@ -5,7 +5,8 @@ are padded with rows that count for nothing so every rank runs the same number o
 ZeRO-3 and the pipeline need. The loss is the objective's: a causal LM's is the sum of every target
 token's loss over the number of target tokens on all ranks (token-weighted, as the training loss; HF
 averages per-batch means instead), any other model's the mean of its batch losses weighted by their
-rows, as HF's. A set without labels (``label_names``) has no loss, as HF's.
+rows, as HF's (each batch alike under ``Seq2SeqTrainer``, as HF's). A set without labels
+(``label_names``) has no loss, as HF's.
 
 With predictions, each batch's outputs (and labels) go through ``preprocess_logits_for_metrics`` on
 the rank that computed them, before anything is gathered: only what it returns travels, so an

@@ -6,6 +6,9 @@ the generation config's ``max_length`` with the pad token, its labels likewise, 
 ``Seq2SeqTrainer`` pads them. Generation arguments come from the call (``max_length``,
 ``num_beams``, ...), else ``generation_max_length``/``generation_num_beams``, else the model's
 generation config (``args.generation_config`` replaces it when given).
+
+The evaluation loss of a model's own loss is HF's ``Seq2SeqTrainer``'s: the mean of its batches'
+mean losses, each batch counted alike (a short last batch too); a causal LM's stays token-exact.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ from trainer.loop.trainer import Trainer
 
 
 class Seq2SeqTrainer(Trainer):
+    # HF's Seq2SeqTrainer gathers evaluation losses with plain ``gather`` ("we don't want to drop
+    # samples"): a short last batch's mean keeps all ``eval_batch_size`` repeats, so each batch's
+    # mean loss weighs alike where HF's Trainer weighs it by its rows.
+    _eval_per_batch = True
+
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._gen_kwargs: dict[str, Any] = {}

@@ -79,6 +79,9 @@ from trainer.runtime.run_files import DS_CONFIG, RUN_CONFIG
 
 
 class Trainer(HFMethods, ResultsAPI):
+    #: A model's own evaluation loss counts each batch's mean once, not per row (HF's Seq2SeqTrainer).
+    _eval_per_batch: bool = False
+
     def __init__(
         self,
         model: torch.nn.Module | None = None,
@@ -475,6 +478,7 @@ class Trainer(HFMethods, ResultsAPI):
             self.compute_loss if overridden else None,
             self.args.label_smoothing_factor,
             self.args.label_names,
+            eval_per_batch=self._eval_per_batch,
         )
         if self.args.use_liger_kernel:
             apply_liger_kernel(self.model, self.args.liger_kernel_config)
