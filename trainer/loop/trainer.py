@@ -10,7 +10,6 @@ import json
 import math
 import time
 from collections.abc import Callable
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from trainer.checkpoint.export import export_hf
 from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
 from trainer.data.loader import accumulation_windows, sample_lengths, train_sampler
-from trainer.engine import Engine, Objective, build_engine, is_causal_lm, objective_for
+from trainer.engine import Engine, build_engine, is_causal_lm, objective_for
 from trainer.loop.callbacks import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -151,12 +150,6 @@ class Trainer(HFMethods, ResultsAPI):
         self._fire("on_init_end")
 
     # ---- public API ----------------------------------------------------------------------------
-
-    def is_world_process_zero(self) -> bool:
-        return self.dist.is_main
-
-    def is_local_process_zero(self) -> bool:
-        return self.dist.local_rank == 0
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train to ``max_steps``; returns HF's ``TrainOutput(global_step, training_loss, metrics)``
@@ -394,25 +387,6 @@ class Trainer(HFMethods, ResultsAPI):
         """What produces predictions in place of the logits: nothing here (``Seq2SeqTrainer``
         generates)."""
         return None
-
-    def compute_loss(
-        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
-    ) -> Any:
-        """HF's override point: one micro-batch's loss over ``num_items_in_batch``, the labelled items
-        (target tokens for a causal LM) of its accumulation window on all ranks, so a window's
-        micro-batches on all ranks add up to its mean; None where the model takes no loss kwargs (the
-        micro-batch's own mean, as HF's). Only an override runs in the loop (this is its super)."""
-        objective = self._model_objective
-        items = float(num_items_in_batch or objective.count(inputs))
-        loss_sum, outputs = objective.loss_sum(model, inputs, items)
-        loss = loss_sum / max(items, 1.0)
-        return (loss, outputs) if return_outputs else loss
-
-    @cached_property
-    def _model_objective(self) -> Objective:
-        """The objective of the model without an override: what ``compute_loss``'s super computes
-        (built once: it inspects the model's forward)."""
-        return objective_for(self.model, None, self.args.label_smoothing_factor, self.args.label_names)
 
     def save_model(self, output_dir: str | None = None) -> Path | None:
         """An HF export (config, safetensors, tokenizer) of the current weights; default: output_dir."""
