@@ -35,6 +35,7 @@ from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
 from trainer.data.loader import accumulation_windows, sample_lengths, train_sampler
 from trainer.engine import Engine, build_engine, is_causal_lm, objective_for
+from trainer.loop.auto_batch import AutoBatchSize
 from trainer.loop.callbacks import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -142,6 +143,8 @@ class Trainer(HFMethods, ResultsAPI):
             default.append(NEFTune(self.args))
         if self.args.torch_empty_cache_steps is not None:
             default.append(EmptyDeviceCache(self.args.torch_empty_cache_steps))
+        self.auto_batch = AutoBatchSize(self.args, model, self.dist.world_size)  # a callback when on
+        default += [self.auto_batch] if self.auto_batch.enabled else []
         self.callback_handler = CallbackHandler(default + list(callbacks or []))
         self.engine: Engine | None = None
         self.checkpoints: Checkpoints | None = None  # the saver and snapshots (trainer/loop/saving.py)
@@ -159,6 +162,11 @@ class Trainer(HFMethods, ResultsAPI):
         if self.plan is None or not self.plan.output_dir_claimed:
             claim_output_dir(args.output_dir, wait_s=args.preemption_grace_s)
         spec = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
+        # auto_find_batch_size: a first step out of memory trains again at half the micro-batch.
+        start = (self.state, self.control), args.per_device_train_batch_size
+        return self.auto_batch.run(lambda: self._train(spec), self._start_over, *start)
+
+    def _train(self, spec: Any) -> TrainOutput:
         # The checkpoint is found before the engine is built: its global batch is part of the config.
         sampler = self._prepare_training(spec)
         args, checkpoint = self.args, self.plan.checkpoint  # the plan's arguments: its accumulation
@@ -224,6 +232,17 @@ class Trainer(HFMethods, ResultsAPI):
         self._fire("on_train_end")
         print_main(summary_table(self.state.log_history))
         return output
+
+    def _start_over(self, micro_batch: int, saved: tuple[TrainerState, TrainerControl]) -> None:
+        """auto_find_batch_size's retry (trainer/loop/auto_batch.py): the engine freed, the state as
+        ``train`` found it, the arguments (and run config) copied with ``micro_batch``: planned again."""
+        self.engine.close()
+        self.checkpoints.release_snapshots()  # built before the first step
+        self.engine = self.checkpoints = self.plan = None
+        self.state, self.control = saved
+        self.args = self.args.model_copy(update={"per_device_train_batch_size": micro_batch})
+        if self.run_config is not None:
+            self.run_config = self.run_config.model_copy(update={"training": self.args})
 
     def _train_output(self) -> TrainOutput:
         """HF's end of training: the call's metrics, logged as one row, and the TrainOutput."""
