@@ -38,8 +38,6 @@ REFUSED: dict[str, str] = {
     "ZeRO-3 needs); no other kwargs are passed",
     "use_cache": "the KV cache is off while training (packed rows need it off); generation after "
     "training uses the model config's own use_cache",
-    "auto_find_batch_size": "DeepSpeed fixes the batch when the engine is built; "
-    "`trainer plan` finds a micro-batch that fits",
     "logging_nan_inf_filter": "non-finite losses are handled by nonfinite_policy (skip, rollback or stop)",
     "save_on_each_node": "every rank writes its own shards into the shared output_dir, rank 0 the rest",
     "enable_jit_checkpoint": "a checkpoint on SIGTERM/SIGUSR1 is built in (preemption_grace_s)",
@@ -157,7 +155,9 @@ class HFFields(BaseModel):
         None, description="Empty the accelerator's cache every N steps."
     )
     auto_find_batch_size: bool = Field(
-        False, description="Halve the batch size on out-of-memory until a step fits."
+        False,
+        description="On out-of-memory in the first step, train again from step 0 at half "
+        "per_device_train_batch_size (down to 1); gradient_accumulation_steps is kept, as HF's.",
     )
     logging_nan_inf_filter: bool = Field(True, description="Leave NaN/Inf losses out of the logged average.")
     include_num_input_tokens_seen: str | bool = Field(

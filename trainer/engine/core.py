@@ -183,6 +183,12 @@ class Engine(ABC):
         (``trainer.engine.zero.state_bytes``; compare with ``trainer.planner.model_state_bytes``)."""
         return zero.state_bytes(self.module, self.optimizer)
 
+    def close(self) -> None:
+        """Free DeepSpeed's engine: its optimizer's hooks leave the model's parameters and its states
+        go (``auto_find_batch_size`` builds another engine around the same model)."""
+        self.ds.destroy()
+        self.ds = self.optimizer = self.lr_scheduler = None
+
     def after(self, method: str, hook: Callable[..., None]) -> None:
         """Run ``hook`` after every call of ``method`` (``"save"`` or ``"eval_step"``) returns, with
         that call's arguments (a save's directory first, an evaluation's batch). Fault injection

@@ -8,9 +8,9 @@ evaluation shard (``trainer.loop.evaluation.EvalShard``). DeepSpeed builds the o
 scheduler together with the engine, from the resolved config; ``create_optimizer`` and friends
 return those, building the engine when it does not exist yet.
 
-The loop calls none of these methods (it runs ``compute_loss`` overrides only): a subclass that
-overrides ``get_train_dataloader``, ``create_optimizer`` or ``log`` changes what a user calling them
-gets, not what trains.
+``compute_loss`` is HF's override point: the loop runs an override, never this one (its super). The
+loop calls none of the others: a subclass that overrides ``get_train_dataloader``,
+``create_optimizer`` or ``log`` changes what a user calling them gets, not what trains.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainer.data import model_columns
 from trainer.data.loader import train_dataloader, train_sampler
-from trainer.engine import is_decayed
+from trainer.engine import Objective, is_decayed, objective_for
 from trainer.loop.callbacks import TrainerCallback
 from trainer.loop.evaluation import EvalShard, eval_dataloader
 from trainer.loop.model_card import (
@@ -80,6 +81,33 @@ class HFMethods:
     run_config: RunConfig | None
     ds_config: dict[str, Any] | None
     _data_ranks: tuple[int, int]
+
+    # ---- HF's process checks and loss override point -----------------------------------------
+
+    def is_world_process_zero(self) -> bool:
+        return self.dist.is_main
+
+    def is_local_process_zero(self) -> bool:
+        return self.dist.local_rank == 0
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """HF's override point: one micro-batch's loss over ``num_items_in_batch``, the labelled items
+        (target tokens for a causal LM) of its accumulation window on all ranks, so a window's
+        micro-batches on all ranks add up to its mean; None where the model takes no loss kwargs (the
+        micro-batch's own mean, as HF's). Only an override runs in the loop (this is its super)."""
+        objective = self._model_objective
+        items = float(num_items_in_batch or objective.count(inputs))
+        loss_sum, outputs = objective.loss_sum(model, inputs, items)
+        loss = loss_sum / max(items, 1.0)
+        return (loss, outputs) if return_outputs else loss
+
+    @cached_property
+    def _model_objective(self) -> Objective:
+        """The objective of the model without an override: what ``compute_loss``'s super computes
+        (built once: it inspects the model's forward)."""
+        return objective_for(self.model, None, self.args.label_smoothing_factor, self.args.label_names)
 
     # ---- callbacks -----------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from trainer.args import RunConfig, TrainingArguments
 from trainer.args.hf import finalize_zero3
 from trainer.checkpoint.snapshots import snapshot_dir
 from trainer.config import Hardware, parallel_sizes, resolve
+from trainer.loop.auto_batch import check_auto_batch
 from trainer.loop.steps import StepPlan, kept_accumulation, plan_steps
 from trainer.runtime.distributed import DistInfo
 from trainer.runtime.layout import ParallelLayout
@@ -108,6 +109,7 @@ def plan_run(
             data_parallel=layout.data,
         )
         ds_config = finalize_zero3(user_args, ds_config)
+    check_auto_batch(args, ds_config, layout)  # before the model is built (build_run) or trained
     return RunPlan(
         hardware, dist, layout, args, steps, total_steps, checkpoint, spec, ds_config, output_dir_claimed
     )

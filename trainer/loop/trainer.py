@@ -10,7 +10,6 @@ import json
 import math
 import time
 from collections.abc import Callable
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,8 @@ from trainer.checkpoint.export import export_hf
 from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
 from trainer.data.loader import accumulation_windows, sample_lengths, train_sampler
-from trainer.engine import Engine, Objective, build_engine, is_causal_lm, objective_for
+from trainer.engine import Engine, build_engine, is_causal_lm, objective_for
+from trainer.loop.auto_batch import AutoBatchSize
 from trainer.loop.callbacks import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -146,6 +146,8 @@ class Trainer(HFMethods, ResultsAPI):
             default.append(NEFTune(self.args))
         if self.args.torch_empty_cache_steps is not None:
             default.append(EmptyDeviceCache(self.args.torch_empty_cache_steps))
+        self.auto_batch = AutoBatchSize(self.args, model, self.dist.world_size)  # a callback when on
+        default += [self.auto_batch] if self.auto_batch.enabled else []
         self.callback_handler = CallbackHandler(default + list(callbacks or []))
         self.engine: Engine | None = None
         self.checkpoints: Checkpoints | None = None  # the saver and snapshots (trainer/loop/saving.py)
@@ -155,12 +157,6 @@ class Trainer(HFMethods, ResultsAPI):
 
     # ---- public API ----------------------------------------------------------------------------
 
-    def is_world_process_zero(self) -> bool:
-        return self.dist.is_main
-
-    def is_local_process_zero(self) -> bool:
-        return self.dist.local_rank == 0
-
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train to ``max_steps``; returns HF's ``TrainOutput(global_step, training_loss, metrics)``
         (trainer/observe/results.py says what each metric means). ``self.state`` holds the log history."""
@@ -169,6 +165,11 @@ class Trainer(HFMethods, ResultsAPI):
         if self.plan is None or not self.plan.output_dir_claimed:
             claim_output_dir(args.output_dir, wait_s=args.preemption_grace_s)
         spec = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
+        # auto_find_batch_size: a first step out of memory trains again at half the micro-batch.
+        start = (self.state, self.control), args.per_device_train_batch_size
+        return self.auto_batch.run(lambda: self._train(spec), self._start_over, *start)
+
+    def _train(self, spec: Any) -> TrainOutput:
         # The checkpoint is found before the engine is built: its global batch is part of the config.
         sampler = self._prepare_training(spec)
         args, checkpoint = self.args, self.plan.checkpoint  # the plan's arguments: its accumulation
@@ -232,6 +233,17 @@ class Trainer(HFMethods, ResultsAPI):
         self._fire("on_train_end")
         print_main(summary_table(self.state.log_history))
         return output
+
+    def _start_over(self, micro_batch: int, saved: tuple[TrainerState, TrainerControl]) -> None:
+        """auto_find_batch_size's retry (trainer/loop/auto_batch.py): the engine freed, the state as
+        ``train`` found it, the arguments (and run config) copied with ``micro_batch``: planned again."""
+        self.engine.close()
+        self.checkpoints.release_snapshots()  # built before the first step
+        self.engine = self.checkpoints = self.plan = None
+        self.state, self.control = saved
+        self.args = self.args.model_copy(update={"per_device_train_batch_size": micro_batch})
+        if self.run_config is not None:
+            self.run_config = self.run_config.model_copy(update={"training": self.args})
 
     def _train_output(self) -> TrainOutput:
         """HF's end of training: the call's metrics, logged as one row, and the TrainOutput."""
@@ -395,25 +407,6 @@ class Trainer(HFMethods, ResultsAPI):
         """What produces predictions in place of the logits: nothing here (``Seq2SeqTrainer``
         generates)."""
         return None
-
-    def compute_loss(
-        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
-    ) -> Any:
-        """HF's override point: one micro-batch's loss over ``num_items_in_batch``, the labelled items
-        (target tokens for a causal LM) of its accumulation window on all ranks, so a window's
-        micro-batches on all ranks add up to its mean; None where the model takes no loss kwargs (the
-        micro-batch's own mean, as HF's). Only an override runs in the loop (this is its super)."""
-        objective = self._model_objective
-        items = float(num_items_in_batch or objective.count(inputs))
-        loss_sum, outputs = objective.loss_sum(model, inputs, items)
-        loss = loss_sum / max(items, 1.0)
-        return (loss, outputs) if return_outputs else loss
-
-    @cached_property
-    def _model_objective(self) -> Objective:
-        """The objective of the model without an override: what ``compute_loss``'s super computes
-        (built once: it inspects the model's forward)."""
-        return objective_for(self.model, None, self.args.label_smoothing_factor, self.args.label_names)
 
     def save_model(self, output_dir: str | None = None) -> Path | None:
         """An HF export (config, safetensors, tokenizer) of the current weights; default: output_dir."""
