@@ -111,8 +111,17 @@ def kill_rank_and_recover(out: Path, kill_after: int) -> subprocess.CompletedPro
     return subprocess.CompletedProcess(agent.args, agent.returncode, output, "")
 
 
+def kill_point(low: int, high: int) -> int:
+    """The step after which a rank is killed, drawn from ``FAULT_SEED`` (a fresh seed when unset). The
+    seed is printed: pytest shows it with a failure, and ``FAULT_SEED=<seed>`` replays the same point."""
+    seed = int(os.environ.get("FAULT_SEED") or random.SystemRandom().randrange(2**32))
+    step = random.Random(seed).randint(low, high)
+    print(f"kill point: after step {step}; replay with FAULT_SEED={seed}")
+    return step
+
+
 def test_sigkill_of_a_rank_restarts_and_matches_uninterrupted(tmp_path, reference):
-    kill_after = random.Random(os.environ.get("FAULT_SEED")).randint(5, 7)  # between checkpoints 4 and 8
+    kill_after = kill_point(5, 7)  # between checkpoints 4 and 8
     proc = kill_rank_and_recover(tmp_path / "run", kill_after)
     assert proc.returncode == 0, proc.stdout[-4000:]
     step = resumed_at(proc.stdout, tmp_path / "run")
@@ -213,7 +222,7 @@ def test_a_flash_snapshot_every_step_loses_at_most_one_step(tmp_path, reference)
     from trainer.checkpoint.snapshots import snapshot_dir
 
     out = tmp_path / "run"
-    kill_after = random.Random(os.environ.get("FAULT_SEED")).randint(6, 7)  # past checkpoint-4's step
+    kill_after = kill_point(6, 7)  # past checkpoint-4's step
     agent = subprocess.Popen([*torchrun_cmd(out, max_restarts=2), "--snapshot_steps", "1"], cwd=ROOT,
                              env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     wait_for_step(out, kill_after, agent)
