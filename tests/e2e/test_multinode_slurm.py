@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import ROOT
+from tests.helpers.launch import ROOT, run_env
 
 SLURM_ENV = {
     "SLURM_JOB_NODELIST": "gpu-[01-02]",
@@ -48,7 +48,7 @@ def fake(tmp_path) -> dict[str, str]:
         (bindir / name).write_text(text)
         (bindir / name).chmod(0o755)
     return {
-        **os.environ,
+        **run_env(),  # not a rendezvous an earlier in-process run of this test process left
         **SLURM_ENV,
         "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}",
         "FAKE_DIR": str(tmp_path),
