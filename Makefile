@@ -44,15 +44,21 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(DEMO_LAUNCH) scripts/train.py
 
+PYTEST := $(BIN)/python -m pytest -q
+
 # DeepSpeed's JIT ops that the tests load (two-rank collectives, offload's CPU Adam, adamw_fused's
-# FusedAdam) are built first, two at a time; the one-process demo needs none of them.
+# FusedAdam) are built first, two at a time; the one-process demo needs none of them. The unit tests
+# (one process each, bar one) run two at a time, a file per worker; the distributed and end-to-end
+# tests one at a time, each run holding every core. Both parts run; either failing fails the target.
 test: install
 	$(BIN)/python scripts/warm_ops.py
-	$(BIN)/python -m pytest -m "not slow and not gpu" -q
+	$(PYTEST) -m "not slow and not gpu" -n 2 --dist loadfile tests/unit; unit=$$?; \
+	$(PYTEST) -m "not slow and not gpu" --ignore=tests/unit; rest=$$?; \
+	exit $$(( unit || rest ))
 
 test-all: install
 	$(BIN)/python scripts/warm_ops.py
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
