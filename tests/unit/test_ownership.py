@@ -67,8 +67,11 @@ def test_a_restart_of_the_same_job_waits_for_its_previous_attempt(tmp_path, monk
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
     start = time.monotonic()
     ownership.claim_output_dir(tmp_path / "out", wait_s=30)
-    assert holder.wait() == 0  # it held the lock until it ended, by itself
-    assert time.monotonic() - start < 25
+    waited = time.monotonic() - start
+    # The claim came once the holder let go at its end (it sleeps 2 s after claiming), not before.
+    assert 1.5 < waited < 25, waited
+    assert holder.wait(timeout=5) == 0  # it held the lock until it ended, by itself
+    assert f'"pid": {os.getpid()}' in (tmp_path / "out" / ownership.LOCK_FILE).read_text()
 
 
 def test_another_job_is_refused_without_waiting(tmp_path, monkeypatch):
