@@ -14,6 +14,12 @@ from trainer.args.base import ArgsModel, json_object
 DataFormat = Literal["text", "sft", "alpaca", "sharegpt", "messages", "prompt_completion", "prompt_response"]
 
 
+# What only LoRA (use_peft) reads: refused away from its default without it.
+LORA_FIELDS = (
+    "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_rslora", "use_dora"
+)  # fmt: skip
+
+
 class ModelArguments(ArgsModel):
     model_name_or_path: str | None = Field(
         None,
@@ -78,11 +84,6 @@ class ModelArguments(ArgsModel):
                     "model and ignore them; add use_peft true, or drop them"
                 )
         return self
-
-
-LORA_FIELDS = (
-    "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_rslora", "use_dora"
-)  # fmt: skip
 
 
 class DataArguments(ArgsModel):
