@@ -102,7 +102,7 @@ class VotedForward:
         message = ""
         try:
             result = self.inner.loss_sum(forward, batch, items)
-        except (torch.OutOfMemoryError, RuntimeError) as err:
+        except RuntimeError as err:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(err):
                 raise
             message, result = first_line(err), None

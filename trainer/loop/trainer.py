@@ -440,11 +440,18 @@ class Trainer(HFMethods, ResultsAPI):
 
     def _plan_run(self, spec: Any, num_samples: int | None, total_steps: int, held: bool = False) -> RunPlan:
         return plan_run(
-            self.args, self.hardware, self.dist, num_samples=num_samples, total_steps=max(total_steps, 1),
-            hidden_size=model_hidden_size(self.model), resume=spec, output_dir_claimed=held,
-            client_optimizer=self.client_optimizer is not None, client_scheduler=self.client_scheduler is not None,
+            self.args,
+            self.hardware,
+            self.dist,
+            num_samples=num_samples,
+            total_steps=max(total_steps, 1),
+            hidden_size=model_hidden_size(self.model),
+            resume=spec,
+            client_optimizer=self.client_optimizer is not None,
+            client_scheduler=self.client_scheduler is not None,
             ds_config=self.ds_config if self.engine is not None else None,
-        )  # fmt: skip
+            output_dir_claimed=held,
+        )
 
     @property
     def ds_config(self) -> dict[str, Any] | None:
