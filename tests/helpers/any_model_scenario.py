@@ -33,6 +33,7 @@ from transformers import (
 )
 
 from trainer import Trainer, TrainingArguments
+from trainer.runtime.resilience import quick_exit
 
 VOCAB, ROWS = 48, 16
 
@@ -168,6 +169,7 @@ def run(out: Path, name: str, grad_acc: int, stage: int) -> None:
 
 
 if __name__ == "__main__":
+    quick_exit()
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     out, grad_acc, stages = Path(argv[0]), int(argv[1]), [int(s) for s in argv[2].split(",")]
     for stage in stages:

@@ -23,6 +23,7 @@ from trainer import Trainer, TrainingArguments
 from trainer.data import CausalLMCollator
 from trainer.loop.callbacks import MetricsCallback, ProgressCallback, TrainerCallback
 from trainer.runtime.distributed import barrier
+from trainer.runtime.resilience import quick_exit
 
 KEYS = ("input_ids", "attention_mask", "labels")
 
@@ -248,4 +249,5 @@ def _json(value):
 
 
 if __name__ == "__main__":
+    quick_exit()
     main()

@@ -21,6 +21,7 @@ from trainer import Trainer, TrainingArguments
 from trainer.data import CausalLMCollator
 from trainer.engine import causal_lm_loss_sum
 from trainer.runtime.distributed import barrier, detect_hardware, dist_info, init_distributed
+from trainer.runtime.resilience import quick_exit
 
 VOCAB = 256
 LLAMA = dict(
@@ -212,4 +213,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    quick_exit()
     main()

@@ -35,6 +35,7 @@ from trainer.runtime.distributed import (
     dist_info,
     init_distributed,
 )
+from trainer.runtime.resilience import quick_exit
 
 STEPS, SAVE_AT = 10, 5
 # 48 samples: the 10 steps cross an epoch boundary after the save (6 or 8 steps per epoch).
@@ -307,4 +308,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    quick_exit()
     sys.exit(main())

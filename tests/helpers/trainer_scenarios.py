@@ -36,7 +36,7 @@ from trainer.runtime.distributed import (
     dist_info,
     init_distributed,
 )
-from trainer.runtime.resilience import EXIT_NONFINITE
+from trainer.runtime.resilience import EXIT_NONFINITE, quick_exit
 
 VOCAB = 256
 TINY = dict(
@@ -565,4 +565,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    quick_exit()
     sys.exit(main())

@@ -24,6 +24,7 @@ import torch
 from trainer.bench.job import BlockDataset, Job, collate
 from trainer.loop.callbacks import TrainerCallback
 from trainer.runtime.distributed import host_all_reduce
+from trainer.runtime.resilience import quick_exit
 
 
 def count_only(engine: Any, window: list[dict[str, Any]]) -> float:
@@ -129,4 +130,5 @@ def report(rank: int, what: str, wall: float, cpu: float, steps: int) -> None:
 
 
 if __name__ == "__main__":
+    quick_exit()
     main()
