@@ -27,9 +27,12 @@ else
 DEMO_LAUNCH ?= $(LAUNCH)
 endif
 
-.PHONY: install demo test test-all lint format bench presets clean
+.PHONY: install install-dev demo test test-all lint format bench presets clean
 
+# `install`: the project and what a run needs; `install-dev` adds what the tests and lint use (pytest,
+# ruff, and the optional integrations they exercise: peft, wandb, MLflow).
 install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
 
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -38,6 +41,10 @@ $(VENV)/.installed: pyproject.toml
 # The distribution was called `trainer` before (a name PyPI gives to another project, which also
 # installs a `trainer` package): remove that one from an old venv first.
 	$(BIN)/python -m pip uninstall -q -y trainer 2>/dev/null || true
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
@@ -50,20 +57,20 @@ PYTEST := $(BIN)/python -m pytest -q
 # FusedAdam) are built first, two at a time; the one-process demo needs none of them. The unit tests
 # (one process each, bar one) run two at a time, a file per worker; the distributed and end-to-end
 # tests one at a time, each run holding every core. Both parts run; either failing fails the target.
-test: install
+test: install-dev
 	$(BIN)/python scripts/warm_ops.py
 	$(PYTEST) -m "not slow and not gpu" -n 2 --dist loadfile tests/unit; unit=$$?; \
 	$(PYTEST) -m "not slow and not gpu" --ignore=tests/unit; rest=$$?; \
 	exit $$(( unit || rest ))
 
-test-all: install
+test-all: install-dev
 	$(BIN)/python scripts/warm_ops.py
 	$(PYTEST)
 
-lint: install
+lint: install-dev
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
-format: install
+format: install-dev
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
 
 bench: install

@@ -2,8 +2,8 @@
 multi-label, regression), token classification, masked LM, an encoder-decoder and an image
 classifier, each on its own ``outputs.loss`` with HF's accumulation semantics.
 
-Two launches of tests/helpers/any_model_scenario.py: two ranks under the deepspeed launcher and one
-plain process with twice the accumulation steps, which sees the same one-row micro-batches in every
+Two launches of tests/helpers/any_model_scenario.py, each running every stage's tasks in turn: two
+ranks under torchrun and one plain process with twice the accumulation steps, which sees the same one-row micro-batches in every
 step. Every task runs under ZeRO-3 on both; ZeRO 0, 1 and 2 run the classification tasks. The
 per-step losses and gradient norms, and the evaluation loss, must agree.
 """
@@ -38,9 +38,12 @@ def results(tmp_path_factory):
     found = {}
     for ranks, grad_acc in ((2, 2), (1, 4)):
         out = tmp_path_factory.mktemp(f"any_model_{ranks}")
-        for stage, names in STAGES.items():
-            args = [SCRIPT, str(out), str(grad_acc), str(stage), *names]
-            launch(args, nproc=ranks, launcher="deepspeed" if ranks > 1 else "python")
+        specs = [f"{stage}:{','.join(names)}" for stage, names in STAGES.items()]
+        launch(
+            [SCRIPT, str(out), str(grad_acc), *specs],
+            nproc=ranks,
+            launcher="torchrun" if ranks > 1 else "python",
+        )
         found[ranks] = {run: json.loads((out / f"{run[1]}-zero{run[0]}.json").read_text()) for run in RUNS}
     return found
 

@@ -1,4 +1,4 @@
-"""HF's ``auto_find_batch_size`` on 2 ranks (ZeRO-2, the deepspeed launcher): only rank 1's model runs
+"""HF's ``auto_find_batch_size`` on 2 ranks (ZeRO-2, under torchrun): only rank 1's model runs
 out of memory at 8 rows per forward; both ranks agree to start over, at 4, and finish with the losses
 and grad norms of a run started at 4. One launch of tests/helpers/auto_batch_scenario.py."""
 
@@ -15,7 +15,9 @@ pytestmark = pytest.mark.distributed
 
 def test_an_out_of_memory_error_on_one_rank_starts_every_rank_over(tmp_path):
     # Ranks that disagree hang in a collective: the timeout (the launch takes ~50 s here) fails the test.
-    proc = launch(["tests/helpers/auto_batch_scenario.py", str(tmp_path), "two_ranks"], timeout=300)
+    proc = launch(
+        ["tests/helpers/auto_batch_scenario.py", str(tmp_path), "two_ranks"], launcher="torchrun", timeout=300
+    )
     runs = {
         name: [json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in (0, 1)]
         for name in ("auto", "direct")

@@ -1,4 +1,4 @@
-"""Engine and Trainer on 2 CPU ranks through the real deepspeed launcher (one launch, many checks)."""
+"""Engine and Trainer on 2 CPU ranks under torchrun (one launch, many checks)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ SCENARIOS = [
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine")
     before = shm_buffers()
-    launch(["tests/helpers/trainer_scenarios.py", str(out), *SCENARIOS])
+    launch(["tests/helpers/trainer_scenarios.py", str(out), *SCENARIOS], launcher="torchrun")
     (out / "shm_left.json").write_text(json.dumps(sorted(shm_buffers() - before)))
     return out, json.loads((out / "results.json").read_text())
 

@@ -1,6 +1,6 @@
 """HF's result API (TrainOutput, log/save_metrics, save_state, main_process_first, predict with
 preprocess_logits_for_metrics, HF's evaluation arguments) on 2 ranks, through the public API under
-the deepspeed launcher: one launch of tests/helpers/hf_api_scenario.py."""
+torchrun: one launch of tests/helpers/hf_api_scenario.py."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ TRAIN_KEYS = {
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_api")
-    proc = launch(["tests/helpers/hf_api_scenario.py", str(out)])
+    proc = launch(["tests/helpers/hf_api_scenario.py", str(out)], launcher="torchrun")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     return out, ranks, proc.stdout
 

@@ -22,7 +22,7 @@ KEYS = ("input_ids", "attention_mask", "labels")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_methods")
-    launch(["tests/helpers/hf_methods_scenario.py", str(out)])
+    launch(["tests/helpers/hf_methods_scenario.py", str(out)], launcher="torchrun")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     return out, ranks
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module")
 def nan_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("nonfinite")
-    launch(["tests/helpers/trainer_scenarios.py", str(out), "nonfinite"])
+    launch(["tests/helpers/trainer_scenarios.py", str(out), "nonfinite"], launcher="torchrun")
     return json.loads((out / "results.json").read_text())["nonfinite"]
 
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism on 2 CPU ranks through the real deepspeed launcher (one launch, many checks).
+"""Pipeline parallelism on 2 CPU ranks under torchrun (one launch, many checks).
 
 Every pipeline run is compared with the non-pipelined run of the same model, data and settings on
 the same 2 ranks: 10 optimizer steps of the Trainer, gradient clipping active (norms above 1).
@@ -22,7 +22,7 @@ SCENARIOS = ["llama", "gpt2", "checkpoint"]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline")
-    proc = launch(["tests/helpers/pipeline_scenarios.py", str(out), *SCENARIOS])
+    proc = launch(["tests/helpers/pipeline_scenarios.py", str(out), *SCENARIOS], launcher="torchrun")
     (out / "log.txt").write_text(proc.stdout)
     return out, json.loads((out / "results.json").read_text())
 

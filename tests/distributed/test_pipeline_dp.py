@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline_dp")
-    launch(["tests/helpers/pipeline_scenarios.py", str(out), "dp"], nproc=4)
+    launch(["tests/helpers/pipeline_scenarios.py", str(out), "dp"], nproc=4, launcher="torchrun")
     return out, json.loads((out / "results.json").read_text())["dp"]
 
 

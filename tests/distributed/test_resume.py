@@ -23,14 +23,14 @@ SAVE_AT = 5
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("resume")
-    proc = launch([DRIVER, str(out), "exact", "optimizers", "corrupt", "world_src"])
+    proc = launch([DRIVER, str(out), "exact", "optimizers", "corrupt", "world_src"], launcher="torchrun")
     return out, json.loads((out / "results-2.json").read_text()), proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
 def one_rank(two_ranks):
     out, source, _ = two_ranks
-    proc = launch([DRIVER, str(out), "world_dst"], nproc=1)
+    proc = launch([DRIVER, str(out), "world_dst"], nproc=1, launcher="torchrun")
     return out, source, json.loads((out / "results-1.json").read_text())["world_dst"], proc.stdout
 
 
@@ -92,7 +92,7 @@ def test_deepspeed_cpu_adam_kernels_resume_bit_for_bit(two_ranks, name):
 
 @pytest.mark.slow
 def test_fused_adam_without_zero_resumes_bit_for_bit(tmp_path):
-    proc = launch([DRIVER, str(tmp_path), "optimizers_slow"])
+    proc = launch([DRIVER, str(tmp_path), "optimizers_slow"], launcher="torchrun")
     run = json.loads((tmp_path / "results-2.json").read_text())["optimizers_slow"]["fused_zero0"]
     checkpoint = tmp_path / "optimizers" / "fused_zero0" / "resumed" / "checkpoint-5"
     assert_resumed(proc.stdout, run["resumed_ran"], checkpoint)
@@ -203,7 +203,7 @@ def test_two_rank_checkpoint_continues_on_one_rank(one_rank, stage):
 def test_two_rank_checkpoint_continues_on_three_ranks(two_ranks, stage):
     out, source, _ = two_ranks
     if not (out / "results-3.json").exists():
-        log = launch([DRIVER, str(out), "world_dst"], nproc=3).stdout
+        log = launch([DRIVER, str(out), "world_dst"], nproc=3, launcher="torchrun").stdout
         (out / "log-3.txt").write_text(log)
     dst = json.loads((out / "results-3.json").read_text())["world_dst"]
     check_world_change(out, source, dst, 3, stage, gas=2, log=(out / "log-3.txt").read_text())

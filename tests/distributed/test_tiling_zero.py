@@ -15,7 +15,7 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiling_zero")
-    launch(["tests/helpers/tiling_zero.py", str(out)], timeout=600)
+    launch(["tests/helpers/tiling_zero.py", str(out)], launcher="torchrun", timeout=600)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 

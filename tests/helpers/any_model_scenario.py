@@ -3,7 +3,7 @@
 collators, under one ZeRO stage per run. Each model trains 3 steps, evaluates and predicts; rank 0
 writes what it saw to ``OUT/<task>-zero<stage>.json``.
 
-Usage: ``[deepspeed --num_gpus 2] tests/helpers/any_model_scenario.py OUT GRAD_ACC STAGE[,STAGE...] [TASK...]``.
+Usage: ``[torchrun --nproc_per_node 2] tests/helpers/any_model_scenario.py OUT GRAD_ACC STAGE:TASK[,TASK...] ...``.
 One process with twice the accumulation steps of two ranks sees the same micro-batches (one row
 each) in each step, so both runs must log the same losses and gradient norms.
 """
@@ -171,7 +171,8 @@ def run(out: Path, name: str, grad_acc: int, stage: int) -> None:
 if __name__ == "__main__":
     quick_exit()
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    out, grad_acc, stages = Path(argv[0]), int(argv[1]), [int(s) for s in argv[2].split(",")]
-    for stage in stages:
-        for name in argv[3:] or TASKS:
-            run(out, name, grad_acc, stage)  # its Trainer, arguments and ZeRO-3 registration go here
+    out, grad_acc = Path(argv[0]), int(argv[1])
+    for spec in argv[2:]:
+        stage, names = spec.split(":")
+        for name in names.split(","):
+            run(out, name, grad_acc, int(stage))  # its Trainer, arguments and ZeRO-3 registration go here

@@ -1,5 +1,5 @@
-"""Checkpoint scenarios under the real ``deepspeed`` launcher: exact resume, corruption, world-size
-change, HF export. One launch runs many scenarios; the pytest side only compares.
+"""Checkpoint scenarios under a real launcher (torchrun in the tests; ``deepspeed`` works the same):
+exact resume, corruption, world-size change, HF export. One launch runs many scenarios; the pytest side only compares.
 
 Usage: ``deepspeed --num_gpus N tests/helpers/resume_scenarios.py OUT SCENARIO [SCENARIO ...]``.
 Each scenario returns a JSON-able dict; rank 0 writes ``OUT/results-<world size>.json``. Weights go

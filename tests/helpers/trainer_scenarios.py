@@ -1,4 +1,5 @@
-"""Runs engine/Trainer scenarios on 2 ranks under the real ``deepspeed`` launcher.
+"""Runs engine/Trainer scenarios on 2 ranks under a real launcher (torchrun in the tests; ``deepspeed``
+works the same).
 
 One launch serves many tests (each launch costs start-up time): every scenario writes its numbers
 into ``<out>/results.json`` and its weights into ``<out>/<scenario>/*.pt``; the pytest side only
