@@ -200,13 +200,13 @@ def test_sigkill_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path,
 def test_hang_in_save_dumps_every_rank_and_exits(tmp_path):
     out = tmp_path / "run"
     proc = launch(
-        ["scripts/train.py", "--output_dir", str(out), *RUN, "--hang_timeout_s", "20"],
+        ["scripts/train.py", "--output_dir", str(out), *RUN, "--hang_timeout_s", "10"],
         check=False,
         env=run_env(TRAINER_FAULT="hang:rank=1:phase=save"),
     )
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "hang: phase 'save' did not finish within 20s" in text and "never reached it: [1]" in text
+    assert "hang: phase 'save' did not finish within 10s" in text and "never reached it: [1]" in text
     for rank in (0, 1):
         dump = (out / f"hang-{rank}.txt").read_text()
         assert "phase 'save'" in dump and "File " in dump  # a real stack trace follows the message
