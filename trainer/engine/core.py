@@ -174,6 +174,12 @@ class Engine(ABC):
         """The ranks ZeRO shards the optimizer states over (what a checkpoint's shards are cut for)."""
         return self.world_size
 
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether backward recomputes the activations a forward did not keep: the HF model's
+        gradient checkpointing (a pipeline's interval, ``PipelineEngine``)."""
+        return bool(getattr(self.module, "is_gradient_checkpointing", False))
+
     def parameter_counts(self) -> tuple[int, int]:
         """(trainable, total) parameters of the HF model; a ZeRO-3 partition counts its full size."""
         return zero.parameter_counts(self.module)

@@ -136,6 +136,12 @@ class PipelineEngine(Engine):
         dist.all_gather_object(gathered, last, group=self.ds.grid.get_pipe_parallel_group())
         return loss, count, {"logits": gathered[-1][self.ds.stage_id].to(self.device)}
 
+    @property
+    def activation_checkpointing(self) -> bool:
+        """The pipeline recomputes each interval of layers in backward (the HF model's own
+        checkpointing is off then: it would recompute twice)."""
+        return self.ds.module.activation_checkpoint_interval > 0
+
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
         # LoRA (the one use of trainable_only) is refused with a pipeline: every weight trains here.
         return gather_hf_state_dict(self.ds.module, self.module)

@@ -547,7 +547,7 @@ class Trainer(HFMethods, ResultsAPI):
             logs.update(loss_scale=scale, skipped_steps=self.engine.skipped_steps)
         logs.update(self.timer.flush(sync_fn=self._sync, all_reduce_sum=host_all_reduce))
         logs.update(memory_stats(self.engine.device))
-        logs.update(self._params)  # counted once, when training starts
+        logs.update(self._params, activation_checkpointing=self.engine.activation_checkpointing)
         self._log(logs)
 
     def _maybe_evaluate_and_save(self) -> bool:
