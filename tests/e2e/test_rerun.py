@@ -1,5 +1,9 @@
 """Running ``scripts/train.py`` again into an output_dir that holds a run: a finished run trains
-nothing, a changed model or dataset is refused before anything loads, safe changes go on."""
+nothing, a changed model or dataset is refused before anything loads, safe changes go on.
+
+A rerun that trains nothing leaves every file of the directory as it was, bar the lock file: the
+directory was free, so the rerun took it and the lock names the rerun as its last holder (as any
+run that takes a free directory does)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.launch import launch
-from tests.helpers.scaffold import loss_steps, tiny_flags
+from tests.helpers.scaffold import file_digests, loss_steps, tiny_flags
+from trainer.runtime.ownership import LOCK_FILE
 
 pytestmark = pytest.mark.distributed
 
@@ -22,6 +27,11 @@ def train(out: Path, *extra: str, check: bool = True):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+def contents(out: Path) -> dict[str, str]:
+    """Every file of ``out`` and its sha256, bar the lock file (which a rerun takes over)."""
+    return {path: digest for path, digest in file_digests(out).items() if path != LOCK_FILE}
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("rerun") / "run"
@@ -31,16 +41,18 @@ def finished(tmp_path_factory) -> Path:
 
 def test_rerunning_a_finished_run_trains_nothing_and_keeps_final(finished):
     final = (finished / "final" / "model.safetensors").stat().st_mtime_ns
+    before = contents(finished)
     code, text = train(finished)
     assert code == 0
     assert f"{finished / 'checkpoint-4'} already reached the end of this run: nothing to train" in text
     assert loss_steps(finished) == [2, 4]
     assert not (finished / "checkpoint-5").exists()
     assert (finished / "final" / "model.safetensors").stat().st_mtime_ns == final
+    assert contents(finished) == before
 
 
 def test_resuming_into_another_model_or_data_is_refused_before_loading(finished):
-    before = sorted(p.name for p in finished.iterdir())
+    before = contents(finished)
     code, text = train(
         finished,
         "--model_config_overrides", '{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}',
@@ -53,7 +65,7 @@ def test_resuming_into_another_model_or_data_is_refused_before_loading(finished)
         f"{finished / 'checkpoint-4'}" in text
     )
     assert "--resume_from_checkpoint false" in text and "Traceback" not in text
-    assert sorted(p.name for p in finished.iterdir()) == before
+    assert contents(finished) == before  # nothing written, added or removed
 
 
 def test_safe_changes_resume_and_are_named(finished):
