@@ -202,3 +202,19 @@ def bpe_tokenizer(
             single=f"$A {eos}", pair=f"$A {eos} $B {eos}", special_tokens=[(eos, bpe.token_to_id(eos))]
         )
     return PreTrainedTokenizerFast(tokenizer_object=bpe, **names)
+
+
+# ---- a directory's contents ------------------------------------------------------------------------
+
+
+def file_digests(root: str | Path) -> dict[str, str]:
+    """Every file under ``root`` (relative path) with the sha256 of its bytes: two calls compare equal
+    exactly when no file was written, added or removed in between."""
+    import hashlib
+
+    root = Path(root)
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }

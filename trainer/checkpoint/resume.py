@@ -39,6 +39,7 @@ from trainer.checkpoint.layout import (
     verify,
     verify_on_all_ranks,
 )
+from trainer.data.sources import content_digests
 from trainer.runtime.distributed import DistInfo, all_gather_object, warn
 from trainer.runtime.run_files import DS_CONFIG, RUN_CONFIG
 from trainer.runtime.state import TrainerState
@@ -54,7 +55,8 @@ _SAFE_DATA_FIELDS = {"max_eval_samples", "preprocessing_num_workers", "cache_dir
 
 def run_config_changes(checkpoint: Path, run: RunConfig) -> tuple[list[str], list[str]]:
     """How ``run`` differs from the run that wrote ``checkpoint``: (fields of the model, tokenizer
-    or training data, which a resume must refuse; other fields, which it may take on).
+    or training data, and data files rewritten in place, which a resume must refuse; other fields,
+    which it may take on).
     Nothing is compared when the checkpoint holds no run config (written through the Trainer API);
     a field the saved config lacks (one added since it was written) counts as its default there."""
     saved_file = checkpoint / RUN_CONFIG
@@ -70,7 +72,22 @@ def run_config_changes(checkpoint: Path, run: RunConfig) -> tuple[list[str], lis
         k for k in saved.keys() | current.keys() if saved.get(k, defaults.get(k)) != current.get(k)
     )
     guarded = (set(ModelArguments.model_fields) | set(DataArguments.model_fields)) - _SAFE_DATA_FIELDS
-    return [k for k in changed if k in guarded], [k for k in changed if k not in guarded]
+    refused = [k for k in changed if k in guarded] + _rewritten_data(checkpoint, run, changed)
+    return refused, [k for k in changed if k not in guarded]
+
+
+def _rewritten_data(checkpoint: Path, run: RunConfig, changed: list[str]) -> list[str]:
+    """The data arguments whose files, at the same names, no longer hold the bytes the run that wrote
+    ``checkpoint`` read (a file added to or gone from a directory counts), each with its files."""
+    recorded = read_manifest(checkpoint).get("data_files") or {}
+    current = content_digests(run.data) if recorded else {}
+    rewritten = []
+    for key, files in sorted(recorded.items()):
+        now = current.get(key, {})
+        paths = sorted(p for p in files.keys() | now.keys() if files.get(p) != now.get(p))
+        if paths and key not in changed:  # a changed argument is named already
+            rewritten.append(f"{key} (the content of {', '.join(paths)})")
+    return rewritten
 
 
 def steps_left(checkpoint: Path, args: TrainingArguments) -> int | None:

@@ -11,7 +11,8 @@ package (``from trainer import checkpoint as ckpt``) exports what the rest of th
     rng_state_<rank>.pt     python/numpy/torch RNG states of each rank (tensors and lists only)
     ds_config.json          the DeepSpeed config that wrote it
     run_config.yaml         the resolved run config
-    manifest.json           size and sha256 of every file above, plus world size, ZeRO stage, batch
+    manifest.json           size and sha256 of every file above, plus world size, ZeRO stage, batch,
+                            and the sha256 of each local data file the run reads
     COMPLETE                the commit marker: written last, after the rename
     universal/              only after a resume on another world size: DeepSpeed's universal form
                             of ds/, committed the same way (its own manifest and marker)
@@ -56,6 +57,7 @@ from trainer.checkpoint.layout import (
 )
 from trainer.checkpoint.writer import FileWriter, save_weights
 from trainer.config.files import precision_of
+from trainer.data.sources import content_digests
 from trainer.runtime.distributed import DistInfo, all_gather_object, barrier, warn
 from trainer.runtime.run_files import DS_CONFIG, RUN_CONFIG
 from trainer.runtime.state import TrainerState
@@ -93,6 +95,10 @@ class Saver:
         self.hf_files = [x for x in (model_config, tokenizer) if hasattr(x, "save_pretrained")]
         self._pending: tuple[FileWriter, Path, Path, dict[str, Any], set[Path]] | None = None
         self._expected: tuple[int, str] = (0, "")  # the pending save's expected size, and its source
+        # What a resume checks the data files against: their bytes, read once for the run.
+        self.data_files = (
+            content_digests(run_config.data) if run_config is not None and dist.is_main else None
+        )
 
     @property
     def pending(self) -> bool:
@@ -158,6 +164,7 @@ class Saver:
             "micro_batch_size": self.ds_config.get("train_micro_batch_size_per_gpu"),
             "gradient_accumulation_steps": self.ds_config.get("gradient_accumulation_steps"),
             "model_only": model_only,
+            "data_files": self.data_files,
         }
         best = {Path(state.best_model_checkpoint)} if state.best_model_checkpoint else set()
         self._pending = (writer, staging, final, meta, best)

@@ -7,6 +7,7 @@ unreadable file, empty dataset, missing column) is a :class:`DataError` naming t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -120,6 +121,46 @@ def _stat_fingerprint(files: list[Path]) -> str:
     # Local files are fingerprinted by path, size and mtime (like make), not by content, so a
     # warm cache is found without reading a large corpus again.
     return stable_hash([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
+
+
+def content_digests(data_args: DataArguments) -> dict[str, dict[str, str]]:
+    """The sha256 of every local data file a run reads, by the argument that names it (``dataset``,
+    ``validation_file``): what a resume compares, since a file rewritten in place keeps its name.
+
+    Each file is read once per version: its digest is kept in the tokenisation cache, keyed by path,
+    size, mtime, ctime and inode (a rewrite changes ctime, which no user call sets back). The stdlib
+    corpus and hub datasets are left out (their fingerprints are already of their content)."""
+    store = cache_root(data_args) / "file_digests.json"
+    try:
+        known = json.loads(store.read_text())
+    except (OSError, ValueError):
+        known = {}
+    found: dict[str, dict[str, str]] = {}
+    for key, name in (("dataset", data_args.dataset), ("validation_file", data_args.validation_file)):
+        if not name or name == STDLIB or not Path(name).expanduser().exists():
+            continue
+        digests = found[key] = {}
+        for file in resolve_source(data_args, name, key).files:
+            st = file.stat()
+            version = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
+            path = str(file.resolve())
+            if known.get(path, {}).get("version") != version:
+                known[path] = {"version": version, "sha256": _file_sha256(file)}
+            digests[path] = known[path]["sha256"]
+    with contextlib.suppress(OSError):  # a read-only cache: the digests are only computed again
+        store.parent.mkdir(parents=True, exist_ok=True)
+        partial = store.with_name(f"{store.name}.{os.getpid()}")
+        partial.write_text(json.dumps(known))
+        os.replace(partial, store)  # ranks sharing the cache never read half a file
+    return found
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def resolve_source(data_args: DataArguments, name: str | None = None, key: str = "dataset") -> Source:
