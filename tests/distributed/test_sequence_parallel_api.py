@@ -61,6 +61,6 @@ def test_the_trainer_api_splits_rows_and_keeps_losses_and_grad_norms(runs, rank)
     assert len(sp["losses"]) == len(sp["grad_norms"]) == 3
     # fp32 on both sides; the sums only run in another order. Adam (and clipping, once a norm passes
     # max_grad_norm 1.0) would hide a gradient off by a constant factor from the losses, never from its norm.
-    assert sp["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-6)
-    assert sp["losses"] == pytest.approx(one["losses"], rel=1e-6)
-    assert sp["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-6)
+    assert sp["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+    assert sp["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert sp["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)

@@ -1,9 +1,11 @@
-"""Ulysses sequence parallelism through the user's command, on 4096-token blocks.
+"""Ulysses sequence parallelism through the user's command, on 2048-token blocks.
 
-One process trains three steps; two ranks under the deepspeed launcher with
-``--sequence_parallel_size 2`` (ZeRO-3) train the same three steps, each rank holding half of every
-row; a third run resumes the SP run's checkpoint-2 with the tiled loss, tiled MLPs, activation
-offload and activation checkpointing on. The runs are shared by the tests below.
+One process trains two steps; two ranks under the deepspeed launcher with
+``--sequence_parallel_size 2`` (ZeRO-3) train the same two steps, each rank holding half of every
+row; a third run resumes the SP run's checkpoint-1 with the tiled loss, tiled MLPs, activation
+offload and activation checkpointing on, and a fourth resumes it on one process. No warmup: the
+first step already moves the weights, so the second step's loss and grad norm and the evaluation
+check the update. The runs are shared by the tests below.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ MODEL = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4, "
          "num_key_value_heads": 2}  # fmt: skip
 COMMON = [
     "scripts/train.py",
-    *tiny_flags(max_steps=3, save_steps=2, eval_steps=3, max_train_samples=8, max_eval_samples=2, block_size=4096,
-                vocab_size=8192, zero_stage=3, per_device_train_batch_size=2, gradient_accumulation_steps=1,
-                model_config_overrides=MODEL),
+    *tiny_flags(max_steps=2, save_steps=1, eval_steps=2, max_train_samples=8, max_eval_samples=2, block_size=2048,
+                vocab_size=8192, zero_stage=3, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                warmup_ratio=0, model_config_overrides=MODEL),
 ]  # fmt: skip
 TILED = ["--tiled_loss", "true", "--tile_tokens", "512", "--tiled_mlp", "--offload_activations",
          "--gradient_checkpointing"]  # fmt: skip
@@ -44,7 +46,7 @@ def assert_same_curves(got: dict, want: dict) -> None:
     from its norm."""
     assert set(got) == set(want)
     for key, value in want.items():
-        assert got[key] == pytest.approx(value, rel=1e-6), key
+        assert got[key] == pytest.approx(value, rel=1e-5), key
 
 
 def _peak(out: Path, cmd: list[str], nproc: int) -> int:
@@ -67,18 +69,18 @@ def runs(tmp_path_factory):
     }
     resumed = root / "resumed"
     resumed.mkdir()
-    shutil.copytree(sp / "checkpoint-2", resumed / "checkpoint-2")
+    shutil.copytree(sp / "checkpoint-1", resumed / "checkpoint-1")
     launch([*COMMON, "--output_dir", str(resumed), "--sequence_parallel_size", "2", *TILED])
     elsewhere = root / "elsewhere"  # the same checkpoint on one process, without sequence parallelism
     elsewhere.mkdir()
-    shutil.copytree(sp / "checkpoint-2", elsewhere / "checkpoint-2")
+    shutil.copytree(sp / "checkpoint-1", elsewhere / "checkpoint-1")
     launch([*COMMON, "--output_dir", str(elsewhere)], launcher="python")
     return {"one": one, "sp": sp, "resumed": resumed, "elsewhere": elsewhere, "peaks": peaks}
 
 
 def test_two_ranks_follow_the_one_rank_losses_and_grad_norms(runs):
     one = _curves(runs["one"])
-    assert len(one) == 7  # three steps' losses and grad norms, and the evaluation
+    assert len(one) == 5  # two steps' losses and grad norms, and the evaluation
     assert_same_curves(_curves(runs["sp"]), one)
 
 
@@ -96,7 +98,7 @@ def test_the_export_is_the_one_rank_model(runs):
 
 def test_a_resume_with_tiling_and_offload_continues_the_run(runs):
     resumed = _curves(runs["resumed"])
-    assert sorted(resumed) == [(3, "eval_loss"), (3, "grad_norm"), (3, "loss")]
+    assert sorted(resumed) == [(2, "eval_loss"), (2, "grad_norm"), (2, "loss")]
     sp = _curves(runs["sp"])
     assert_same_curves(resumed, {key: sp[key] for key in resumed})
     assert_same_weights(runs["resumed"] / "final", runs["sp"] / "final", rtol=0, atol=1e-4, same_keys=False)
@@ -104,11 +106,11 @@ def test_a_resume_with_tiling_and_offload_continues_the_run(runs):
 
 def test_a_sequence_parallel_checkpoint_resumes_on_one_process(runs):
     resumed = _curves(runs["elsewhere"])
-    assert sorted(resumed) == [(3, "eval_loss"), (3, "grad_norm"), (3, "loss")]
+    assert sorted(resumed) == [(2, "eval_loss"), (2, "grad_norm"), (2, "loss")]
     sp = _curves(runs["sp"])
     assert_same_curves(resumed, {key: sp[key] for key in resumed})
     # ZeRO-3 shards over both ranks of the group: one process needs the universal form.
-    assert (runs["elsewhere"] / "checkpoint-2" / "universal" / "COMPLETE").exists()
+    assert (runs["elsewhere"] / "checkpoint-1" / "universal" / "COMPLETE").exists()
 
 
 def test_a_layout_the_model_cannot_split_is_refused_before_loading(tmp_path):
