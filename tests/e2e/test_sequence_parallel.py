@@ -18,7 +18,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from tests.helpers.launch import BIN, free_port, launch
-from tests.helpers.scaffold import assert_same_weights, read_metrics, tiny_flags
+from tests.helpers.scaffold import assert_same_weights, read_metrics, tiny_flags, train_rows
 
 pytestmark = pytest.mark.distributed
 
@@ -84,6 +84,11 @@ def test_two_ranks_follow_the_one_rank_losses_and_grad_norms(runs):
     assert_same_curves(_curves(runs["sp"]), one)
 
 
+def test_a_group_of_two_counts_its_rows_once(runs):
+    for a, b in zip(train_rows(runs["one"]), train_rows(runs["sp"]), strict=True):
+        assert (b["epoch"], b["total_tokens"]) == (a["epoch"], a["total_tokens"]), a["step"]
+
+
 def test_the_largest_rank_holds_well_below_one_process(runs):
     peaks = runs["peaks"]
     # Each rank holds half of every row's activations and logits; the rest (weights, libraries) is equal.
@@ -111,6 +116,51 @@ def test_a_sequence_parallel_checkpoint_resumes_on_one_process(runs):
     assert_same_curves(resumed, {key: sp[key] for key in resumed})
     # ZeRO-3 shards over both ranks of the group: one process needs the universal form.
     assert (runs["elsewhere"] / "checkpoint-1" / "universal" / "COMPLETE").exists()
+
+
+# ---- sequence parallelism with data parallelism: 4 ranks, SP=2 x DP=2 ------------------------------
+
+BLOCK, ROWS = 256, 4  # a step's rows: one process reads 4, each of the 2 groups 2
+SP_DP = [
+    "scripts/train.py",
+    *tiny_flags(max_steps=3, save_steps=3, eval_steps=3, max_train_samples=16, max_eval_samples=4, block_size=BLOCK,
+                zero_stage=2, warmup_ratio=0, gradient_accumulation_steps=1, model_config_overrides=MODEL),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sp_dp(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sp_dp")
+    one, four = root / "one", root / "four"
+    launch([*SP_DP, "--output_dir", str(one), "--per_device_train_batch_size", str(ROWS)], launcher="python")
+    launch([*SP_DP, "--output_dir", str(four), "--per_device_train_batch_size", str(ROWS // 2),
+            "--sequence_parallel_size", "2"], nproc=4)  # fmt: skip
+    return one, four
+
+
+@pytest.mark.slow
+def test_two_groups_of_two_follow_one_process(sp_dp):
+    one, four = sp_dp
+    want = _curves(one)
+    assert len(want) == 7  # three steps' losses and grad norms, and the evaluation
+    # The divisor: DeepSpeed averages over the 2 data-parallel groups, not the 4 ranks.
+    assert_same_curves(_curves(four), want)
+    assert_same_weights(four / "final", one / "final", rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_group_is_counted_once(sp_dp):
+    one, four = sp_dp
+    for a, b in zip(train_rows(one), train_rows(four), strict=True):
+        step = a["step"]
+        assert a["epoch"] == b["epoch"] == step * ROWS / 16, step
+        assert a["total_tokens"] == b["total_tokens"] == step * ROWS * BLOCK, step
+        # The rate's window is one step here: its samples and tokens, each row once.
+        assert b["samples_per_second"] * b["step_time_s"] == pytest.approx(ROWS), step
+        assert b["tokens_per_second"] * b["step_time_s"] == pytest.approx(ROWS * BLOCK), step
+    states = [json.loads((run / "checkpoint-3" / "trainer_state.json").read_text()) for run in sp_dp]
+    keys = ("world_size", "steps_per_epoch", "num_input_tokens_seen", "epoch")
+    assert [states[1][k] for k in keys] == [2, *(states[0][k] for k in keys[1:])]
 
 
 def test_a_layout_the_model_cannot_split_is_refused_before_loading(tmp_path):
