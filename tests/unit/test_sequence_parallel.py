@@ -117,3 +117,17 @@ def test_the_block_size_and_the_pipeline_are_checked_with_the_arguments():
     with pytest.raises(ConfigError, match="not with pipeline stages"):
         RunConfig.from_flat({"sequence_parallel_size": 2, "pipeline_parallel_size": 2})
     assert RunConfig.from_flat({"tiled_loss": True}).training.tiled_loss == "true"
+
+
+def test_the_layers_of_a_forward_share_one_mask():
+    """sdpa keeps its mask for backward, a boolean one as a float copy made at every call: the
+    layers of a forward get one additive mask, made again for other positions."""
+    seen = []
+    isolating = _isolating(lambda module, q, k, v, mask, *a, **kw: seen.append(mask), "sdpa")
+    query = torch.ones(1, 1, 6, 2)
+    for positions in ([[0, 1, 2, 0, 1, 2]],) * 3 + ([[0, 1, 0, 1, 2, 3]],):
+        isolating(None, query, query, query, None, position_ids=torch.tensor(positions))
+    assert seen[0] is seen[1] is seen[2] and seen[3] is not seen[0]
+    assert seen[0].dtype == query.dtype
+    assert torch.equal(seen[0] == 0, block_causal_mask(torch.tensor([[0, 1, 2, 0, 1, 2]])))
+    assert torch.equal(seen[3] == 0, block_causal_mask(torch.tensor([[0, 1, 0, 1, 2, 3]])))

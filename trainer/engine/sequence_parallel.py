@@ -19,6 +19,7 @@ square of the sequence; flash attention isolates documents from the positions al
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -87,13 +88,31 @@ class _AnyBatch(UlyssesSPAttentionHF):
 
 
 def _isolating(core: Any, implementation: str) -> Any:
-    """The core attention, given a block-causal mask for packed rows under sdpa."""
+    """The core attention, given a block-causal mask for packed rows under sdpa.
+
+    The mask is made once per forward and shared by its layers, as an additive mask in the query's
+    dtype: sdpa keeps its mask for backward, and turns a boolean one into a float copy of its own
+    at every call, which would keep one ``rows x sequence²`` tensor per layer. A weak reference
+    holds it: it lives as long as the step's graph does, and an evaluation's goes after each call."""
+    made: list[Any] = [None, lambda: None]  # the positions of the last mask, and a weak reference to it
+
+    def shared_mask(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        mask = made[1]()
+        if mask is not None and mask.dtype == dtype and torch.equal(made[0], positions):
+            return mask
+        allowed = block_causal_mask(positions)
+        if allowed is None:
+            return None
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        made[:] = [positions, weakref.ref(mask)]
+        return mask
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   mask: Any, *args: Any, **kwargs: Any) -> Any:  # fmt: skip
         positions = kwargs.get("position_ids")
         if mask is None and implementation == "sdpa" and positions is not None:
-            mask = block_causal_mask(positions)
+            mask = shared_mask(positions, query.dtype)
         return core(module, query, key, value, mask, *args, **kwargs)
 
     return attention
