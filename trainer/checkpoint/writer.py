@@ -107,7 +107,11 @@ def host_copy(obj: Any, memo: dict[int, Any] | None = None) -> Any:
 
 
 class _HashingFile:
-    """A binary file that checksums what goes through it, as it goes."""
+    """A binary file that checksums what goes through it, as it goes. A tensor's bytes go in 1 MiB
+    slices, each hashed and then written while it is still in the CPU's cache, so memory is read
+    once rather than twice."""
+
+    SLICE = 1 << 20
 
     def __init__(self, file: Any):
         self.file = file
@@ -115,11 +119,13 @@ class _HashingFile:
         self.size = 0
 
     def write(self, data: Any) -> int:
-        self.hash.update(data)
-        self.file.write(data)
-        n = memoryview(data).nbytes
-        self.size += n
-        return n
+        view = memoryview(data).cast("B")
+        for start in range(0, view.nbytes, self.SLICE):
+            part = view[start : start + self.SLICE]
+            self.hash.update(part)
+            self.file.write(part)
+        self.size += view.nbytes
+        return view.nbytes
 
     def flush(self) -> None:
         self.file.flush()
