@@ -3,6 +3,7 @@ world-size arithmetic. Real files, no DeepSpeed (the launcher tests cover DeepSp
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import xxhash
 import yaml
 
 from trainer import checkpoint as ckpt
@@ -54,7 +56,7 @@ def test_commit_writes_manifest_then_marker(tmp_path):
     assert manifest["step"] == 5 and manifest["world_size"] == 2
     shard = path / "ds" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     entry = manifest["files"]["ds/zero_pp_rank_1_mp_rank_00_optim_states.pt"]
-    assert entry["size"] == 1000 and len(entry["sha256"]) == 64
+    assert entry == {"size": 1000, "xxh3_128": xxhash.xxh3_128(shard.read_bytes()).hexdigest()}
     assert sorted(manifest["files"]) == [
         "ds/mp_rank_00_model_states.pt",
         "ds/zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -120,6 +122,30 @@ def test_ranks_share_the_files_and_cover_them_all(tmp_path):
     shares = [ckpt.verify(path, rank, 3) for rank in range(3)]
     assert [len(s) for s in shares] == [2, 1, 1]
     assert sorted(p for s in shares for p in s) == ckpt.verify(path)
+
+
+def test_a_checkpoint_with_sha256_sums_still_verifies(tmp_path):
+    """Manifests written before xxh3-128 hold sha256 sums: those are checked, a bad file named."""
+    path = make_checkpoint(tmp_path, 5)
+    manifest = ckpt.read_manifest(path)
+    for name, entry in manifest["files"].items():
+        entry.pop("xxh3_128")
+        entry["sha256"] = hashlib.sha256((path / name).read_bytes()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert ckpt.verify(path) == []
+    flip_byte(path / "trainer_state.json")
+    assert ckpt.verify(path) == [f"{path}/trainer_state.json: checksum does not match the manifest"]
+
+
+def test_an_entry_without_a_known_checksum_is_refused_by_name(tmp_path):
+    path = make_checkpoint(tmp_path, 5)
+    manifest = ckpt.read_manifest(path)
+    size = (path / "trainer_state.json").stat().st_size
+    manifest["files"]["trainer_state.json"] = {"size": size, "md5": "0" * 32}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert ckpt.verify(path) == [
+        f"{path}/trainer_state.json: the manifest has no checksum for it (expected one of: xxh3_128, sha256)"
+    ]
 
 
 def test_unreadable_manifest_is_a_problem_not_a_crash(tmp_path):

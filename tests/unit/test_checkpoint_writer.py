@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
+import zipfile
 from collections import OrderedDict, defaultdict, namedtuple
 
 import torch
+import xxhash
 
-from trainer.checkpoint.writer import FileWriter, file_entry, host_copy
+from trainer.checkpoint.writer import FileWriter, _without_zip_crc, file_entry, host_copy
 
 
 def test_host_copy_is_unaffected_by_later_updates_and_keeps_sharing():
@@ -33,7 +34,7 @@ def test_host_copy_rebuilds_defaultdicts_and_namedtuples():
 
 
 def test_async_writes_the_bytes_a_sync_write_would(tmp_path):
-    state = {"w": torch.arange(1000.0), "meta": {"step": 7}}
+    state = {"w": torch.arange(600_000.0), "meta": {"step": 7}}  # 2.4 MB: written in three slices
     for mode in (False, True):
         root = tmp_path / str(mode)
         root.mkdir()
@@ -45,11 +46,29 @@ def test_async_writes_the_bytes_a_sync_write_would(tmp_path):
         assert writer.done()
         assert set(entries) == {"model.pt", "state.json"}
         data = (root / "model.pt").read_bytes()
-        assert entries["model.pt"] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert entries["model.pt"] == {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
     assert (tmp_path / "False" / "model.pt").read_bytes() == (tmp_path / "True" / "model.pt").read_bytes()
     assert torch.equal(
-        torch.load(tmp_path / "True" / "model.pt", weights_only=True)["w"], torch.arange(1000.0)
+        torch.load(tmp_path / "True" / "model.pt", weights_only=True)["w"], torch.arange(600_000.0)
     )
+
+
+def test_torch_zip_crc_is_skipped_while_writing_and_restored_after(tmp_path):
+    """The manifest's checksum covers each file, so torch's per-record CRC-32 (a second pass over
+    the bytes) is not computed; torch.load does not need it. The process's setting comes back
+    once the last of the overlapping writers is done."""
+    writer = FileWriter(tmp_path)
+    writer.save({"w": torch.arange(4096.0)}, tmp_path / "a.pt")
+    writer.wait()
+    assert torch.serialization.get_crc32_options() is True
+    assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=True)["w"], torch.arange(4096.0))
+    with zipfile.ZipFile(tmp_path / "a.pt") as archive:
+        assert {info.CRC for info in archive.infolist() if info.filename.endswith("/data/0")} == {0}
+    with _without_zip_crc():
+        with _without_zip_crc():  # a second writer thread starts
+            pass
+        assert torch.serialization.get_crc32_options() is False  # the first is still writing
+    assert torch.serialization.get_crc32_options() is True
 
 
 def test_async_write_snapshots_before_returning(tmp_path):
@@ -72,10 +91,11 @@ def test_a_failed_background_write_is_raised_by_wait(tmp_path):
         raise AssertionError("the failed write was not reported")
 
 
-def test_file_entry_matches_hashlib(tmp_path):
+def test_file_entry_matches_xxhash(tmp_path):
     path = tmp_path / "f"
-    path.write_bytes(b"x" * 10_000)
-    assert file_entry(path) == {"size": 10_000, "sha256": hashlib.sha256(b"x" * 10_000).hexdigest()}
+    data = bytes(range(256)) * 40_000  # over two 4 MiB reads
+    path.write_bytes(data)
+    assert file_entry(path) == {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
 
 
 def test_fault_plans_fire_only_where_planned(monkeypatch):

@@ -8,7 +8,6 @@ in ``trainer/checkpoint/store.py``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -21,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.checkpoint.writer import file_entry
+from trainer.checkpoint.writer import HASHES, file_digest, file_entry
 from trainer.runtime.distributed import DistInfo, all_gather_object
 
 PREFIX = "checkpoint-"
@@ -80,14 +79,6 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
 # ---- manifest ------------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _payload_files(root: Path) -> list[Path]:
     return sorted(
         p for p in root.rglob("*") if p.is_file() and p.name not in (MANIFEST, MARKER) and p.suffix != ".py"
@@ -97,7 +88,7 @@ def _payload_files(root: Path) -> list[Path]:
 def write_manifest(
     root: Path, meta: dict[str, Any], known: dict[str, dict[str, Any]] | None = None
 ) -> dict[str, Any]:
-    """Size and sha256 of every payload file. ``known`` holds the records the writing ranks took
+    """Size and checksum of every payload file. ``known`` holds the records the writing ranks took
     (their files are already fsynced); any other file is checksummed and fsynced here."""
     known = known or {}
     files = {str(p.relative_to(root)): p for p in _payload_files(root)}
@@ -126,18 +117,23 @@ def verify(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
         manifest = read_manifest(path)
     except CheckpointError as err:
         return [err.message]
-    problems = []
-    for i, (name, entry) in enumerate(sorted(manifest["files"].items())):
-        if i % world_size != rank:
-            continue
-        file = path / name
-        if not file.is_file():
-            problems.append(f"{file}: missing")
-        elif file.stat().st_size != entry["size"]:
-            problems.append(f"{file}: size {file.stat().st_size} bytes, the manifest says {entry['size']}")
-        elif _sha256(file) != entry["sha256"]:
-            problems.append(f"{file}: checksum does not match the manifest")
-    return problems
+    names = sorted(manifest["files"])[rank::world_size]
+    return [problem for name in names if (problem := _problem(path / name, manifest["files"][name]))]
+
+
+def _problem(file: Path, entry: dict[str, Any]) -> str | None:
+    """What is wrong with one file against its manifest entry. The sum is xxh3-128, or sha256 in
+    manifests written before it; an entry with neither is refused, naming the file."""
+    if not file.is_file():
+        return f"{file}: missing"
+    if file.stat().st_size != entry["size"]:
+        return f"{file}: size {file.stat().st_size} bytes, the manifest says {entry['size']}"
+    algorithm = next((name for name in HASHES if name in entry), None)
+    if algorithm is None:
+        return f"{file}: the manifest has no checksum for it (expected one of: {', '.join(HASHES)})"
+    if file_digest(file, algorithm) != entry[algorithm]:
+        return f"{file}: checksum does not match the manifest"
+    return None
 
 
 def verify_on_all_ranks(path: Path, dist: DistInfo) -> list[str]:

@@ -11,7 +11,7 @@ package (``from trainer import checkpoint as ckpt``) exports what the rest of th
     rng_state_<rank>.pt     python/numpy/torch RNG states of each rank (tensors and lists only)
     ds_config.json          the DeepSpeed config that wrote it
     run_config.yaml         the resolved run config
-    manifest.json           size and sha256 of every file above, plus world size, ZeRO stage, batch,
+    manifest.json           size and checksum of every file above, plus world size, ZeRO stage, batch,
                             and the sha256 of each local data file the run reads
     COMPLETE                the commit marker: written last, after the rename
     universal/              only after a resume on another world size: DeepSpeed's universal form
