@@ -410,6 +410,8 @@ def fill(mount: Path, filler: Path, expected: int, needed: int) -> dict[str, Any
 def outcome(run: Run, reference: dict[str, Any]) -> dict[str, Any]:
     """The run's record: exit codes, whether it recovered and matches the reference, steps lost and
     restart time."""
+    from trainer.checkpoint.snapshots import snapshot_dir
+
     final = run.output_dir / "final" / "model.safetensors"
     recovered = bool(run.exit_codes) and run.exit_codes[-1] == 0 and final.is_file()
     record: dict[str, Any] = {
@@ -421,6 +423,7 @@ def outcome(run: Run, reference: dict[str, Any]) -> dict[str, Any]:
     record["worker_exit_codes"] = [int(m.group(1)) for _, m in run.seen(WORKER_FAILED)]
     record["stop_lines"] = [m.group(0) for _, m in run.seen(STOP_LINE)]
     record["cache_lines"] = [m.string for _, m in run.seen(r"tokenised dataset cache \S+ is damaged")]
+    record["snapshots_left"] = snapshot_dir(run.output_dir).exists()  # a finished job removes them
     if not recovered:
         record["output_tail"] = [line for _, line in run.lines[-60:]]
     return record

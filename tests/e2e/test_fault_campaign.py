@@ -60,7 +60,9 @@ def test_a_killed_rank_with_snapshots_loses_at_most_one_step(campaign):
     (kill,) = records_of(report, "kill")
     assert kill["resumed_from"].startswith("/dev/shm/"), kill  # a flash snapshot, not a disk checkpoint
     assert 0 <= kill["steps_lost"] <= 1, kill
+    assert kill["first_step_after"] == kill["resumed_step"] + 1, kill  # it goes on from the snapshot's step
     assert kill["restart_s"] is not None and kill["restart_s"] > 0, kill
+    assert not kill["snapshots_left"], kill  # the finished job left nothing in /dev/shm
 
 
 def test_a_preempted_job_exits_75_and_resumes_where_it_saved(campaign):
@@ -68,7 +70,7 @@ def test_a_preempted_job_exits_75_and_resumes_where_it_saved(campaign):
     (sigterm,) = records_of(report, "sigterm")
     assert len(sigterm["exit_codes"]) == 2 and sigterm["exit_codes"][-1] == 0, sigterm
     assert any("exiting with 75" in line for line in sigterm["stop_lines"]), sigterm
-    assert sigterm["steps_lost"] == 0, sigterm
+    assert sigterm["steps_lost"] == 0 and sigterm["first_step_after"] == sigterm["resumed_step"] + 1, sigterm
 
 
 def test_a_nan_rolls_back_to_a_checkpoint_and_finishes(campaign):

@@ -1,7 +1,9 @@
-"""Crashes, preemption and hangs through the real launchers (CPU, 2 ranks, fp32).
+"""Crashes and hangs through the real launchers (CPU, 2 ranks, fp32).
 
-A reference run trains uninterrupted; the others are killed, preempted or hung and must end with
-exactly the reference's final weights (or a clear non-zero exit for a hang).
+A reference run trains uninterrupted; the others are killed or hung and must end with exactly the
+reference's final weights (or a clear non-zero exit for a hang). Preemption (SIGTERM, exit 75 and the
+requeue) and a kill that resumes from a flash snapshot run in ``test_fault_campaign.py``, through
+``scripts/fault_campaign.py``.
 """
 
 from __future__ import annotations
@@ -144,37 +146,6 @@ def test_sigkill_at_many_points(tmp_path, reference, kill_after):
     assert_same_weights(final_weights(tmp_path / "run"), reference)
 
 
-def test_sigterm_saves_within_grace_and_resumes_exactly(tmp_path, reference):
-    out = tmp_path / "run"
-    agent = subprocess.Popen(
-        [*torchrun_cmd(out), "--preemption_grace_s", "30"],
-        cwd=ROOT,
-        env=run_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    wait_for_step(out, 6, agent)
-    # As SLURM does: every task gets the signal.
-    workers = [worker(agent, r) for r in (0, 1)]
-    sent = time.time()
-    for w in workers:
-        w.send_signal(signal.SIGTERM)
-    output, _ = agent.communicate(timeout=300)
-    elapsed = time.time() - sent
-    assert "Preempted: saved checkpoint-" in output and "exiting with 75" in output, output[-4000:]
-    saved = int(output.split("Preempted: saved checkpoint-")[1].split(";")[0])
-    assert (out / f"checkpoint-{saved}" / "COMPLETE").is_file()
-    assert elapsed < 30
-    resumed = subprocess.run(
-        torchrun_cmd(out), cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=900
-    )
-    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
-    assert resumed_at(resumed.stdout, out) == saved
-    assert loss_steps(out) == list(range(1, 17))  # steps 1..saved, then saved+1..16
-    assert_same_weights(final_weights(out), reference)
-
-
 def test_sigkill_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path, reference):
     """Rank 1 is SIGKILLed inside the save of step 8 (asynchronous saves: its background writer is
     busy), before the ranks' vote. checkpoint-4 stays complete and verified, the partial save of
@@ -213,30 +184,3 @@ def test_hang_in_save_dumps_every_rank_and_exits(tmp_path):
     assert "in phase" in (out / "hang-1.txt").read_text()  # rank 1 is caught where it stalls
     # It stalled in the first save (step 4) and nothing was committed.
     assert max(loss_steps(out)) == 4 and not (out / "checkpoint-4").exists()
-
-
-def test_a_flash_snapshot_every_step_loses_at_most_one_step(tmp_path, reference):
-    """--snapshot_steps 1: rank 1 is SIGKILLed between disk checkpoints; the restarted job resumes
-    from the snapshot in /dev/shm (at most one step behind), ends bitwise equal to the uninterrupted
-    run, and frees the shared memory."""
-    from trainer.checkpoint.snapshots import snapshot_dir
-
-    out = tmp_path / "run"
-    kill_after = kill_point(6, 7)  # past checkpoint-4's step
-    agent = subprocess.Popen([*torchrun_cmd(out, max_restarts=2), "--snapshot_steps", "1"], cwd=ROOT,
-                             env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    wait_for_step(out, kill_after, agent)
-    worker(agent, rank=1).send_signal(signal.SIGKILL)
-    output, _ = agent.communicate(timeout=900)
-    assert agent.returncode == 0, output[-4000:]
-    found = re.findall(r"Resumed from (\S+) at step (\d+)\.", output)
-    resumed, logged = int(found[0][1]), loss_steps(out)
-    # The snapshot, unless a disk checkpoint of that very step exists (disk comes first on a tie).
-    source = out if resumed % 4 == 0 else snapshot_dir(out)
-    assert len(found) == 1 and found[0][0] == str(source / f"checkpoint-{resumed}"), found
-    before = len(logged) - (16 - resumed)  # rows of the killed attempt: 1..reached
-    reached = logged[before - 1]
-    assert logged == list(range(1, reached + 1)) + list(range(resumed + 1, 17)), (resumed, logged)
-    assert reached - 1 <= resumed <= reached, (reached, resumed)  # at most one step lost
-    assert_same_weights(final_weights(out), reference)
-    assert not snapshot_dir(out).exists()
