@@ -99,6 +99,16 @@ def report_grad_norm(ds: Any) -> None:
     ds.clip_fp32_gradients = lambda: None  # clipped above already; a second pass would only repeat it
 
 
+def checkpoints_activations(model: torch.nn.Module) -> bool:
+    """Whether an HF model recomputes its activations in backward. transformers renamed the property
+    ``is_gradient_checkpointing`` to ``is_activation_checkpointing`` (the old name warns); a model
+    that has neither never checkpoints."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
 class Engine(ABC):
     """One DeepSpeed engine behind the interface the Trainer uses.
 
@@ -178,7 +188,7 @@ class Engine(ABC):
     def activation_checkpointing(self) -> bool:
         """Whether backward recomputes the activations a forward did not keep: the HF model's
         gradient checkpointing (a pipeline's interval, ``PipelineEngine``)."""
-        return bool(getattr(self.module, "is_gradient_checkpointing", False))
+        return checkpoints_activations(self.module)
 
     def parameter_counts(self) -> tuple[int, int]:
         """(trainable, total) parameters of the HF model; a ZeRO-3 partition counts its full size."""

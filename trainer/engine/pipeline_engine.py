@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.engine.core import Batch, Engine, weight_decay_groups
+from trainer.engine.core import Batch, Engine, checkpoints_activations, weight_decay_groups
 from trainer.engine.loss import next_token_targets, target_count
 from trainer.engine.objectives import CausalLM
 from trainer.engine.pipeline_layers import build_pipeline_module, gather_hf_state_dict
@@ -84,7 +84,7 @@ class PipelineEngine(Engine):
         if self.stages < 2:
             raise ValueError(f"pipeline.stages must be at least 2 for a pipeline, got {self.stages}")
         interval = int(section.get("activation_checkpoint_interval") or 0) or int(gradient_checkpointing)
-        if interval and getattr(model, "is_gradient_checkpointing", False):
+        if interval and checkpoints_activations(model):
             model.gradient_checkpointing_disable()  # the pipeline checkpoints; HF's would recompute twice
         self.module = model
         self.loss = WindowLoss(self)
