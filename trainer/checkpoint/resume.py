@@ -78,8 +78,10 @@ def run_config_changes(checkpoint: Path, run: RunConfig) -> tuple[list[str], lis
 
 def _rewritten_data(checkpoint: Path, run: RunConfig, changed: list[str]) -> list[str]:
     """The data arguments whose files, at the same names, no longer hold the bytes the run that wrote
-    ``checkpoint`` read (a file added to or gone from a directory counts), each with its files."""
-    recorded = read_manifest(checkpoint).get("data_files") or {}
+    ``checkpoint`` read (a file added to or gone from a directory counts), each with its files.
+    A checkpoint that recorded no digests (older, or with no manifest) is not compared."""
+    has_manifest = (checkpoint / MANIFEST).is_file()
+    recorded = (read_manifest(checkpoint).get("data_files") or {}) if has_manifest else {}
     current = content_digests(run.data) if recorded else {}
     rewritten = []
     for key, files in sorted(recorded.items()):
