@@ -85,7 +85,11 @@ class PipelineEngine(Engine):
             raise ValueError(f"pipeline.stages must be at least 2 for a pipeline, got {self.stages}")
         interval = int(section.get("activation_checkpoint_interval") or 0) or int(gradient_checkpointing)
         if interval and checkpoints_activations(model):
-            model.gradient_checkpointing_disable()  # the pipeline checkpoints; HF's would recompute twice
+            # The pipeline checkpoints; HF's would recompute twice.
+            (
+                getattr(model, "activation_checkpointing_disable", None)
+                or model.gradient_checkpointing_disable
+            )()
         self.module = model
         self.loss = WindowLoss(self)
         pipe = build_pipeline_module(

@@ -160,6 +160,11 @@ def init_weights(model: torch.nn.Module, seed: int, zero3: bool = False) -> None
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
-    # Non-reentrant checkpointing works with ZeRO-3 hooks and inputs that need no grad.
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # Non-reentrant checkpointing works with ZeRO-3 hooks and inputs that need no grad. transformers
+    # 5 calls it activation checkpointing (the old name warns); a model of its own may have only the
+    # old name.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
