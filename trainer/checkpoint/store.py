@@ -12,7 +12,7 @@ package (``from trainer import checkpoint as ckpt``) exports what the rest of th
     ds_config.json          the DeepSpeed config that wrote it
     run_config.yaml         the resolved run config
     manifest.json           size and checksum of every file above, plus world size, ZeRO stage, batch,
-                            and the sha256 of each local data file the run reads
+                            and the xxh3-128 of each local data file the run reads
     COMPLETE                the commit marker: written last, after the rename
     universal/              only after a resume on another world size: DeepSpeed's universal form
                             of ds/, committed the same way (its own manifest and marker)

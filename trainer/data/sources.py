@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import xxhash
 
 from trainer.args import DataArguments
 from trainer.config.errors import ConfigError, suggest
@@ -124,7 +125,7 @@ def _stat_fingerprint(files: list[Path]) -> str:
 
 
 def content_digests(data_args: DataArguments) -> dict[str, dict[str, str]]:
-    """The sha256 of every local data file a run reads, by the argument that names it (``dataset``,
+    """The xxh3-128 of every local data file a run reads, by the argument that names it (``dataset``,
     ``validation_file``): what a resume compares, since a file rewritten in place keeps its name.
 
     Each file is read once per version: its digest is kept in the tokenisation cache, keyed by path,
@@ -144,9 +145,9 @@ def content_digests(data_args: DataArguments) -> dict[str, dict[str, str]]:
             st = file.stat()
             version = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
             path = str(file.resolve())
-            if known.get(path, {}).get("version") != version:
-                known[path] = {"version": version, "sha256": _file_sha256(file)}
-            digests[path] = known[path]["sha256"]
+            if known.get(path, {}).get("version") != version or "xxh3_128" not in known[path]:
+                known[path] = {"version": version, "xxh3_128": _file_digest(file)}
+            digests[path] = known[path]["xxh3_128"]
     with contextlib.suppress(OSError):  # a read-only cache: the digests are only computed again
         store.parent.mkdir(parents=True, exist_ok=True)
         partial = store.with_name(f"{store.name}.{os.getpid()}")
@@ -155,8 +156,9 @@ def content_digests(data_args: DataArguments) -> dict[str, dict[str, str]]:
     return found
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+def _file_digest(path: Path) -> str:
+    """xxh3-128, as the checkpoint manifests use: memory speed, where sha256 reads under 1 GB/s."""
+    digest = xxhash.xxh3_128()
     with path.open("rb") as f:
         while block := f.read(1 << 24):
             digest.update(block)
