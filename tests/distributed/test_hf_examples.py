@@ -224,7 +224,7 @@ class Runs:
         script = HELPERS / task.script if kind == "hf" else self.root / f"ours_{task.script}"
         if kind == "ours_2":
             args["deepspeed"] = str(self.root / "ds.json")
-            launch([str(script), *flags(args)], nproc=2, env=self.env, timeout=600)
+            launch([str(script), *flags(args)], nproc=2, launcher="torchrun", env=self.env, timeout=600)
         else:
             launch([str(script), *flags(args)], launcher="python", env=self.env, timeout=600)
         return out
