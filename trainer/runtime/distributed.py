@@ -155,8 +155,8 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
         # A script that never leaves the group (any HF-style script) still must not leave gloo's
-        # threads to interpreter exit; every rank is past its last collective by then.
-        atexit.register(leave_process_group, wait=False)
+        # threads to interpreter exit.
+        atexit.register(_leave_at_exit)
         if hardware.device == "cpu":
             _unlink_own_shm_buffer(info)
     return info
@@ -171,6 +171,14 @@ def leave_process_group(wait: bool = True) -> None:
         if wait:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def _leave_at_exit() -> None:
+    """Leave the group as the interpreter exits. A script that ends normally waits for the other
+    ranks first, as a command's run does: a rank done early that tears its group down while rank 0
+    still writes the export was seen to abort ("terminate called without an active exception").
+    One that ends on an uncaught exception does not wait for ranks that may never come."""
+    leave_process_group(wait=getattr(sys, "last_value", None) is None)
 
 
 # ---- DeepSpeed's CPU all-reduce buffers ---------------------------------------------------------
