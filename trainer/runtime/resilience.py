@@ -17,7 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -111,9 +111,13 @@ class Watchdog:
 
     def _fire(self, label: str, key: str, timeout: float) -> None:
         """Runs on the timer thread while the main thread is stuck: dump, report, hard-exit (a
-        SystemExit from here would only end this thread)."""
+        SystemExit from here would only end this thread). The store lives in one rank (or the
+        launcher); once that one has exited, asking it fails, and this rank still exits."""
         store, world = _store(), self.info.world_size
-        missing = [r for r in range(world) if store is not None and not store.check([f"{key}/{r}"])]
+        try:
+            missing = [r for r in range(world) if store is not None and not store.check([f"{key}/{r}"])]
+        except dist.DistError:
+            missing, store = "unknown (the store is gone)", None
         message = (
             f"hang: phase '{label}' did not finish within {timeout:.0f}s on rank {self.info.rank}; "
             f"ranks that never reached it: {missing or 'none (all entered; see the stacks)'}"
@@ -125,10 +129,11 @@ class Watchdog:
         print(message, file=sys.stderr, flush=True)
         if store is not None:
             # Let the other ranks finish their dumps before the launcher tears the job down.
-            store.add("trainer/hang/dumped", 1)
-            deadline = time.monotonic() + 10
-            while store.add("trainer/hang/dumped", 0) < world and time.monotonic() < deadline:
-                time.sleep(0.1)
+            with suppress(dist.DistError):
+                store.add("trainer/hang/dumped", 1)
+                deadline = time.monotonic() + 10
+                while store.add("trainer/hang/dumped", 0) < world and time.monotonic() < deadline:
+                    time.sleep(0.1)
         os._exit(EXIT_HANG)
 
 
