@@ -9,7 +9,8 @@ transformers' Trainer as written and with the one import line swapped for ours.
 - Two ranks: each script with our import under ``deepspeed --num_gpus 2`` and a ZeRO-3 DeepSpeed
   JSON of "auto" values exits 0 and writes its result files and the model card.
 
-Each run happens once (a module-scoped cache) and feeds every test that reads it.
+Each run happens once (a module-scoped cache) and feeds every test that reads it. Only the two-rank
+tests are ``distributed``: the one-process ones run two at a time in ``make test``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ import pytest
 from tests.distributed.test_run_clm_shaped import DS_CONFIG
 from tests.helpers.hf_examples_data import write_inputs
 from tests.helpers.launch import ROOT, launch, run_env
-
-pytestmark = pytest.mark.distributed
 
 HELPERS = ROOT / "tests" / "helpers"
 SWAP_MARK = "# the test swaps this line for ours"
@@ -286,6 +285,7 @@ def test_one_process_writes_what_hf_writes(runs, name):
         assert (ours / predictions).read_text() == (hf / predictions).read_text(), predictions
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", TWO_RANK_TASKS)
 def test_two_ranks_zero3(runs, name):
     out = runs.out(name, "ours_2")

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 from tests.helpers.launch import launch
 from tests.helpers.scaffold import tiny_flags
 from tests.unit.test_checkpoint import flip_byte, make_checkpoint
-
-pytestmark = pytest.mark.distributed
 
 SMALL = tiny_flags(max_steps=2, logging_steps=None, save_steps=None, eval_steps=None, max_train_samples=16,
                    max_eval_samples=4, block_size=32, model_config_overrides=None)  # fmt: skip

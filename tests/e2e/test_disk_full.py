@@ -37,8 +37,6 @@ from tests.helpers.scaffold import (
 from trainer import checkpoint as ckpt
 from trainer.model.modeling import DEFAULT_LLAMA
 
-pytestmark = pytest.mark.distributed
-
 # Every checkpoint is kept (save_total_limit 3): the undisturbed run's checkpoint-2 is a resume point.
 TINY = tiny_flags(max_steps=None, save_steps=2, eval_steps=1000, max_train_samples=100, max_eval_samples=8,
                   vocab_size=4096, save_total_limit=3)  # fmt: skip

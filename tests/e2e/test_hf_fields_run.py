@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 from tests.helpers.launch import launch
 from tests.helpers.scaffold import read_metrics, tiny_flags
-
-pytestmark = pytest.mark.distributed
 
 TINY = tiny_flags(max_steps=6, logging_steps=None, save_steps=None, eval_steps=None, per_device_train_batch_size=8,
                   max_train_samples=24, max_eval_samples=8, save_strategy="no", eval_strategy="no")  # fmt: skip

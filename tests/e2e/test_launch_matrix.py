@@ -1,7 +1,7 @@
 """The commands users type: ``scripts/train.py`` under every launcher and ZeRO setting.
 
-Each case is one real launch of the public script, a few optimizer steps of a tiny model on the
-embedded default recipe, sharing one tokenised cache. Every case then loads ``final/`` with the HF
+Each case (``tests/helpers/matrix.py``) is one real launch of the public script, a few optimizer
+steps of a tiny model on the embedded default recipe, sharing one tokenised cache. Every case then loads ``final/`` with the HF
 Auto classes. The fp32 cases on two ranks see the same data and hyperparameters, so they must follow
 one loss trajectory and end on the same weights whatever the launcher, ZeRO stage, offload or
 activation checkpointing: a run that trained something else, or exported empty or stale weights,
@@ -11,121 +11,24 @@ fails here.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from tests.helpers.launch import ROOT, launch
-from tests.helpers.scaffold import TINY_MODEL, assert_same_weights, load_weights, tiny_flags, train_rows
-
-pytestmark = pytest.mark.distributed
-
-STEPS = 4
-TINY = tiny_flags(max_steps=STEPS, save_steps=STEPS, eval_steps=STEPS, vocab_size=4096)
-
+from tests.helpers.matrix import CASES, ONE_RANK_REFERENCE, RECIPE, REFERENCE, STEPS, Run
+from tests.helpers.scaffold import TINY_MODEL, assert_same_weights, load_weights, train_rows
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-RECIPE = yaml.safe_load((ROOT / "scripts" / "recipes" / "default.yaml").read_text())
+# Cases of one process run in make test's first pass, two at a time; the others one at a time.
+ALL_CASES = [pytest.param(n, marks=[pytest.mark.distributed] * (c.ranks > 1)) for n, c in CASES.items()]
 
 
-@dataclass(frozen=True)
-class Case:
-    launcher: str  # deepspeed, torchrun, accelerate or python
-    args: tuple[str, ...]  # what the user adds to scripts/train.py
-    stage: int = RECIPE["zero_stage"]  # the ZeRO stage ds_config.json must show
-    ranks: int = 2
-    offload: tuple[str, str] = ("none", "none")  # (optimizer, param) devices in ds_config.json
-    precision: str = "fp32"
-    model: str = "llama"
-    checkpointing: bool = False  # the arguments turn activation checkpointing on
-    # The recipe's micro-batch, unless the arguments name a recipe or DeepSpeed config stating another.
-    micro_batch: int = RECIPE["per_device_train_batch_size"]
+@pytest.fixture
+def runs(matrix_runs):
+    return matrix_runs
 
 
-# Cases whose arguments are a README/docs line's (tests/e2e/test_doc_commands.py checks that every
-# launch line in the docs is one of these) run exactly those arguments, with TINY appended.
-CASES = {
-    "deepspeed-default": Case("deepspeed", ()),
-    "deepspeed-zero0": Case("deepspeed", ("--zero_stage", "0"), 0),
-    "deepspeed-zero1-bf16": Case("deepspeed", ("--zero_stage", "1", "--bf16"), 1, precision="bf16"),
-    "deepspeed-zero2-offload": Case(
-        "deepspeed", ("--zero_stage", "2", "--offload_optimizer", "cpu"), 2, offload=("cpu", "none")
-    ),
-    "deepspeed-zero3": Case("deepspeed", ("--zero_stage", "3"), 3),
-    "deepspeed-zero3-offload": Case(
-        "deepspeed",
-        ("--zero_stage", "3", "--offload_param", "cpu", "--offload_optimizer", "cpu"),
-        3,
-        offload=("cpu", "cpu"),
-    ),
-    "deepspeed-json-zero3-checkpointing": Case(
-        "deepspeed",
-        ("--deepspeed", "ds_configs/zero3_fp32.json", "--gradient_checkpointing", "true"),
-        3,
-        micro_batch=8,
-        checkpointing=True,
-    ),
-    "deepspeed-pipeline2-checkpointing": Case(
-        "deepspeed",
-        ("--pipeline_parallel_size", "2", "--zero_stage", "1", "--gradient_checkpointing", "true"),
-        1,
-        checkpointing=True,
-    ),
-    "torchrun-zero3-offload-bf16": Case(
-        "torchrun",
-        ("--zero_stage", "3", "--offload_optimizer", "cpu", "--bf16"),
-        3,
-        offload=("cpu", "none"),
-        precision="bf16",
-    ),
-    # GPT-2 from the pretraining recipe: ZeRO-2, activation checkpointing, 4 accumulation steps.
-    "torchrun-zero2-checkpointing-gpt2": Case(
-        "torchrun",
-        ("--config", "scripts/recipes/gpt2_pretrain.yaml"),
-        2,
-        model="gpt2",
-        micro_batch=8,
-        checkpointing=True,
-    ),
-    "accelerate-zero2": Case("accelerate", ("--zero_stage", "2"), 2),
-    "python-zero0": Case("python", ("--zero_stage", "0"), 0, ranks=1),
-    "python-zero3": Case("python", ("--zero_stage", "3"), 3, ranks=1),
-}
-REFERENCE = "deepspeed-zero0"
-ONE_RANK_REFERENCE = "python-zero0"
-
-
-@dataclass
-class Run:
-    out: Path
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Launches each case the first time a test asks for it; later tests reuse the run."""
-    root = tmp_path_factory.mktemp("matrix")
-    done: dict[str, Run] = {}
-
-    def get(name: str) -> Run:
-        if name not in done:
-            case, out = CASES[name], root / name
-            proc = launch(
-                ["scripts/train.py", "--output_dir", str(out), *case.args, *TINY],
-                nproc=case.ranks,
-                launcher=case.launcher,
-            )
-            done[name] = Run(out, proc.stdout, proc.stderr)
-        return done[name]
-
-    return get
-
-
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", ALL_CASES)
 def test_command_trains_and_exports_a_loadable_model(runs, name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -144,6 +47,7 @@ def test_command_trains_and_exports_a_loadable_model(runs, name):
     offload = tuple(zero.get(k, {}).get("device", "none") for k in ("offload_optimizer", "offload_param"))
     assert offload == case.offload
     assert ds.get("bf16", {}).get("enabled", False) == (case.precision == "bf16")
+    assert ds.get("pipeline", {}).get("stages", 1) == case.pipeline
     manifest = json.loads((run.out / f"checkpoint-{STEPS}" / "manifest.json").read_text())
     assert manifest["world_size"] == case.ranks and manifest["step"] == STEPS
 
@@ -177,6 +81,7 @@ FP32_TWO_RANKS = [
 ]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", FP32_TWO_RANKS)
 def test_every_stage_and_launcher_trains_the_same_model(runs, name):
     assert_same_run(runs(name), runs(REFERENCE), rtol=1e-4)
@@ -186,6 +91,7 @@ def test_one_process_zero3_matches_one_process_zero0(runs):
     assert_same_run(runs("python-zero3"), runs(ONE_RANK_REFERENCE), rtol=1e-4)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.precision == "bf16"])
 def test_bf16_follows_the_fp32_trajectory(runs, name):
     """Every step's loss and grad norm, and each exported tensor, near the fp32 run's; and the loss
@@ -211,6 +117,7 @@ def test_bf16_follows_the_fp32_trajectory(runs, name):
         assert distance < 2**-7, (key, distance.item())
 
 
+@pytest.mark.distributed
 def test_the_weights_moved(runs):
     """The shared trajectory is a trained one: the loss fell and the export differs from init."""
     rows = train_rows(runs(REFERENCE).out)

@@ -1,8 +1,10 @@
 """LoRA through ``scripts/train.py`` on a local base model (an HF directory built here): ZeRO-3 on 2
 ranks under the deepspeed launcher; ZeRO-0, ZeRO-1 and ZeRO-2 with CPU offload and activation
-checkpointing on one process, training the adapters alike; rslora, DoRA, modules to save and dropout. final/ is a peft adapter that peft loads onto the base, equal to the trained weights;
+checkpointing on one process, training the adapters alike; rslora, DoRA, modules to save and
+dropout. final/ is a peft adapter that peft loads onto the base, equal to the trained weights;
 ``trainer export --merge`` gives a full model with the same logits; a resume is bit-exact; the
-optimizer holds state for the adapters only; and what LoRA cannot do is refused by name."""
+optimizer holds state for the adapters only; and what LoRA cannot do is refused by name. Only the
+tests of the 2-rank run are ``distributed``: the one-process ones run two at a time in make test."""
 
 from __future__ import annotations
 
@@ -18,8 +20,6 @@ from transformers import LlamaForCausalLM
 from tests.helpers.launch import launch
 from tests.helpers.lora_base import make_base
 from tests.helpers.scaffold import assert_same_weights, load_weights, losses, read_metrics, tiny_flags
-
-pytestmark = pytest.mark.distributed
 
 RUN = ["--use_peft", "--lora_target_modules", "all-linear", "--lora_r", "4", "--lora_alpha", "8",
        *tiny_flags(save_steps=2, max_train_samples=None, max_eval_samples=8, model_config_overrides=None,
@@ -48,6 +48,7 @@ def adapter(directory: Path) -> dict[str, torch.Tensor]:
     return load_weights(directory / "adapter_model.safetensors")
 
 
+@pytest.mark.distributed
 def test_final_is_a_peft_adapter_equal_to_the_trained_weights(zero3, tmp_path):
     out, _ = zero3
     final = adapter(out / "final")
@@ -63,6 +64,7 @@ def test_final_is_a_peft_adapter_equal_to_the_trained_weights(zero3, tmp_path):
     assert_same_weights(adapter(tmp_path / "a"), final)
 
 
+@pytest.mark.distributed
 def test_merged_export_has_the_adapter_models_logits(zero3, tmp_path):
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
@@ -79,6 +81,7 @@ def test_merged_export_has_the_adapter_models_logits(zero3, tmp_path):
     assert not any(k.startswith("base_model") or "lora" in k for k in load_weights(tmp_path / "m"))
 
 
+@pytest.mark.distributed
 def test_only_the_adapters_train_and_are_counted(zero3, base):
     out, text = zero3
     trainable = sum(t.numel() for t in adapter(out / "final").values())
@@ -91,6 +94,7 @@ def test_only_the_adapters_train_and_are_counted(zero3, base):
     assert optim < 2 * 12 * trainable < 12 * total / 4
 
 
+@pytest.mark.distributed
 def test_resume_is_bit_exact(zero3, base):
     out, _ = zero3
     resumed = base["root"] / "resumed"

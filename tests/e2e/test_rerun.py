@@ -18,8 +18,6 @@ from tests.helpers.launch import launch
 from tests.helpers.scaffold import file_digests, loss_steps, tiny_flags
 from trainer.runtime.ownership import LOCK_FILE
 
-pytestmark = pytest.mark.distributed
-
 TINY = tiny_flags(logging_steps=2, max_train_samples=100, max_eval_samples=8)
 DATA = "data.jsonl"  # beside the output_dir
 

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from tests.helpers.launch import launch
-
-pytestmark = pytest.mark.distributed
 
 TINY = [
     "--max_steps", "2", "--logging_steps", "1", "--save_steps", "2", "--eval_steps", "2",

@@ -15,8 +15,6 @@ from tests.helpers.launch import launch
 from tests.helpers.scaffold import read_metrics, tiny_flags
 from trainer.cli import train as train_cli
 
-pytestmark = pytest.mark.distributed
-
 STEPS, LR, WARMUP = 6, 1e-3, 2
 SCHEDULE = ["--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}']
 TINY = [*tiny_flags(max_steps=STEPS, save_steps=3, eval_steps=None, eval_strategy="no", max_train_samples=100,

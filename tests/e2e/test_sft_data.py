@@ -5,14 +5,11 @@ from __future__ import annotations
 import json
 import math
 
-import pytest
 import yaml
 
 from tests.helpers.launch import launch
 from tests.helpers.scaffold import read_metrics, tiny_flags
 from trainer.data import DEFAULT_CHAT_TEMPLATE
-
-pytestmark = pytest.mark.distributed
 
 NAMES = ["apple", "river", "cloud", "stone", "tiger", "maple", "ocean", "piano"]
 

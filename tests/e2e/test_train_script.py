@@ -1,9 +1,13 @@
-"""scripts/train.py through the real launchers: outputs, export, bad input, an HF script ported."""
+"""scripts/train.py through the real launchers: outputs, export, bad input, an HF script ported.
+
+The outputs are those of the launch matrix's run of the README's command (``deepspeed-default``). The
+refusals of bad input on one process are not ``distributed``."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -11,27 +15,24 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.helpers.launch import ROOT, launch
-from tests.helpers.scaffold import loss_steps, read_metrics, tiny_flags
+from tests.helpers.matrix import CASES, RECIPE, STEPS, TINY
+from tests.helpers.scaffold import loss_steps, read_metrics
 
-pytestmark = pytest.mark.distributed
-
-# A short version of the embedded default: same recipe (its model too), fewer steps.
-SHORT = tiny_flags(max_steps=24, logging_steps=4, save_steps=12, eval_steps=12, max_train_samples=400,
-                   max_eval_samples=32, model_config_overrides=None)  # fmt: skip
+DEFAULT = "deepspeed-default"  # the launch matrix's run of the README's command, as written
 
 
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("default") / "run"
-    proc = launch(["scripts/train.py", "--output_dir", str(out), *SHORT])
-    return out, proc
+@pytest.fixture
+def default_run(matrix_runs):
+    run = matrix_runs(DEFAULT)
+    return run.out, run
 
 
+@pytest.mark.distributed
 def test_metrics_rows_have_the_contract_fields(default_run):
     out, _ = default_run
     rows = read_metrics(out)
     train = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in train] == [4, 8, 12, 16, 20, 24]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     for row in train:
         for key in ("step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second"):
             assert key in row, key
@@ -39,42 +40,30 @@ def test_metrics_rows_have_the_contract_fields(default_run):
     assert any("eval_loss" in r for r in rows)
 
 
+@pytest.mark.distributed
 def test_output_dir_holds_configs_and_checkpoints(default_run):
     out, _ = default_run
     ds = json.loads((out / "ds_config.json").read_text())
-    micro = yaml.safe_load((ROOT / "scripts" / "recipes" / "default.yaml").read_text())[
-        "per_device_train_batch_size"
-    ]
+    micro = RECIPE["per_device_train_batch_size"]
     assert ds["train_micro_batch_size_per_gpu"] == micro
-    assert ds["train_batch_size"] == 2 * micro  # 2 ranks, no accumulation
+    assert ds["train_batch_size"] == 2 * micro * ds["gradient_accumulation_steps"]  # 2 ranks
     assert "auto" not in json.dumps(ds)
     run = yaml.safe_load((out / "run_config.yaml").read_text())
-    assert run["max_steps"] == 24 and run["dataset"] == "stdlib"
-    for step in (12, 24):
-        assert (out / f"checkpoint-{step}" / "COMPLETE").is_file()
-        manifest = json.loads((out / f"checkpoint-{step}" / "manifest.json").read_text())
-        assert manifest["world_size"] == 2 and manifest["step"] == step
-        assert any(name.startswith("ds/") for name in manifest["files"])
+    assert run["max_steps"] == STEPS and run["dataset"] == "stdlib"
+    assert (out / f"checkpoint-{STEPS}" / "COMPLETE").is_file()
+    manifest = json.loads((out / f"checkpoint-{STEPS}" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["step"] == STEPS
+    assert any(name.startswith("ds/") for name in manifest["files"])
 
 
-def test_final_export_loads_with_auto_classes(default_run):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out, proc = default_run
-    model = AutoModelForCausalLM.from_pretrained(out / "final")
-    tokenizer = AutoTokenizer.from_pretrained(out / "final")
-    ids = tokenizer("import os\n", return_tensors="pt").input_ids
-    assert model(ids).logits.shape[-1] == len(tokenizer)
-    assert "Sample completion:" in proc.stdout
-
-
+@pytest.mark.distributed
 def test_trainer_export_of_a_checkpoint_matches_the_final_export(default_run, tmp_path):
-    """`trainer export` rebuilds the model from checkpoint-24 alone: same logits as final/ (step 24)."""
+    """`trainer export` rebuilds the model from the last checkpoint alone: same logits as final/."""
     from transformers import AutoModelForCausalLM
 
     out, _ = default_run
     proc = launch(
-        ["-m", "trainer.cli.main", "export", str(out / "checkpoint-24"), str(tmp_path / "hf")],
+        ["-m", "trainer.cli.main", "export", str(out / f"checkpoint-{STEPS}"), str(tmp_path / "hf")],
         launcher="python",
     )
     assert "Exported" in proc.stdout
@@ -90,11 +79,17 @@ def test_trainer_export_of_a_checkpoint_matches_the_final_export(default_run, tm
     assert bad.returncode == 2 and "not a complete checkpoint" in bad.stderr
 
 
-def test_rerun_resumes_from_newest_complete_checkpoint(default_run):
-    out, _ = default_run
-    proc = launch(["scripts/train.py", "--output_dir", str(out), *SHORT, "--max_steps", "28"])
-    assert f"Resumed from {out / 'checkpoint-24'} at step 24" in proc.stdout
-    assert loss_steps(out)[-1] == 28
+@pytest.mark.distributed
+def test_rerun_resumes_from_newest_complete_checkpoint(default_run, tmp_path):
+    """The same command again, with more steps, on a copy of the run (the matrix's stays as it is)."""
+    out = tmp_path / "run"
+    shutil.copytree(default_run[0], out)
+    more = STEPS + 2
+    proc = launch(
+        ["scripts/train.py", "--output_dir", str(out), *TINY, *CASES[DEFAULT].args, "--max_steps", str(more)]
+    )
+    assert f"Resumed from {out / f'checkpoint-{STEPS}'} at step {STEPS}" in proc.stdout
+    assert loss_steps(out)[-1] == more
 
 
 def _plain(args: list[str], **env) -> tuple[int, str]:
@@ -112,6 +107,7 @@ def test_unknown_recipe_field_is_one_clear_error(tmp_path):
     assert not (tmp_path / "o").exists()  # nothing was built or written
 
 
+@pytest.mark.distributed
 def test_impossible_batch_for_world_size_fails_before_model_build(tmp_path):
     proc = launch(
         [
@@ -137,6 +133,7 @@ def test_fp16_on_cpu_is_refused_by_name(tmp_path):
     assert "Traceback" not in out
 
 
+@pytest.mark.distributed
 def test_hf_trainer_script_runs_with_our_import(tmp_path):
     source = (ROOT / "tests" / "helpers" / "hf_trainer_script.py").read_text()
     hf_import = "from transformers import Trainer, TrainingArguments"

@@ -1,6 +1,7 @@
 """What the tests run and share, kept apart from the tests themselves (pytest collects none of it).
 
 - ``launch``: runs a script under a real launcher (deepspeed, torchrun, accelerate, python).
+- ``matrix``: the launch matrix's cases and their runs, launched once per session (``matrix_runs``).
 - ``scaffold``: what many tests share around a run: ``tiny_flags`` (a tiny ``scripts/train.py`` run's
   flags, each test's differences as overrides), ``read_metrics`` and its filters (``metrics.jsonl``),
   ``assert_same_weights``/``weights_equal``, ``mounted_tmpfs``/``tmpfs_refusal``, ``bpe_tokenizer``.

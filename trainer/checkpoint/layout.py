@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.checkpoint.writer import HASHES, file_digest, file_entry
+from trainer.checkpoint.writer import file_entry
+from trainer.runtime.digests import HASHES, file_digest
 from trainer.runtime.distributed import DistInfo, all_gather_object
 
 PREFIX = "checkpoint-"

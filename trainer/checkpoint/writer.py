@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import os
 import threading
 from collections.abc import Iterator
@@ -33,24 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 from safetensors.torch import save_file
 
-CHECKSUM = "xxh3_128"  # the manifest entry's key names the hash that made it
-LEGACY_CHECKSUM = "sha256"
-HASHES = {CHECKSUM: xxhash.xxh3_128, LEGACY_CHECKSUM: hashlib.sha256}
-
-
-def file_digest(path: Path, algorithm: str = CHECKSUM, fsync: bool = False) -> str:
-    """A file's checksum, read in 4 MiB blocks; fsynced on the way when asked (a read-only
-    descriptor is enough)."""
-    h = HASHES[algorithm]()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-        if fsync:
-            os.fsync(f.fileno())
-    return h.hexdigest()
+from trainer.runtime.digests import CHECKSUM, HASHES, file_digest
 
 
 def file_entry(path: Path) -> dict[str, Any]:

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-import xxhash
 
 from trainer.args import DataArguments
 from trainer.config.errors import ConfigError, suggest
+from trainer.runtime.digests import file_digest
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def content_digests(data_args: DataArguments) -> dict[str, dict[str, str]]:
             version = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
             path = str(file.resolve())
             if known.get(path, {}).get("version") != version or "xxh3_128" not in known[path]:
-                known[path] = {"version": version, "xxh3_128": _file_digest(file)}
+                known[path] = {"version": version, "xxh3_128": file_digest(file)}
             digests[path] = known[path]["xxh3_128"]
     with contextlib.suppress(OSError):  # a read-only cache: the digests are only computed again
         store.parent.mkdir(parents=True, exist_ok=True)
@@ -154,15 +154,6 @@ def content_digests(data_args: DataArguments) -> dict[str, dict[str, str]]:
         partial.write_text(json.dumps(known))
         os.replace(partial, store)  # ranks sharing the cache never read half a file
     return found
-
-
-def _file_digest(path: Path) -> str:
-    """xxh3-128, as the checkpoint manifests use: memory speed, where sha256 reads under 1 GB/s."""
-    digest = xxhash.xxh3_128()
-    with path.open("rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def resolve_source(data_args: DataArguments, name: str | None = None, key: str = "dataset") -> Source:

@@ -2,16 +2,17 @@
 
 Several runs are overlaid in each plot, one colour per run. Figures are built with matplotlib's
 object API on the Agg canvas, so plotting needs no display and touches no global pyplot state.
+matplotlib is imported when a figure is built: every rank of a run imports this module, and only
+rank 0 plots, at the end.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 from trainer.observe.metrics import read_metrics
 from trainer.runtime.run_files import METRICS
@@ -52,6 +53,10 @@ def run_labels(run_dirs: list[str]) -> list[str]:
 
 def build_figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Figure]:
     """One figure per plot that has data in at least one run; each line is labelled ``run[ series]``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     figures = {}
     for name, (title, ylabel, keys) in PLOTS.items():
         fig = Figure(figsize=(8, 4.5), dpi=100)
