@@ -1,4 +1,5 @@
-"""Engine and Trainer on 2 CPU ranks under torchrun (one launch, many checks)."""
+"""Engine and Trainer on 2 CPU ranks under torchrun (one launch, shared with test_nonfinite.py: the
+``trainer_scenarios`` fixture in conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,29 +8,14 @@ import json
 import pytest
 import torch
 
-from tests.helpers.launch import launch, shm_buffers
 from tests.helpers.scaffold import assert_same_weights, load_weights
 
 pytestmark = pytest.mark.distributed
 
-SCENARIOS = [
-    "zero_stages",
-    "grad_accum",
-    "partial_window",
-    "activation_checkpointing",
-    "bf16",
-    "offload",
-    "evaluate_zero3",
-]
 
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("engine")
-    before = shm_buffers()
-    launch(["tests/helpers/trainer_scenarios.py", str(out), *SCENARIOS], launcher="torchrun")
-    (out / "shm_left.json").write_text(json.dumps(sorted(shm_buffers() - before)))
-    return out, json.loads((out / "results.json").read_text())
+@pytest.fixture
+def results(trainer_scenarios):
+    return trainer_scenarios
 
 
 def test_no_shared_memory_buffer_outlives_the_run(results):

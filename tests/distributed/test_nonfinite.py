@@ -1,21 +1,16 @@
-"""The non-finite guard under each policy: a NaN loss injected at step 6, checkpoints every 4."""
+"""The non-finite guard under each policy: a NaN loss injected at step 6, checkpoints every 4 (a
+scenario of the ``trainer_scenarios`` launch in conftest.py)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-
-from tests.helpers.launch import launch
 
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture(scope="module")
-def nan_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("nonfinite")
-    launch(["tests/helpers/trainer_scenarios.py", str(out), "nonfinite"], launcher="torchrun")
-    return json.loads((out / "results.json").read_text())["nonfinite"]
+@pytest.fixture
+def nan_runs(trainer_scenarios):
+    return trainer_scenarios[1]["nonfinite"]
 
 
 def test_skip_drops_the_update_and_trains_on(nan_runs):

@@ -86,6 +86,26 @@ def trained(kind: str, out: Path, **fields: Any) -> dict[str, Any]:
     }
 
 
+def dataloader_drop_last_eval(out: Path) -> dict[str, Any]:
+    """10 evaluation rows in batches of 4, untrained: evaluate and predict read the last batch of 2,
+    or leave it out, as the flag says."""
+    found: dict[str, Any] = {}
+    for drop in (False, True):
+        for kind in ("ours", "hf"):
+            trainer = build(kind, out / f"eval-drop-{drop}", eval_rows=ROWS, dataloader_drop_last=drop)
+            loss = trainer.evaluate()["eval_loss"]
+            batches = list(trainer.data_collator.batches)
+            predicted = trainer.predict(trainer.eval_dataset)
+            found.setdefault(f"{drop}", {})[kind] = {
+                "eval_loss": loss,
+                "batches": batches,
+                "predict_loss": predicted.metrics["test_loss"],
+                "predicted_rows": len(predicted.predictions),
+                "first_8_loss": trainer.evaluate(trainer.eval_dataset.select(range(8)))["eval_loss"],
+            }
+    return found
+
+
 def data_seed(out: Path) -> dict[str, Any]:
     """Two steps with data_seed 7, ours and HF's, and ours without (the order from seed 0); with
     each, the torch RNG's first draws once the Trainer is built (what a model built then would
@@ -211,6 +231,7 @@ def do_predict(out: Path) -> dict[str, Any]:
 SCENARIOS = [
     data_seed,
     dataloader_drop_last,
+    dataloader_drop_last_eval,
     adam_epsilon,
     prediction_loss_only,
     full_determinism,

@@ -1,5 +1,6 @@
 """HF ``TrainingArguments`` fields that are honoured, shown by their effect next to transformers' own
-Trainer on the same tiny Llama, rows and seed: ``data_seed``, ``dataloader_drop_last``,
+Trainer on the same tiny Llama, rows and seed: ``data_seed``, ``dataloader_drop_last`` (in training,
+evaluation and prediction),
 ``adam_epsilon``, ``prediction_loss_only``, ``full_determinism``, ``ddp_timeout``, ``log_level``,
 ``log_level_replica`` and ``do_predict``.
 
@@ -63,6 +64,21 @@ def test_dataloader_drop_last_drops_the_partial_batch_as_hfs(results):
         assert len(ours["batches"][-1]) == last and ours["batches"] == hf["batches"], (drop, ours, hf)
         for key in ("loss", "grad_norm"):
             assert close(ours[key], hf[key]), (drop, key, ours, hf)
+
+
+def test_dataloader_drop_last_applies_to_evaluate_and_predict_as_hfs(results):
+    """10 evaluation rows in batches of 4: HF's evaluate and predict drop the last batch of 2 too.
+    The same batches and number of predicted rows as HF's; the loss (token-weighted for a causal LM,
+    where HF's weights each batch by its rows) is then the loss of the first 8 rows, in evaluate
+    and predict alike, and each Trainer's differs from its own loss over all 10."""
+    runs = results["dataloader_drop_last_eval"]
+    for drop, rows in (("False", 10), ("True", 8)):
+        ours, hf = runs[drop]["ours"], runs[drop]["hf"]
+        assert ours["batches"] == hf["batches"] and sum(map(len, ours["batches"])) == rows, (drop, ours, hf)
+        assert ours["predicted_rows"] == hf["predicted_rows"] == rows, (drop, ours, hf)
+        for run in (ours, hf):
+            assert close([run["predict_loss"]], [run["eval_loss"]]), (drop, run)
+            assert (run["eval_loss"] == pytest.approx(run["first_8_loss"], rel=REL)) == (drop == "True"), run
 
 
 def test_adam_epsilon_reaches_the_optimizer_and_the_update_as_hfs(results):

@@ -123,14 +123,16 @@ def eval_dataloader(
 
 
 def eval_batches(
-    dataset: Any, collator: Callable, batch_size: int, rank: int, world_size: int
+    dataset: Any, collator: Callable, batch_size: int, rank: int, world_size: int, drop_last: bool = False
 ) -> Iterator[tuple[Batch, list[int]]]:
     """This rank's share of ``dataset`` as (batch, dataset indices); -1 marks a padding row (a copy
     of row 0), which ``_forward`` keeps out of the loss and the predictions. Every row is
-    evaluated (no drop_last)."""
-    loader = eval_dataloader(dataset, collator, batch_size, rank, world_size)
+    evaluated, unless ``drop_last`` (HF's ``dataloader_drop_last``) leaves out each rank's last
+    batch when it is short, as HF's evaluation does. Shards are of equal length, so every rank
+    runs the same number of batches either way."""
+    loader = eval_dataloader(dataset, collator, batch_size, rank, world_size, drop_last=drop_last)
     indices = loader.dataset.indices
-    for start, batch in zip(range(0, len(indices), batch_size), loader, strict=True):
+    for start, batch in zip(range(0, len(loader) * batch_size, batch_size), loader, strict=True):
         batch = dict(batch)  # all the collator made reaches the model, as in HF's loop
         yield batch, indices[start : start + batch_size]
 

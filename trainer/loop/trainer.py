@@ -393,13 +393,13 @@ class Trainer(HFMethods, ResultsAPI):
         hooks = (self.preprocess_logits_for_metrics, self.compute_metrics, ignore_keys, returned)
         output = evaluation_loop(
             self.engine,
-            eval_batches(dataset, self.data_collator, bs, rank, world),
+            eval_batches(dataset, self.data_collator, bs, rank, world, self.args.dataloader_drop_last),
             len(dataset),
             prefix,
             Predictions.from_args(self.args, *hooks, self._generation()) if with_predictions else None,
             collectives=lambda: self.watchdog.phase("eval"),
         )
-        steps = math.ceil(len(dataset) / (bs * world))
+        steps = (math.floor if self.args.dataloader_drop_last else math.ceil)(len(dataset) / (bs * world))
         output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
         return output
 
