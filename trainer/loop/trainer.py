@@ -399,7 +399,8 @@ class Trainer(HFMethods, ResultsAPI):
             Predictions.from_args(self.args, *hooks, self._generation()) if with_predictions else None,
             collectives=lambda: self.watchdog.phase("eval"),
         )
-        steps = (math.floor if self.args.dataloader_drop_last else math.ceil)(len(dataset) / (bs * world))
+        shard = math.ceil(len(dataset) / world)  # each rank's rows, padding included
+        steps = shard // bs if self.args.dataloader_drop_last else math.ceil(shard / bs)
         output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
         return output
 
