@@ -13,14 +13,9 @@ from tests.helpers.scaffold import assert_same_weights, load_weights
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture
-def results(trainer_scenarios):
-    return trainer_scenarios
-
-
-def test_no_shared_memory_buffer_outlives_the_run(results):
+def test_no_shared_memory_buffer_outlives_the_run(trainer_scenarios):
     # DeepSpeed's CPU all-reduce buffers are 66 MiB each in RAM-backed /dev/shm.
-    out, _ = results
+    out, _ = trainer_scenarios
     assert json.loads((out / "shm_left.json").read_text()) == []
 
 
@@ -28,8 +23,8 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
-def test_zero_stages_share_loss_trajectory(results):
-    _, res = results
+def test_zero_stages_share_loss_trajectory(trainer_scenarios):
+    _, res = trainer_scenarios
     base = res["zero_stages"]["zero0"]
     assert len(base) == 20
     for stage in (1, 2, 3):
@@ -37,8 +32,8 @@ def test_zero_stages_share_loss_trajectory(results):
     assert base[-1] < base[0]
 
 
-def test_zero_stages_share_final_weights(results):
-    out, _ = results
+def test_zero_stages_share_final_weights(trainer_scenarios):
+    out, _ = trainer_scenarios
     base = load_weights(out / "zero_stages" / "zero0.pt")
     for stage in (1, 2, 3):
         other = out / "zero_stages" / f"zero{stage}.pt"
@@ -63,9 +58,9 @@ ZERO_WRAPPER = {1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", 3: "De
         (("offload", "fused_zero3", "engine"), 3, FUSED_ADAM),  # optim=adamw_fused
     ],
 )
-def test_engine_runs_the_requested_zero_stage_and_optimizer(results, run, stage, optimizer):
+def test_engine_runs_the_requested_zero_stage_and_optimizer(trainer_scenarios, run, stage, optimizer):
     """Read back from the DeepSpeed engine each Trainer built, not from the config it was given."""
-    _, res = results
+    _, res = trainer_scenarios
     kind = res
     for key in run:
         kind = kind[key]
@@ -76,11 +71,11 @@ def test_engine_runs_the_requested_zero_stage_and_optimizer(results, run, stage,
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_async_save_commits_after_the_loop_stepped_on(results, stage):
+def test_async_save_commits_after_the_loop_stepped_on(trainer_scenarios, stage):
     """async_save: checkpoint-10's files are written on the writer thread, which is held until the
     loop has finished step 11; the commit (on_save) comes later still. A save written on the loop's
     thread could not let step 11 finish before it returned."""
-    out, res = results
+    out, res = trainer_scenarios
     probe = res["zero_stages"]["async"][f"zero{stage}"]
     assert probe["writes"], "no file of checkpoint-10 went through the writer"
     assert all(w["thread"].startswith("ckpt-writer") for w in probe["writes"]), probe["writes"]
@@ -93,14 +88,14 @@ def test_async_save_commits_after_the_loop_stepped_on(results, stage):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_trainer_export_of_each_zero_stage_gives_the_engines_logits(results, stage, tmp_path):
+def test_trainer_export_of_each_zero_stage_gives_the_engines_logits(trainer_scenarios, stage, tmp_path):
     # checkpoint-20 of ZeRO 1 and 3 was saved asynchronously; 0 and 2 synchronously.
     from transformers import AutoModelForCausalLM
 
     from tests.helpers.trainer_scenarios import tiny_config
     from trainer.checkpoint.export import export_checkpoint
 
-    out, _ = results
+    out, _ = trainer_scenarios
     hf = export_checkpoint(out / f"zero{stage}" / "checkpoint-20", tmp_path / "hf", max_shard_size="100KB")
     assert len(list(hf.glob("model-*.safetensors"))) > 1  # sharded above the size asked for
     exported = AutoModelForCausalLM.from_pretrained(hf).eval()
@@ -114,9 +109,9 @@ def test_trainer_export_of_each_zero_stage_gives_the_engines_logits(results, sta
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_grad_accum_equals_one_big_batch(results, stage):
+def test_grad_accum_equals_one_big_batch(trainer_scenarios, stage):
     """micro 2 x accum 4 x 2 ranks == one 16-sample batch, with variable padding."""
-    out, res = results
+    out, res = trainer_scenarios
     ref = {name: tensor.float() for name, tensor in load_weights(out / "grad_accum" / "reference.pt").items()}
     got = out / "grad_accum" / f"zero{stage}.pt"
     assert_same_weights(got, ref, rtol=1e-4, atol=2e-6, same_keys=False)
@@ -127,10 +122,10 @@ def test_grad_accum_equals_one_big_batch(results, stage):
     assert max_rel_diff(norms, ref_norms) <= 1e-5, (norms, ref_norms)
 
 
-def test_short_last_window_of_an_epoch_matches_a_plain_torch_loop(results):
+def test_short_last_window_of_an_epoch_matches_a_plain_torch_loop(trainer_scenarios):
     """20 rows, 2 ranks x micro 2 x accumulation 2: steps of 8, 8 and 4 rows. Loss, gradient norm
     and final weights equal a plain torch loop (token-normalised loss, torch AdamW) over those rows."""
-    out, res = results
+    out, res = trainer_scenarios
     run = res["partial_window"]
     assert run["steps"] == 3 and run["epoch"] == 1.0
     assert len(run["reference"]) == 3
@@ -141,18 +136,18 @@ def test_short_last_window_of_an_epoch_matches_a_plain_torch_loop(results):
     )
 
 
-def test_activation_checkpointing_keeps_gradients(results):
-    _, res = results
+def test_activation_checkpointing_keeps_gradients(trainer_scenarios):
+    _, res = trainer_scenarios
     ac = res["activation_checkpointing"]
     assert ac["hf_max_abs_diff"] <= 1e-5
     assert ac["custom_max_abs_diff"] <= 1e-5
     assert ac["custom_used_checkpoint"] == 3  # the DeepSpeed API was really on the path
 
 
-def test_gradient_checkpointing_argument_recomputes_and_keeps_losses(results):
+def test_gradient_checkpointing_argument_recomputes_and_keeps_losses(trainer_scenarios):
     """Trainer(model, TrainingArguments(gradient_checkpointing=True)): the first decoder layer's MLP
     runs twice per micro-batch (forward, then recomputed in backward), once without; same losses."""
-    _, res = results
+    _, res = trainer_scenarios
     off, on = (
         res["activation_checkpointing"]["trainer"]["false"],
         res["activation_checkpointing"]["trainer"]["true"],
@@ -165,10 +160,10 @@ def test_gradient_checkpointing_argument_recomputes_and_keeps_losses(results):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_bf16_trains_and_exports_loadable_in_fp32(results, stage):
+def test_bf16_trains_and_exports_loadable_in_fp32(trainer_scenarios, stage):
     from transformers import AutoModelForCausalLM
 
-    _, res = results
+    _, res = trainer_scenarios
     run = res["bf16"][f"zero{stage}"]
     assert run["precision"] == {"enabled": True}
     assert run["losses"][-1] < 0.8 * run["losses"][0]
@@ -178,15 +173,15 @@ def test_bf16_trains_and_exports_loadable_in_fp32(results, stage):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_cpu_offload_trains(results, stage):
-    _, res = results
+def test_cpu_offload_trains(trainer_scenarios, stage):
+    _, res = trainer_scenarios
     run = res["offload"][f"zero{stage}"]
     assert "DeepSpeedCPUAdam" in (run["optimizer"], run["inner"])
     assert run["losses"][-1] < 0.8 * run["losses"][0]
 
 
-def test_evaluate_under_zero3_is_exact_on_every_rank(results):
-    _, res = results
+def test_evaluate_under_zero3_is_exact_on_every_rank(trainer_scenarios):
+    _, res = trainer_scenarios
     ev = res["evaluate_zero3"]
     assert len(ev["per_rank"]) == 2 and ev["per_rank"][0] == ev["per_rank"][1]
     assert abs(ev["per_rank"][0] - ev["reference"]) <= 1e-5 * ev["reference"]

@@ -23,16 +23,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ALL_CASES = [pytest.param(n, marks=[pytest.mark.distributed] * (c.ranks > 1)) for n, c in CASES.items()]
 
 
-@pytest.fixture
-def runs(matrix_runs):
-    return matrix_runs
-
-
 @pytest.mark.parametrize("name", ALL_CASES)
-def test_command_trains_and_exports_a_loadable_model(runs, name):
+def test_command_trains_and_exports_a_loadable_model(matrix_runs, name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    case, run = CASES[name], runs(name)
+    case, run = CASES[name], matrix_runs(name)
     assert "Traceback" not in run.stdout + run.stderr
     rows = train_rows(run.out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -83,17 +78,17 @@ FP32_TWO_RANKS = [
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", FP32_TWO_RANKS)
-def test_every_stage_and_launcher_trains_the_same_model(runs, name):
-    assert_same_run(runs(name), runs(REFERENCE), rtol=1e-4)
+def test_every_stage_and_launcher_trains_the_same_model(matrix_runs, name):
+    assert_same_run(matrix_runs(name), matrix_runs(REFERENCE), rtol=1e-4)
 
 
-def test_one_process_zero3_matches_one_process_zero0(runs):
-    assert_same_run(runs("python-zero3"), runs(ONE_RANK_REFERENCE), rtol=1e-4)
+def test_one_process_zero3_matches_one_process_zero0(matrix_runs):
+    assert_same_run(matrix_runs("python-zero3"), matrix_runs(ONE_RANK_REFERENCE), rtol=1e-4)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.precision == "bf16"])
-def test_bf16_follows_the_fp32_trajectory(runs, name):
+def test_bf16_follows_the_fp32_trajectory(matrix_runs, name):
     """Every step's loss and grad norm, and each exported tensor, near the fp32 run's; and the loss
     off fp32's by more than fp32's own noise: the run computed in bf16, not in fp32 under a bf16
     config (the export's dtype is checked with the command).
@@ -104,7 +99,7 @@ def test_bf16_follows_the_fp32_trajectory(runs, name):
     fp32 cases agree with each other on the loss to 1.2e-7. An export of the initial weights would
     be far off: Adam moves nearly every weight by about the rate (3e-3 at step 2 alone), against
     matrix weights of ~0.02."""
-    run, ref = runs(name), runs(REFERENCE)
+    run, ref = matrix_runs(name), matrix_runs(REFERENCE)
     got, want = train_rows(run.out), train_rows(ref.out)
     drift = [abs(x["loss"] / y["loss"] - 1) for x, y in zip(got, want, strict=True)]
     assert 2e-6 < max(drift) < 1e-3, drift
@@ -118,7 +113,7 @@ def test_bf16_follows_the_fp32_trajectory(runs, name):
 
 
 @pytest.mark.distributed
-def test_the_weights_moved(runs):
+def test_the_weights_moved(matrix_runs):
     """The shared trajectory is a trained one: the loss fell and the export differs from init."""
-    rows = train_rows(runs(REFERENCE).out)
+    rows = train_rows(matrix_runs(REFERENCE).out)
     assert rows[-1]["loss"] < rows[0]["loss"]

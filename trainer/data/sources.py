@@ -20,7 +20,7 @@ import datasets
 
 from trainer.args import DataArguments
 from trainer.config.errors import ConfigError, suggest
-from trainer.runtime.digests import file_digest
+from trainer.runtime.digests import CHECKSUM, file_digest
 
 logger = logging.getLogger(__name__)
 
@@ -145,9 +145,9 @@ def content_digests(data_args: DataArguments) -> dict[str, dict[str, str]]:
             st = file.stat()
             version = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
             path = str(file.resolve())
-            if known.get(path, {}).get("version") != version or "xxh3_128" not in known[path]:
-                known[path] = {"version": version, "xxh3_128": file_digest(file)}
-            digests[path] = known[path]["xxh3_128"]
+            if known.get(path, {}).get("version") != version or CHECKSUM not in known[path]:
+                known[path] = {"version": version, CHECKSUM: file_digest(file)}
+            digests[path] = known[path][CHECKSUM]
     with contextlib.suppress(OSError):  # a read-only cache: the digests are only computed again
         store.parent.mkdir(parents=True, exist_ok=True)
         partial = store.with_name(f"{store.name}.{os.getpid()}")
