@@ -21,9 +21,23 @@ def matrix_runs(tmp_path_factory):
     return MatrixRuns(tmp_path_factory.mktemp("matrix"))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """How ``make test`` (``-n 2 --dist loadgroup``) shares two cores: every ``distributed`` test is
+    in one group, which one worker runs one at a time, since each launch of two or more ranks wants
+    every core; the other worker runs the rest a module at a time (its module-scoped fixtures are
+    built once), filling the cores a launch leaves idle while it starts, gathers or writes."""
+    for item in items:
+        group = "ranks" if item.get_closest_marker("distributed") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Runs of plain DeepSpeed (the benchmark baselines) leave their all-reduce buffers in RAM-backed
-    /dev/shm; a long suite would otherwise leak gigabytes."""
+    /dev/shm; a long suite would otherwise leak gigabytes. Under xdist, once, after every worker is
+    done: a worker that finishes first must not sweep under the other's running launch."""
+    if hasattr(session.config, "workerinput"):
+        return
     from trainer.runtime.distributed import sweep_orphan_shm_buffers
 
     sweep_orphan_shm_buffers()
