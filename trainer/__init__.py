@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 __all__ = [
+    "DPOConfig",
+    "DPOTrainer",
     "Seq2SeqTrainer",
     "Seq2SeqTrainingArguments",
     "Trainer",
@@ -21,6 +23,8 @@ __all__ = [
 ]
 
 _LAZY = {
+    "DPOConfig": "trainer.args.preference",
+    "DPOTrainer": "trainer.loop.preference",
     "Trainer": "trainer.loop.trainer",
     "TrainingArguments": "trainer.args",
     "Seq2SeqTrainer": "trainer.loop.seq2seq",
@@ -32,6 +36,8 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from trainer.args import Seq2SeqTrainingArguments, TrainingArguments
+    from trainer.args.preference import DPOConfig
+    from trainer.loop.preference import DPOTrainer
     from trainer.loop.seq2seq import Seq2SeqTrainer
     from trainer.loop.trainer import Trainer
     from trainer.runtime.state import TrainerCallback, TrainerControl, TrainerState

@@ -80,10 +80,11 @@ def build_engine(
     ]
     for on, feature in features:
         if on and not objective.token_exact_causal:
+            why = " (a model that is not a causal LM, or a Trainer subclass's compute_loss)"
             raise ConfigError(
                 f"{feature} computes the causal-LM loss itself; this run's objective is "
-                f"{type(objective).__name__} (a model that is not a causal LM, or a Trainer subclass's "
-                "compute_loss). Drop the override, or run without that feature.",
+                f"{type(objective).__name__}{why if isinstance(objective, ModelLoss) else ''}. "
+                "Run without that feature.",
                 path="compute_loss"
                 if isinstance(objective, ModelLoss) and objective.compute_loss
                 else "model",

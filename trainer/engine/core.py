@@ -168,6 +168,11 @@ class Engine(ABC):
     def _eval_step(self, batch: Batch, outputs: bool) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """``eval_step`` as each engine carries it out."""
 
+    def forward(self, **inputs: Any) -> Any:
+        """The model's forward through DeepSpeed's engine (ZeRO-3 gathers the weights as it goes),
+        outside any objective: preference training's reference pass. The caller sets ``no_grad``."""
+        return self.ds(**inputs)
+
     def generate(self, batch: Batch, **kwargs: Any) -> torch.Tensor:
         """The model's ``generate`` on this rank's batch (``predict_with_generate``)."""
         raise NotImplementedError(f"{type(self).__name__}: generation is not supported with this engine")

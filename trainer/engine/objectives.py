@@ -57,6 +57,12 @@ class Objective(ABC):
     #: HF's ``Trainer`` gathers for metrics, which cuts them to the rows there are.
     eval_per_batch: bool = False
 
+    def take_metric_sums(self) -> tuple[tuple[str, ...], torch.Tensor | None]:
+        """(names of what the objective logs besides the loss, their sums over the items trained on
+        since the last call followed by the item count; None when nothing was summed). The Trainer
+        logs their means over all ranks at each logging step; the sums start again."""
+        return (), None
+
     def labelled(self, batch: Batch) -> bool:
         """HF's ``has_labels``: the batch carries every label (none named: no loss to compute)."""
         return bool(self.label_names) and all(batch.get(k) is not None for k in self.label_names)

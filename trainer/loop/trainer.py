@@ -34,7 +34,7 @@ from trainer.checkpoint.export import export_hf
 from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
 from trainer.data.loader import accumulation_windows, sample_lengths, train_sampler
-from trainer.engine import Engine, build_engine, is_causal_lm, objective_for
+from trainer.engine import Engine, Objective, build_engine, is_causal_lm, objective_for
 from trainer.loop.auto_batch import AutoBatchSize
 from trainer.loop.callbacks import (
     CallbackHandler,
@@ -473,14 +473,7 @@ class Trainer(HFMethods, ResultsAPI):
             return
         if self.plan is None:
             self.plan = self._plan_run(None, None, total_steps)
-        overridden = type(self).compute_loss is not Trainer.compute_loss  # HF's override point, in use
-        objective = objective_for(
-            self.model,
-            self.compute_loss if overridden else None,
-            self.args.label_smoothing_factor,
-            self.args.label_names,
-            eval_per_batch=self._eval_per_batch,
-        )
+        objective = self._objective()
         if self.args.use_liger_kernel:
             apply_liger_kernel(self.model, self.args.liger_kernel_config)
         if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
@@ -506,6 +499,18 @@ class Trainer(HFMethods, ResultsAPI):
             (out / DS_CONFIG).write_text(json.dumps(self.ds_config, indent=2, sort_keys=True))
             if self.run_config is not None:
                 dump_run_config(self.run_config, out / RUN_CONFIG)
+
+    def _objective(self) -> Objective:
+        """What a step minimises: the model's (``objective_for``), with a ``compute_loss`` override,
+        HF's point of change, in place of its forward. Trainers of other objectives override this."""
+        overridden = type(self).compute_loss is not Trainer.compute_loss
+        return objective_for(
+            self.model,
+            self.compute_loss if overridden else None,
+            self.args.label_smoothing_factor,
+            self.args.label_names,
+            eval_per_batch=self._eval_per_batch,
+        )
 
     # ---- logging, evaluation, saving -----------------------------------------------------------
 
@@ -546,10 +551,22 @@ class Trainer(HFMethods, ResultsAPI):
         scale = self.engine.loss_scale()
         if scale is not None:
             logs.update(loss_scale=scale, skipped_steps=self.engine.skipped_steps)
+        logs.update(self._objective_metrics())
         logs.update(self.timer.flush(sync_fn=self._sync, all_reduce_sum=host_all_reduce))
         logs.update(memory_stats(self.engine.device))
         logs.update(self._params, activation_checkpointing=self.engine.activation_checkpointing)
         self._log(logs)
+
+    def _objective_metrics(self) -> dict[str, float]:
+        """The means, over the pairs (or items) of every rank since the last logging step, of what the
+        objective logs besides the loss (DPO's rewards). A collective, on every rank."""
+        names, sums = self.engine.objective.take_metric_sums()
+        if not names:
+            return {}
+        if sums is None:
+            sums = torch.zeros(len(names) + 1, device=self.engine.device)
+        *totals, items = all_reduce_sum(sums.double()).tolist()
+        return {name: total / max(items, 1.0) for name, total in zip(names, totals, strict=True)}
 
     def _maybe_evaluate_and_save(self) -> bool:
         """Evaluate and/or save as the control flags ask; True if anything ran."""

@@ -1,0 +1,222 @@
+"""DPO through ``from trainer import DPOConfig, DPOTrainer``, against TRL's ``DPOTrainer`` on the same
+tiny Llama, tokenizer, pairs, order and seed, in one process (TRL's without DeepSpeed, ``use_cpu``).
+
+Usage: ``python tests/helpers/preference_scenarios.py OUT SCENARIO [SCENARIO...]``; each scenario
+writes ``OUT/<scenario>.json`` for ``tests/unit/test_preference.py`` to read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, set_seed
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+from tests.helpers.scaffold import bpe_tokenizer, read_metrics
+from trainer import DPOConfig, DPOTrainer
+from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
+from trainer.runtime.distributed import dist_info
+from trainer.runtime.resilience import quick_exit
+
+SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {}
+METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+           "logps/chosen", "logps/rejected")  # fmt: skip
+SUBJECTS = ["the sky", "a cat", "the sea", "an apple", "the road", "a song", "the moon", "a tree"]
+COLOURS = ["blue", "grey", "green", "red", "black", "white"]
+
+
+def scenario(fn: Callable[[Path], dict[str, Any]]) -> Callable[[Path], dict[str, Any]]:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def tokenizer():
+    lines = [f"What colour is {s}? It is {c}." for s in SUBJECTS for c in COLOURS]
+    tok = bpe_tokenizer(lines * 4 + ["<|user|>\n", "<|assistant|>\n"], vocab_size=300)
+    tok.chat_template = DEFAULT_CHAT_TEMPLATE
+    return tok
+
+
+def base(out: Path) -> str:
+    """A tiny Llama and its tokenizer saved once under ``out``: both trainers load it by path (TRL
+    builds its reference model from the path)."""
+    path = out / "base"
+    if not (path / "config.json").is_file():
+        tok = tokenizer()
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+        LlamaForCausalLM(config).save_pretrained(path)
+        tok.save_pretrained(path)
+    return str(path)
+
+
+def pairs(kind: str, n: int = 24) -> datasets.Dataset:
+    """Preference rows in one of TRL's forms: explicit text prompt, implicit text prompt, or
+    conversations; answers of different lengths, so batches carry padding."""
+    rows = []
+    for i in range(n):
+        subject, good, bad = SUBJECTS[i % 8], COLOURS[i % 6], COLOURS[(i + 1 + i // 8) % 6]
+        prompt, chosen = f"What colour is {subject}?", f" It is {good}."
+        rejected = f" It is {bad}, or maybe {COLOURS[(i + 3) % 6]}." if i % 3 else f" {bad}."
+        if kind == "text":
+            rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+        elif kind == "implicit":
+            rows.append({"chosen": prompt + chosen, "rejected": prompt + rejected})
+        else:
+            user = [{"role": "user", "content": prompt}]
+            rows.append({"prompt": user, "chosen": [{"role": "assistant", "content": chosen.strip()}],
+                         "rejected": [{"role": "assistant", "content": rejected.strip()}]})  # fmt: skip
+    return datasets.Dataset.from_list(rows)
+
+
+COMMON = dict(max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2, lr_scheduler_type="constant",
+              logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+              gradient_checkpointing=False, bf16=False, max_length=24)  # fmt: skip
+
+
+def history(rows: list[dict]) -> dict[str, list[float]]:
+    """Each metric's value at every logged training step."""
+    train = [r for r in rows if "loss" in r and "train_runtime" not in r]
+    return {k: [r[k] for r in train] for k in METRICS if all(k in r for r in train)}
+
+
+def lora() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+    )
+
+
+def run_trl(out: Path, kind: str, peft_config: Any = None, **fields: Any) -> dict[str, list[float]]:
+    import trl
+
+    unset_hf_deepspeed_config()
+    set_seed(0)  # both trainers wrap LoRA before they seed: its initial A matrices come from here
+    args = trl.DPOConfig(output_dir=str(out / "trl"), use_cpu=True, **{**COMMON, **fields})
+    trainer = trl.DPOTrainer(base(out), args=args, train_dataset=pairs(kind), peft_config=peft_config)
+    trainer.train()
+    return history(trainer.state.log_history)
+
+
+def run_ours(
+    out: Path,
+    kind: str,
+    name: str = "ours",
+    data: datasets.Dataset | None = None,
+    setup: dict | None = None,
+    **fields: Any,
+):
+    """Our run; ``setup``: the DPOTrainer's own arguments (``ref_model``, ``peft_config``)."""
+    set_seed(0)
+    args = DPOConfig(output_dir=str(out / name), **{**COMMON, **fields})
+    trainer = DPOTrainer(base(out), args=args, train_dataset=data or pairs(kind), **(setup or {}))
+    trainer.train()
+    return trainer, history(read_metrics(out / name))
+
+
+def parity(out: Path, kind: str, setup: dict | None = None, **fields: Any) -> dict[str, Any]:
+    theirs = run_trl(out, kind, **(setup or {}), **fields)
+    _, ours = run_ours(out, kind, setup=setup, **fields)
+    return {"ours": ours, "trl": theirs}
+
+
+@scenario
+def sigmoid_text(out: Path) -> dict[str, Any]:
+    return parity(out, "text")
+
+
+@scenario
+def sigmoid_implicit(out: Path) -> dict[str, Any]:
+    return parity(out, "implicit")
+
+
+@scenario
+def sigmoid_conversation(out: Path) -> dict[str, Any]:
+    return parity(out, "conversation")
+
+
+@scenario
+def ipo(out: Path) -> dict[str, Any]:
+    return parity(out, "text", loss_type="ipo", beta=0.5)
+
+
+@scenario
+def hinge(out: Path) -> dict[str, Any]:
+    return parity(out, "text", loss_type="hinge")
+
+
+@scenario
+def robust(out: Path) -> dict[str, Any]:
+    return parity(out, "text", loss_type="robust", label_smoothing=0.2)
+
+
+@scenario
+def lora_adapters_off(out: Path) -> dict[str, Any]:
+    """LoRA without a ref_model: the reference is the policy with its adapters off, in both."""
+    return parity(out, "text", setup={"peft_config": lora()})
+
+
+@scenario
+def ref_model(out: Path) -> dict[str, Any]:
+    """A ref_model given (the same base, loaded apart): it scores the pairs once and is let go;
+    TRL's reference is its own copy of the base."""
+    theirs = run_trl(out, "text")
+    trainer, ours = run_ours(out, "text", setup={"ref_model": base(out)})
+    return {"ours": ours, "trl": theirs, "ref_model_kept": trainer.ref_model is not None}
+
+
+@scenario
+def reference_cache(out: Path) -> dict[str, Any]:
+    """A first run scores the reference; a second in the same output_dir reads it back; one whose
+    pairs differ is refused, its cache left as it was."""
+    _, rows = run_ours(out, "text", "cached", max_steps=1)
+    cache = out / "cached" / "reference" / "train.safetensors"
+    stamp = cache.stat().st_mtime_ns
+    run_ours(out, "text", "cached", max_steps=2)
+    try:
+        run_ours(out, "text", "cached", data=pairs("implicit"), max_steps=3)
+        refusal = ""
+    except ValueError as err:
+        refusal = str(err)
+    return {
+        "first_loss": rows["loss"][0],
+        "ln2": math.log(2),
+        "first_rewards": [rows[k][0] for k in ("rewards/chosen", "rewards/rejected", "rewards/margins")],
+        "rescored": cache.stat().st_mtime_ns != stamp,
+        "refusal": refusal,
+        "cache_file": str(cache),
+    }
+
+
+@scenario
+def zero_stages(out: Path) -> dict[str, Any]:
+    """Under a launcher: the text pairs on every rank's share of the same global batch of 4 pairs,
+    under ZeRO-2 and ZeRO-3 (the reference pass scores with the partitioned weights)."""
+    per_rank = COMMON["per_device_train_batch_size"] // dist_info().world_size
+    runs = {f"zero{stage}": run_ours(out, "text", f"zero{stage}", zero_stage=stage,
+                                     per_device_train_batch_size=per_rank)[1] for stage in (2, 3)}  # fmt: skip
+    return {**runs, "world_size": dist_info().world_size}
+
+
+def main() -> int:
+    out, *names = sys.argv[1:]
+    for name in names:
+        result = SCENARIOS[name](Path(out) / name)
+        if dist_info().is_main:
+            (Path(out) / f"{name}.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    quick_exit()
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""DPO: ``from trainer import DPOConfig, DPOTrainer`` against TRL's ``DPOTrainer``, step by step, and
+the pieces it is made of (TRL's tokenisation rules, the pair collator, the arguments' refusals).
+
+The runs happen in one child process (tests/helpers/preference_scenarios.py, plain python, one
+rank), TRL's and ours on the same tiny Llama, tokenizer, pairs, order and seed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+import torch
+
+from tests.helpers.launch import launch
+from tests.helpers.preference_scenarios import METRICS, tokenizer
+from trainer.data.preference import PreferenceCollator, split_prompt, tokenize_pair, tokenize_preferences
+
+SCRIPT = "tests/helpers/preference_scenarios.py"
+PARITY = ["sigmoid_text", "sigmoid_implicit", "sigmoid_conversation", "ipo", "hinge", "robust", "lora_adapters_off",
+          "ref_model"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("preference")
+    launch([SCRIPT, str(out), *PARITY, "reference_cache"], launcher="python", timeout=1200)
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in [*PARITY, "reference_cache"]}
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_each_step_matches_trls_dpo_trainer(results, name):
+    """Loss, grad norm and TRL's reward metrics at every one of 4 steps (4 pairs each, padded),
+    within fp32's reordering of the same sums."""
+    ours, trl = results[name]["ours"], results[name]["trl"]
+    assert set(trl) == set(METRICS) and set(ours) == set(METRICS)
+    for key in METRICS:
+        assert len(trl[key]) == 4, key
+        assert ours[key] == pytest.approx(trl[key], rel=1e-5, abs=1e-6), key
+    assert trl["loss"][1] != trl["loss"][0]  # the first step moved the policy away from the reference
+
+
+def test_a_given_ref_model_is_let_go_after_its_pass(results):
+    assert results["ref_model"]["ref_model_kept"] is False
+
+
+def test_the_policy_at_the_reference_has_loss_ln2_and_no_reward(results):
+    run = results["reference_cache"]
+    assert abs(run["first_loss"] - run["ln2"]) < 1e-6
+    assert run["first_rewards"] == [0.0, 0.0, 0.0]
+
+
+def test_a_rerun_reads_the_cached_reference_and_a_stale_one_is_refused(results):
+    run = results["reference_cache"]
+    assert not run["rescored"]  # the second run read the file the first one wrote
+    assert run["refusal"].startswith(
+        run["cache_file"] + ": the reference log-probabilities there were computed"
+    )
+
+
+# ---- tokenisation: TRL's rules -----------------------------------------------------------------
+
+
+def test_an_implicit_prompt_is_the_shared_start_and_the_answers_keep_their_space():
+    assert split_prompt({"chosen": "Q? It is blue.", "rejected": "Q? It is red."}) == (
+        "Q? It is",
+        " blue.",
+        " red.",
+    )
+    chat = [{"role": "user", "content": "Q?"}]
+    row = {
+        "chosen": chat + [{"role": "assistant", "content": "A"}],
+        "rejected": chat + [{"role": "assistant", "content": "B"}],
+    }
+    assert split_prompt(row) == (chat, [row["chosen"][1]], [row["rejected"][1]])
+    # A text prompt beside conversations is not theirs: the prompt is taken from the answers.
+    assert split_prompt({**row, "prompt": "Q?"})[0] == chat
+
+
+def test_text_answers_end_with_eos_and_start_where_the_ids_part():
+    tok = tokenizer()
+    ids = tokenize_pair(
+        {"prompt": "What colour is the sky?", "chosen": " It is blue.", "rejected": " red."}, tok
+    )
+    assert ids["prompt_ids"] + ids["chosen_ids"] == tok("What colour is the sky? It is blue.")[
+        "input_ids"
+    ] + [tok.eos_token_id]
+    assert ids["rejected_ids"][-1] == tok.eos_token_id
+    twice = tokenize_pair({"prompt": "Q", "chosen": "A" + tok.eos_token, "rejected": "B"}, tok)
+    assert twice["chosen_ids"].count(tok.eos_token_id) == 1  # an EOS already there is not added again
+
+
+def test_a_bad_row_is_named_by_its_index():
+    rows = datasets.Dataset.from_list(
+        [{"prompt": "Q", "chosen": "A", "rejected": "B"}, {"prompt": "Q", "chosen": "A", "rejected": None}]
+    )
+    with pytest.raises(ValueError, match=r"the train set's row 1: rejected is missing"):
+        tokenize_preferences(rows, tokenizer(), None, "keep_start", "train")
+    with pytest.raises(ValueError, match=r"the train set has no chosen column"):
+        tokenize_preferences(rows.remove_columns("chosen"), tokenizer(), None, "keep_start", "train")
+
+
+def test_a_prompt_that_fills_max_length_drops_its_pair():
+    tok = tokenizer()
+    rows = datasets.Dataset.from_list(
+        [
+            {"prompt": "What colour is the sky?", "chosen": " blue", "rejected": " red"},
+            {"prompt": "Q", "chosen": " A", "rejected": " B"},
+        ]
+    )
+    prompt = len(tok("What colour is the sky?")["input_ids"])
+    assert len(tokenize_preferences(rows, tok, prompt, "keep_start", "train")) == 1
+    assert len(tokenize_preferences(rows, tok, prompt + 1, "keep_start", "train")) == 2
+    assert len(tokenize_preferences(rows, tok, prompt, "keep_end", "train")) == 2
+
+
+def test_the_collator_batches_pairs_and_cuts_as_asked():
+    rows = [
+        {"prompt_ids": [5, 6, 7], "chosen_ids": [8, 9], "rejected_ids": [10], "ref_logps": [-1.0, -2.0]},
+        {"prompt_ids": [5], "chosen_ids": [11], "rejected_ids": [12, 13, 14]},
+    ]
+    rows[1]["ref_logps"] = [-3.0, -4.0]
+    batch = PreferenceCollator(pad_token_id=0)(rows)
+    assert batch["input_ids"].shape == (2, 2, 5)  # a batch's rows are its pairs
+    assert batch["input_ids"][0].tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 10, 0]]
+    assert batch["completion_mask"][1].tolist() == [[0, 1, 0, 0, 0], [0, 1, 1, 1, 0]]
+    assert batch["attention_mask"][1].tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]]
+    assert batch["ref_logps"].tolist() == [[-1.0, -2.0], [-3.0, -4.0]]
+    kept_end = PreferenceCollator(
+        pad_token_id=0, max_length=3, truncation_mode="keep_end", pad_to_multiple_of=4
+    )(rows)
+    assert kept_end["input_ids"][0].tolist() == [[7, 8, 9, 0], [6, 7, 10, 0]]
+    assert kept_end["completion_mask"][0].tolist() == [[0, 1, 1, 0], [0, 0, 1, 0]]
+    assert torch.equal(kept_end["attention_mask"].sum(-1), torch.tensor([[3, 3], [2, 3]]))
+
+
+# ---- the arguments -------------------------------------------------------------------------------
+
+
+def test_dpo_config_takes_trls_fields_and_refuses_what_is_not_implemented(tmp_path):
+    from trainer import DPOConfig
+
+    args = DPOConfig(output_dir=str(tmp_path), loss_type="ipo", beta=0.5)
+    assert args.loss_type == ["ipo"] and args.learning_rate == 1e-6 and args.gradient_checkpointing
+    for field, value in (("padding_free", True), ("f_divergence_type", "js_divergence"), ("ld_alpha", 0.5)):
+        with pytest.raises(ValueError, match=rf"{field}=.*: not supported"):
+            DPOConfig(output_dir=str(tmp_path), **{field: value})
+    with pytest.raises(ValueError, match="loss_type"):
+        DPOConfig(output_dir=str(tmp_path), loss_type="discopop")
+    with pytest.raises(ValueError, match="loss_weights: 1 weights for 2 loss types"):
+        DPOConfig(output_dir=str(tmp_path), loss_type=["sigmoid", "ipo"], loss_weights=[1.0])

@@ -1,0 +1,95 @@
+"""``DPOConfig``: TRL's DPO arguments, by TRL's names and defaults, on top of ``TrainingArguments``.
+
+Each TRL field is honoured with TRL's meaning, or refused by name when set to a value this trainer
+does not implement yet (``REFUSED``), before anything is built. Where ours differs from TRL's:
+- the reference's log-probabilities are always computed once, before the first step, by the training
+  engine itself (``precompute_ref_log_probs`` is accepted either way; the numbers are the same);
+- ``bf16`` keeps this project's default (off; ``precision: auto`` picks bf16 on GPUs that have it),
+  where TRL turns it on unless ``fp16`` is set.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+from pydantic import Field, field_validator, model_validator
+
+from trainer.args.training import TrainingArguments
+
+LossType = Literal["sigmoid", "hinge", "ipo", "robust"]
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+
+# field -> (the value that is implemented, why another is refused)
+REFUSED: dict[str, tuple[Any, str]] = {
+    "padding_free": (False, "pairs are padded per batch; padding-free batches are not implemented"),
+    "ld_alpha": (None, "length-desensitised DPO (LD-DPO) is not implemented"),
+    "f_divergence_type": ("reverse_kl", "only the reverse KL (standard DPO) is implemented"),
+    "use_weighting": (False, "WPO weighting is not implemented"),
+    "sync_ref_model": (False, "the reference is computed once before the first step, never synced"),
+    "router_aux_loss_coef": (None, "the MoE router's auxiliary loss is not added"),
+    "activation_offloading": (False, "use offload_activations with the tiled loss instead"),
+    "pad_token": (None, "set tokenizer.pad_token and pass the tokenizer as processing_class"),
+}
+
+
+class DPOConfig(TrainingArguments):
+    """TRL's ``DPOConfig`` fields: the model, the data's tokenisation, the reference and the loss."""
+
+    learning_rate: float = Field(1e-6, ge=0, description="Peak learning rate (TRL's DPO default).")
+    gradient_checkpointing: bool = Field(True, description="Activation checkpointing (TRL's default: on).")
+    model_init_kwargs: dict[str, Any] | None = Field(
+        None, description="Keyword arguments for from_pretrained when the model is given by name."
+    )
+    disable_dropout: bool = Field(True, description="Set every dropout probability of the model to 0.")
+    dataset_num_proc: int | None = Field(None, ge=1, description="Processes that tokenise the pairs.")
+    max_length: int | None = Field(
+        1024, ge=1, description="Longest prompt+answer sequence; longer ones are cut (truncation_mode)."
+    )
+    truncation_mode: Literal["keep_start", "keep_end"] = Field(
+        "keep_start", description="What a cut keeps of a sequence: its start or its end."
+    )
+    pad_to_multiple_of: int | None = Field(None, ge=1, description="Pad each batch to a multiple of this.")
+    precompute_ref_log_probs: bool = Field(
+        False, description="Accepted for TRL's scripts: the reference is always computed once, before step 0."
+    )
+    precompute_ref_batch_size: int | None = Field(
+        None, ge=1, description="Pairs per forward of the reference pass; default per_device_eval_batch_size."
+    )
+    loss_type: list[LossType] = Field(
+        ["sigmoid"], description="DPO loss types (TRL's names); several add up with loss_weights."
+    )
+    loss_weights: list[float] | None = Field(None, description="One weight per loss_type (default: 1 each).")
+    beta: float = Field(
+        0.1, gt=0, description="How far the policy may move from the reference (or IPO's tau)."
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="The robust loss's assumed rate of flipped preference labels."
+    )
+    padding_free: bool = Field(False, description="Refused when true (REFUSED).")
+    ld_alpha: float | None = Field(None, description="Refused when set (REFUSED).")
+    f_divergence_type: str = Field("reverse_kl", description="Refused unless reverse_kl (REFUSED).")
+    f_alpha_divergence_coef: float = Field(0.5, description="Read only with an alpha divergence, refused.")
+    use_weighting: bool = Field(False, description="Refused when true (REFUSED).")
+    discopop_tau: float = Field(0.05, description="Read only by the discopop loss, which is not implemented.")
+    activation_offloading: bool = Field(False, description="Refused when true (REFUSED).")
+    sync_ref_model: bool = Field(False, description="Refused when true (REFUSED).")
+    ref_model_mixup_alpha: float = Field(0.6, description="Read only with sync_ref_model, refused.")
+    ref_model_sync_steps: int = Field(512, description="Read only with sync_ref_model, refused.")
+    router_aux_loss_coef: float | None = Field(None, description="Refused when set (REFUSED).")
+    pad_token: str | None = Field(None, description="Refused when set (REFUSED).")
+
+    @field_validator("loss_type", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _implemented(self) -> DPOConfig:
+        for name, (implemented, why) in REFUSED.items():
+            if getattr(self, name) != implemented:
+                raise ValueError(f"{name}={getattr(self, name)!r}: not supported ({why})")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise ValueError(
+                f"loss_weights: {len(self.loss_weights)} weights for {len(self.loss_type)} loss types; give one each"
+            )
+        return self
