@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -173,6 +174,33 @@ def ref_model(out: Path) -> dict[str, Any]:
     theirs = run_trl(out, "text")
     trainer, ours = run_ours(out, "text", setup={"ref_model": base(out)})
     return {"ours": ours, "trl": theirs, "ref_model_kept": trainer.ref_model is not None}
+
+
+@scenario
+def resume(out: Path) -> dict[str, Any]:
+    """Stopped after step 2's checkpoint and resumed in another output_dir that holds only that
+    checkpoint: the reference is scored again, from the initial weights (before the checkpoint is
+    loaded), and steps 3-4 and the final weights equal the uninterrupted run's."""
+    from safetensors.torch import load_file
+
+    saving = dict(save_strategy="steps", save_steps=2)
+    whole, rows = run_ours(out, "text", "whole", **saving)
+    (out / "resumed").mkdir()
+    shutil.copytree(out / "whole" / "checkpoint-2", out / "resumed" / "checkpoint-2")
+    set_seed(0)
+    args = DPOConfig(output_dir=str(out / "resumed"), **{**COMMON, **saving})
+    resumed = DPOTrainer(base(out), args=args, train_dataset=pairs("text"))
+    resumed.train(resume_from_checkpoint=True)
+    weights = []
+    for trainer, name in ((whole, "whole"), (resumed, "resumed")):
+        trainer.save_model(str(out / name / "export"))
+        weights.append(load_file(out / name / "export" / "model.safetensors"))
+    return {
+        "whole": rows,
+        "resumed": history(read_metrics(out / "resumed")),
+        "same_weights": weights[0].keys() == weights[1].keys()
+        and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]),
+    }
 
 
 @scenario

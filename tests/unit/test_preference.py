@@ -25,8 +25,9 @@ PARITY = ["sigmoid_text", "sigmoid_implicit", "sigmoid_conversation", "ipo", "hi
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("preference")
-    launch([SCRIPT, str(out), *PARITY, "reference_cache"], launcher="python", timeout=1200)
-    return {name: json.loads((out / f"{name}.json").read_text()) for name in [*PARITY, "reference_cache"]}
+    names = [*PARITY, "reference_cache", "resume"]
+    launch([SCRIPT, str(out), *names], launcher="python", timeout=1200)
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in names}
 
 
 @pytest.mark.parametrize("name", PARITY)
@@ -57,6 +58,16 @@ def test_a_rerun_reads_the_cached_reference_and_a_stale_one_is_refused(results):
     assert run["refusal"].startswith(
         run["cache_file"] + ": the reference log-probabilities there were computed"
     )
+
+
+def test_a_resumed_run_scores_the_initial_policy_and_ends_bitwise_equal(results):
+    """The resumed run has no cache: its reference pass runs before the checkpoint is loaded, so
+    it scores the initial weights. Had it scored step 2's, steps 3-4 would differ."""
+    run = results["resume"]
+    assert len(run["whole"]["loss"]) == 4 and len(run["resumed"]["loss"]) == 2
+    for key in METRICS:
+        assert run["resumed"][key] == run["whole"][key][2:], key
+    assert run["same_weights"]
 
 
 # ---- tokenisation: TRL's rules -----------------------------------------------------------------
