@@ -54,8 +54,8 @@ demo: install
 PYTEST := $(BIN)/python -m pytest -q
 
 # The tests share two cores (tests/conftest.py): one worker runs the `distributed` tests (two or more
-# ranks each) one at a time, the other the rest, a file at a time, filling the cores a launch leaves
-# idle. DeepSpeed's JIT ops that the tests load (two-rank collectives, offload's CPU Adam,
+# ranks each) one at a time, the other the rest, a file at a time and at a lower priority, filling
+# the cores a launch leaves idle. DeepSpeed's JIT ops that the tests load (two-rank collectives, offload's CPU Adam,
 # adamw_fused's FusedAdam) build meanwhile, two at a time; a run that needs one first waits for its
 # build. The one-process demo needs none of them.
 test: install-dev

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,18 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         group = "ranks" if item.get_closest_marker("distributed") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+# The worker of one-process tests yields to the distributed one: the launches are the suite's
+# critical path, and this worker's processes (children included) fill the cores they leave idle.
+ONE_PROCESS_NICENESS = 10
+
+
+def pytest_runtest_setup(item) -> None:
+    if hasattr(item.config, "workerinput") and not item.get_closest_marker("distributed"):
+        niceness = os.getpriority(os.PRIO_PROCESS, 0)
+        if niceness < ONE_PROCESS_NICENESS:
+            os.setpriority(os.PRIO_PROCESS, 0, ONE_PROCESS_NICENESS)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

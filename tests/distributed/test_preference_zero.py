@@ -1,6 +1,7 @@
-"""DPO on 2 ranks under ZeRO-2 and ZeRO-3 (torchrun, one launch of tests/helpers/preference_scenarios.py):
-the reference pass scores each rank's share with the partitioned weights, and the run follows the
-one-process run of the same global batches step by step."""
+"""DPO on 2 ranks under ZeRO-2, and under ZeRO-3 with two accumulated micro-batches (torchrun, one
+launch of tests/helpers/preference_scenarios.py): the reference pass scores each rank's share with
+the partitioned weights, and both runs follow the one-process run of the same global batches, and
+TRL's, step by step."""
 
 from __future__ import annotations
 
@@ -25,10 +26,13 @@ def runs(tmp_path_factory):
     )
 
 
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+@pytest.mark.parametrize("stage", ["zero2", "zero3_accumulated"])
 def test_two_ranks_follow_one_process_and_trl(runs, stage):
     ranks, one = runs
     assert ranks["world_size"] == 2
     for key in METRICS:
-        assert ranks[stage][key] == pytest.approx(one["ours"][key], rel=1e-5, abs=1e-6), key
-        assert ranks[stage][key] == pytest.approx(one["trl"][key], rel=1e-5, abs=1e-6), key
+        first = (
+            1 if key == "rewards/accuracies" else 0
+        )  # step 1's margins are 0 up to rounding (test_preference.py)
+        assert ranks[stage][key][first:] == pytest.approx(one["ours"][key][first:], rel=1e-5, abs=1e-6), key
+        assert ranks[stage][key][first:] == pytest.approx(one["trl"][key][first:], rel=1e-5, abs=1e-6), key

@@ -38,7 +38,11 @@ def test_each_step_matches_trls_dpo_trainer(results, name):
     assert set(trl) == set(METRICS) and set(ours) == set(METRICS)
     for key in METRICS:
         assert len(trl[key]) == 4, key
-        assert ours[key] == pytest.approx(trl[key], rel=1e-5, abs=1e-6), key
+        # At step 1 the policy is the reference: each margin is 0 up to rounding, which differs
+        # between TRL's reference forward (the training batch) and ours (the pass's batches), so
+        # whether a margin is above 0 there is rounding's call. Its size is checked below.
+        first = 1 if key == "rewards/accuracies" else 0
+        assert ours[key][first:] == pytest.approx(trl[key][first:], rel=1e-5, abs=1e-6), key
     assert trl["loss"][1] != trl["loss"][0]  # the first step moved the policy away from the reference
 
 
@@ -49,7 +53,7 @@ def test_a_given_ref_model_is_let_go_after_its_pass(results):
 def test_the_policy_at_the_reference_has_loss_ln2_and_no_reward(results):
     run = results["reference_cache"]
     assert abs(run["first_loss"] - run["ln2"]) < 1e-6
-    assert run["first_rewards"] == [0.0, 0.0, 0.0]
+    assert run["first_rewards"] == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)
 
 
 def test_a_rerun_reads_the_cached_reference_and_a_stale_one_is_refused(results):
