@@ -207,8 +207,9 @@ def resume(out: Path) -> dict[str, Any]:
 def reference_cache(out: Path) -> dict[str, Any]:
     """A first run scores the reference; a second in the same output_dir reads it back; one whose
     pairs differ is refused, its cache left as it was."""
-    _, rows = run_ours(out, "text", "cached", max_steps=1)
+    first, rows = run_ours(out, "text", "cached", max_steps=1)
     cache = out / "cached" / "reference" / "train.safetensors"
+    other_set = first.evaluate(pairs("implicit"))  # a set of its own: scored and cached apart
     stamp = cache.stat().st_mtime_ns
     run_ours(out, "text", "cached", max_steps=2)
     try:
@@ -223,6 +224,8 @@ def reference_cache(out: Path) -> dict[str, Any]:
         "rescored": cache.stat().st_mtime_ns != stamp,
         "refusal": refusal,
         "cache_file": str(cache),
+        "other_set_loss": other_set.get("eval_loss"),
+        "reference_files": sorted(p.name for p in cache.parent.glob("*.safetensors")),
     }
 
 

@@ -62,6 +62,9 @@ def test_a_rerun_reads_the_cached_reference_and_a_stale_one_is_refused(results):
     assert run["refusal"].startswith(
         run["cache_file"] + ": the reference log-probabilities there were computed"
     )
+    # A set passed to evaluate() is no stale train set: it is scored and cached under its fingerprint.
+    assert run["other_set_loss"] > 0
+    assert run["reference_files"][-1] == "train.safetensors" and run["reference_files"][0].startswith("set-")
 
 
 def test_a_resumed_run_scores_the_initial_policy_and_ends_bitwise_equal(results):

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from trainer.data import model_columns
 from trainer.data.loader import train_dataloader, train_sampler
 from trainer.engine import Objective, is_decayed, objective_for
 from trainer.loop.callbacks import TrainerCallback
@@ -152,9 +151,9 @@ class HFMethods:
         ...``, the shard padded with copies of row 0, which ``loader.dataset.indices`` marks -1), in
         batches of ``per_device_eval_batch_size``. A string picks one of a dict of eval datasets."""
         if isinstance(eval_dataset, str):
-            dataset = model_columns(self.eval_dataset[eval_dataset], self.model, self.args)
+            dataset = self._model_columns(self.eval_dataset[eval_dataset])
         elif eval_dataset is not None:
-            dataset = model_columns(eval_dataset, self.model, self.args)
+            dataset = self._model_columns(eval_dataset)
         else:
             dataset = self.eval_dataset
         if dataset is None:
@@ -163,7 +162,7 @@ class HFMethods:
 
     def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
         """This rank's batches of ``test_dataset``, as ``predict`` reads them."""
-        return self._eval_loader(model_columns(test_dataset, self.model, self.args))
+        return self._eval_loader(self._model_columns(test_dataset))
 
     def _eval_loader(self, dataset: Any) -> DataLoader:
         world, rank = self._data_ranks

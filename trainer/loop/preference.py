@@ -87,6 +87,8 @@ class DPOTrainer(Trainer):
         super().__init__(
             model,
             args,
+            train_dataset=self._pairs(train_dataset, "train", args, processing_class),
+            eval_dataset=self._pairs(eval_dataset, "eval", args, processing_class),
             data_collator=data_collator
             or PreferenceCollator(pad, args.max_length, args.truncation_mode, args.pad_to_multiple_of),
             processing_class=processing_class,
@@ -94,22 +96,24 @@ class DPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        # Tokenised here, not cut to the model's forward arguments: the collator reads the pairs.
-        self.train_dataset = self._pairs(train_dataset, "train")
-        self.eval_dataset = self._pairs(eval_dataset, "eval")
         self.ref_model = ref_model
         self._reference_source = (
             "ref_model" if ref_model is not None else "adapters_off" if _is_peft(model) else "policy"
         )
         self._reference_digest = _weights_digest(ref_model if ref_model is not None else model)
 
-    def _pairs(self, dataset: Any, name: str) -> Any:
+    @staticmethod
+    def _pairs(dataset: Any, name: str, args: DPOConfig, tokenizer: Any) -> Any:
+        """A preference set as token ids (one already tokenised as it is)."""
         if dataset is None or all(c in (dataset.column_names or []) for c in PAIR_COLUMNS):
             return dataset
-        args = self.args
         return tokenize_preferences(
-            dataset, self.processing_class, args.max_length, args.truncation_mode, name, args.dataset_num_proc
+            dataset, tokenizer, args.max_length, args.truncation_mode, name, args.dataset_num_proc
         )
+
+    def _model_columns(self, dataset: Any, description: str | None = None) -> Any:
+        """Kept whole: the pair collator reads the pairs' columns, not the model's forward arguments."""
+        return dataset
 
     def _objective(self) -> DPO:
         args = self.args
@@ -125,21 +129,23 @@ class DPOTrainer(Trainer):
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
     ):
-        if eval_dataset is not None:
-            eval_dataset = self._with_reference(
-                self._pairs(eval_dataset, metric_key_prefix), metric_key_prefix
-            )
+        if eval_dataset is not None:  # a set of the call's own: its cache is named by its fingerprint
+            pairs = self._pairs(eval_dataset, metric_key_prefix, self.args, self.processing_class)
+            eval_dataset = self._with_reference(pairs, None)
         elif self.eval_dataset is not None:
             self.eval_dataset = self._with_reference(self.eval_dataset, "eval")
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
-    def _with_reference(self, dataset: Any, name: str) -> Any:
+    def _with_reference(self, dataset: Any, name: str | None) -> Any:
         """``dataset`` with its ``ref_logps`` column: read from the cache when its fingerprint
-        matches, else scored now (collective: every rank calls it)."""
+        matches, else scored now (collective: every rank calls it). ``name``: the Trainer's own set
+        ("train", "eval"), whose cache of another fingerprint is refused; None for a set passed to
+        one ``evaluate`` call, cached under its fingerprint."""
         if dataset is None or REFERENCE_COLUMN in dataset.column_names:
             return dataset
         self._ensure_engine(max(self.state.max_steps, 1))
         fingerprint = self._fingerprint(dataset)
+        name = name or f"set-{fingerprint[:16]}"
         path = Path(self.args.output_dir) / REFERENCE_DIR / f"{name}.safetensors"
         cached = _read_cache(path, fingerprint)
         if cached is None:

@@ -126,8 +126,8 @@ class Trainer(HFMethods, ResultsAPI):
         if getattr(model, "config", None) is not None:  # as HF's: no cache in training or evaluation
             model.config.use_cache = getattr(self.args, "use_cache", False)
         self._lengths = sample_lengths(train_dataset, self.args)  # before a length column is cut
-        self.train_dataset = model_columns(train_dataset, model, self.args, "training")
-        self.eval_dataset = model_columns(eval_dataset, model, self.args, "evaluation")
+        self.train_dataset = self._model_columns(train_dataset, "training")
+        self.eval_dataset = self._model_columns(eval_dataset, "evaluation")
         self.processing_class = processing_class or tokenizer
         self.data_collator = data_collator or default_collator_for(model, self.processing_class)
         self.compute_metrics = compute_metrics
@@ -353,9 +353,7 @@ class Trainer(HFMethods, ResultsAPI):
         """HF's evaluate: ``{prefix}_loss``, the ``compute_metrics`` results,
         ``{prefix}_runtime``/``_samples_per_second``/``_steps_per_second`` and ``epoch``, on every
         rank; logged as a row. ``ignore_keys``: model outputs left out of the predictions."""
-        dataset = (
-            self.eval_dataset if eval_dataset is None else model_columns(eval_dataset, self.model, self.args)
-        )
+        dataset = self.eval_dataset if eval_dataset is None else self._model_columns(eval_dataset)
         if dataset is None:
             raise ValueError("Trainer.evaluate: no eval_dataset")
         predictions = self.compute_metrics is not None and not self.args.prediction_loss_only
@@ -373,7 +371,7 @@ class Trainer(HFMethods, ResultsAPI):
         """HF's predict: the predictions (logits, or what ``preprocess_logits_for_metrics`` makes of
         them) and labels of every sample in dataset order, padded with -100, and the metrics
         (``{prefix}_loss``, ... where the set has labels), on every rank."""
-        dataset = model_columns(test_dataset, self.model, self.args)
+        dataset = self._model_columns(test_dataset)
         predictions = not self.args.prediction_loss_only
         output = self._evaluation_loop(dataset, metric_key_prefix, predictions, ignore_keys)
         return PredictionOutput(
@@ -499,6 +497,11 @@ class Trainer(HFMethods, ResultsAPI):
             (out / DS_CONFIG).write_text(json.dumps(self.ds_config, indent=2, sort_keys=True))
             if self.run_config is not None:
                 dump_run_config(self.run_config, out / RUN_CONFIG)
+
+    def _model_columns(self, dataset: Any, description: str | None = None) -> Any:
+        """``dataset`` cut to the columns the model's forward takes (HF's ``remove_unused_columns``);
+        a Trainer whose collator reads other columns overrides this."""
+        return model_columns(dataset, self.model, self.args, description)
 
     def _objective(self) -> Objective:
         """What a step minimises: the model's (``objective_for``), with a ``compute_loss`` override,
