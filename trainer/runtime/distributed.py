@@ -149,6 +149,10 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
                 world_size=info.world_size,
                 timeout=timeout,
             )
+        elif info.world_size == 1:
+            # A world of one has no peer to meet: an in-process store, so no port is taken (two
+            # one-process runs on a machine could pick the same one).
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         if hardware.device == "cpu" and info.world_size == 1:
             # One process has no peer to share memory with: DeepSpeed's shared-memory collective
             # op (a minute's compile on a fresh machine) is neither built nor loaded.
