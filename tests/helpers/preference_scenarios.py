@@ -163,8 +163,18 @@ def robust(out: Path) -> dict[str, Any]:
 
 @scenario
 def lora_adapters_off(out: Path) -> dict[str, Any]:
-    """LoRA without a ref_model: the reference is the policy with its adapters off, in both."""
-    return parity(out, "text", setup={"peft_config": lora()})
+    """LoRA without a ref_model: the reference is the policy with its adapters off, in both. Its
+    fingerprint is the base's: adapters drawn from another seed (a rerun's) leave it as it is."""
+    digests = []
+    for seed in (1, 2):
+        set_seed(seed)
+        args = DPOConfig(output_dir=str(out / f"digest{seed}"), **COMMON)
+        digests.append(
+            DPOTrainer(
+                base(out), args=args, train_dataset=pairs("text"), peft_config=lora()
+            )._reference_digest
+        )
+    return {**parity(out, "text", setup={"peft_config": lora()}), "same_digest": digests[0] == digests[1]}
 
 
 @scenario

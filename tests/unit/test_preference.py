@@ -46,6 +46,10 @@ def test_each_step_matches_trls_dpo_trainer(results, name):
     assert trl["loss"][1] != trl["loss"][0]  # the first step moved the policy away from the reference
 
 
+def test_a_lora_reference_is_fingerprinted_by_its_base_alone(results):
+    assert results["lora_adapters_off"]["same_digest"]
+
+
 def test_a_given_ref_model_is_let_go_after_its_pass(results):
     assert results["ref_model"]["ref_model_kept"] is False
 

@@ -100,7 +100,10 @@ class DPOTrainer(Trainer):
         self._reference_source = (
             "ref_model" if ref_model is not None else "adapters_off" if _is_peft(model) else "policy"
         )
-        self._reference_digest = _weights_digest(ref_model if ref_model is not None else model)
+        # With the adapters off, the reference is the frozen base: the adapters' initial values
+        # (drawn afresh by each run) are no part of it, so a rerun or a resume still matches.
+        frozen_only = self._reference_source == "adapters_off"
+        self._reference_digest = _weights_digest(ref_model if ref_model is not None else model, frozen_only)
 
     @staticmethod
     def _pairs(dataset: Any, name: str, args: DPOConfig, tokenizer: Any) -> Any:
@@ -225,14 +228,17 @@ def _disable_dropout(model: torch.nn.Module | None) -> None:
             module.p = 0.0
 
 
-def _weights_digest(model: torch.nn.Module) -> str:
+def _weights_digest(model: torch.nn.Module, frozen_only: bool = False) -> str:
     """A digest of a model's class, config and weights (each parameter's sum and sum of squares in
-    float64, gathered first where ZeRO-3 has partitioned it): what tells one reference from another."""
+    float64, gathered first where ZeRO-3 has partitioned it): what tells one reference from another.
+    ``frozen_only``: the parameters that do not train (a PEFT model's base)."""
     digest = hashlib.sha256(type(model).__name__.encode())
     config = getattr(model, "config", None)
     if config is not None:
         digest.update(config.to_json_string(use_diff=False).encode())
     for name, param in model.named_parameters():
+        if frozen_only and param.requires_grad:
+            continue
         with gathered([param]):
             values = param.detach().double()
             digest.update(f"{name}:{values.sum().item():.12e}:{(values * values).sum().item():.12e}".encode())
