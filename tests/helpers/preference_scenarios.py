@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -49,14 +50,19 @@ def base(out: Path) -> str:
     """A tiny Llama and its tokenizer saved once under ``out``: both trainers load it by path (TRL
     builds its reference model from the path)."""
     path = out / "base"
-    if not (path / "config.json").is_file():
+    if not path.is_dir():  # every rank builds the same one; the first rename wins, whole
+        tmp = out / f"base.{os.getpid()}"
         tok = tokenizer()
         torch.manual_seed(0)
         config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
-        LlamaForCausalLM(config).save_pretrained(path)
-        tok.save_pretrained(path)
+        LlamaForCausalLM(config).save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another rank's is in place
+            shutil.rmtree(tmp)
     return str(path)
 
 
