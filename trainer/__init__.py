@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from trainer import import_guard
+
+import_guard.install()
+
 __version__ = "0.1.0"
 __all__ = [
     "DPOConfig",

@@ -137,7 +137,7 @@ def ours(prepared) -> tuple[Path, str]:
     """The script with our import on 2 ranks, under the deepspeed launcher, from flags."""
     out = prepared["root"] / "ours"
     args = flags({**prepared["args"], "output_dir": str(out)})
-    proc = launch([str(prepared["ours"]), *args], nproc=2, env=prepared["env"])
+    proc = launch([str(prepared["ours"]), *args], launcher="deepspeed", env=prepared["env"])
     return out, proc.stdout
 
 
@@ -165,7 +165,9 @@ def ours_json(prepared) -> tuple[Path, str]:
     out = prepared["root"] / "ours_json"
     path = prepared["root"] / "args.json"
     path.write_text(json.dumps({**prepared["args"], "output_dir": str(out)}, indent=2))
-    proc = launch(["--no_local_rank", str(prepared["ours"]), str(path)], nproc=2, env=prepared["env"])
+    proc = launch(
+        ["--no_local_rank", str(prepared["ours"]), str(path)], launcher="deepspeed", env=prepared["env"]
+    )
     return out, proc.stdout
 
 

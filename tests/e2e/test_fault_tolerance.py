@@ -172,6 +172,7 @@ def test_hang_in_save_dumps_every_rank_and_exits(tmp_path):
     out = tmp_path / "run"
     proc = launch(
         ["scripts/train.py", "--output_dir", str(out), *RUN, "--hang_timeout_s", "10"],
+        launcher="deepspeed",
         check=False,
         env=run_env(TRAINER_FAULT="hang:rank=1:phase=save"),
     )

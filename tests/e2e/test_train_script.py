@@ -86,7 +86,8 @@ def test_rerun_resumes_from_newest_complete_checkpoint(default_run, tmp_path):
     shutil.copytree(default_run[0], out)
     more = STEPS + 2
     proc = launch(
-        ["scripts/train.py", "--output_dir", str(out), *TINY, *CASES[DEFAULT].args, "--max_steps", str(more)]
+        ["scripts/train.py", "--output_dir", str(out), *TINY, *CASES[DEFAULT].args, "--max_steps", str(more)],
+        launcher=CASES[DEFAULT].launcher,
     )
     assert f"Resumed from {out / f'checkpoint-{STEPS}'} at step {STEPS}" in proc.stdout
     assert loss_steps(out)[-1] == more
@@ -118,6 +119,7 @@ def test_impossible_batch_for_world_size_fails_before_model_build(tmp_path):
             json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}),
         ],
         nproc=3,
+        launcher="deepspeed",  # torchrun prints a traceback of its own for a failed rank
         check=False,
     )
     text = proc.stdout + proc.stderr
