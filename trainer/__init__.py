@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from trainer import import_guard
+from trainer.runtime import import_guard
 
 import_guard.install()
 
