@@ -15,8 +15,12 @@ import_guard.install()
 
 __version__ = "0.1.0"
 __all__ = [
+    "CPOConfig",
+    "CPOTrainer",
     "DPOConfig",
     "DPOTrainer",
+    "ORPOConfig",
+    "ORPOTrainer",
     "Seq2SeqTrainer",
     "Seq2SeqTrainingArguments",
     "Trainer",
@@ -27,8 +31,12 @@ __all__ = [
 ]
 
 _LAZY = {
+    "CPOConfig": "trainer.args.preference",
+    "CPOTrainer": "trainer.loop.preference",
     "DPOConfig": "trainer.args.preference",
-    "DPOTrainer": "trainer.loop.preference",
+    "DPOTrainer": "trainer.loop.dpo",
+    "ORPOConfig": "trainer.args.preference",
+    "ORPOTrainer": "trainer.loop.preference",
     "Trainer": "trainer.loop.trainer",
     "TrainingArguments": "trainer.args",
     "Seq2SeqTrainer": "trainer.loop.seq2seq",
@@ -40,8 +48,9 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from trainer.args import Seq2SeqTrainingArguments, TrainingArguments
-    from trainer.args.preference import DPOConfig
-    from trainer.loop.preference import DPOTrainer
+    from trainer.args.preference import CPOConfig, DPOConfig, ORPOConfig
+    from trainer.loop.dpo import DPOTrainer
+    from trainer.loop.preference import CPOTrainer, ORPOTrainer
     from trainer.loop.seq2seq import Seq2SeqTrainer
     from trainer.loop.trainer import Trainer
     from trainer.runtime.state import TrainerCallback, TrainerControl, TrainerState

@@ -1,7 +1,9 @@
-"""DPO on 2 ranks under ZeRO-2, and under ZeRO-3 with two accumulated micro-batches (torchrun, one
-launch of tests/helpers/preference_scenarios.py): the reference pass scores each rank's share with
-the partitioned weights, and both runs follow the one-process run of the same global batches, and
-TRL's, step by step."""
+"""Preference training on 2 ranks (torchrun, one launch of tests/helpers/preference_scenarios.py),
+step by step against the one-process run of the same global batches, and TRL's:
+- DPO under ZeRO-2, and under ZeRO-3 with two accumulated micro-batches: the reference pass scores
+  each rank's share with the partitioned weights;
+- ORPO under ZeRO-2 (each rank's micro-batch the pairs of one of a process's two accumulated ones);
+- SimPO under ZeRO-3 with two accumulated micro-batches."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import json
 import pytest
 
 from tests.helpers.launch import launch
-from tests.helpers.preference_scenarios import METRICS
+from tests.helpers.preference_scenarios import EXTRA_METRICS, METRICS
 
 pytestmark = pytest.mark.distributed
 SCRIPT = "tests/helpers/preference_scenarios.py"
@@ -20,19 +22,23 @@ SCRIPT = "tests/helpers/preference_scenarios.py"
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("preference_zero")
     launch([SCRIPT, str(out), "zero_stages"], launcher="torchrun", timeout=900)
-    launch([SCRIPT, str(out), "sigmoid_text"], launcher="python", timeout=900)
-    return json.loads((out / "zero_stages.json").read_text()), json.loads(
-        (out / "sigmoid_text.json").read_text()
-    )
+    singles = ("sigmoid_text", "orpo_accumulated", "simpo")
+    launch([SCRIPT, str(out), *singles], launcher="python", timeout=900)
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in ("zero_stages", *singles)}
 
 
-@pytest.mark.parametrize("stage", ["zero2", "zero3_accumulated"])
-def test_two_ranks_follow_one_process_and_trl(runs, stage):
-    ranks, one = runs
+@pytest.mark.parametrize(
+    "run, one, method",
+    [("zero2", "sigmoid_text", "dpo"), ("zero3_accumulated", "sigmoid_text", "dpo"),
+     ("orpo_zero2", "orpo_accumulated", "orpo"), ("simpo_zero3_accumulated", "simpo", "cpo")],
+)  # fmt: skip
+def test_two_ranks_follow_one_process_and_trl(runs, run, one, method):
+    ranks, single = runs["zero_stages"], runs[one]
     assert ranks["world_size"] == 2
-    for key in METRICS:
-        first = (
-            1 if key == "rewards/accuracies" else 0
-        )  # step 1's margins are 0 up to rounding (test_preference.py)
-        assert ranks[stage][key][first:] == pytest.approx(one["ours"][key][first:], rel=1e-5, abs=1e-6), key
-        assert ranks[stage][key][first:] == pytest.approx(one["trl"][key][first:], rel=1e-5, abs=1e-6), key
+    keys = (*METRICS, *EXTRA_METRICS.get(method, ()))
+    assert set(ranks[run]) == set(keys)
+    for key in keys:
+        # DPO's step-1 margins are 0 up to rounding (test_preference.py)
+        first = 1 if key == "rewards/accuracies" and method == "dpo" else 0
+        assert ranks[run][key][first:] == pytest.approx(single["ours"][key][first:], rel=1e-5, abs=1e-6), key
+        assert ranks[run][key][first:] == pytest.approx(single["trl"][key][first:], rel=1e-5, abs=1e-6), key

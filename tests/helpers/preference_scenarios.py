@@ -1,5 +1,6 @@
-"""DPO through ``from trainer import DPOConfig, DPOTrainer``, against TRL's ``DPOTrainer`` on the same
-tiny Llama, tokenizer, pairs, order and seed, in one process (TRL's without DeepSpeed, ``use_cpu``).
+"""Preference training through ``from trainer import ...``: DPO against TRL's ``DPOTrainer``, ORPO and
+CPO/SimPO against TRL's experimental ``ORPOTrainer`` and ``CPOTrainer``, on the same tiny Llama,
+tokenizer, pairs, order and seed, in one process (TRL's without DeepSpeed, ``use_cpu``).
 
 Usage: ``python tests/helpers/preference_scenarios.py OUT SCENARIO [SCENARIO...]``; each scenario
 writes ``OUT/<scenario>.json`` for ``tests/unit/test_preference.py`` to read.
@@ -22,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, set_seed
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from tests.helpers.scaffold import bpe_tokenizer, read_metrics
-from trainer import DPOConfig, DPOTrainer
+from trainer import CPOConfig, CPOTrainer, DPOConfig, DPOTrainer, ORPOConfig, ORPOTrainer
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
 from trainer.runtime.distributed import dist_info
 from trainer.runtime.resilience import quick_exit
@@ -30,6 +31,9 @@ from trainer.runtime.resilience import quick_exit
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {}
 METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected")  # fmt: skip
+# ORPO's and CPO's own metrics, beside the reward metrics
+EXTRA_METRICS = {"orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen"), "cpo": ("nll_loss",)}
+OURS = {"dpo": (DPOConfig, DPOTrainer), "orpo": (ORPOConfig, ORPOTrainer), "cpo": (CPOConfig, CPOTrainer)}
 SUBJECTS = ["the sky", "a cat", "the sea", "an apple", "the road", "a song", "the moon", "a tree"]
 COLOURS = ["blue", "grey", "green", "red", "black", "white"]
 
@@ -90,10 +94,11 @@ COMMON = dict(max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2, lr
               gradient_checkpointing=False, bf16=False, max_length=24)  # fmt: skip
 
 
-def history(rows: list[dict]) -> dict[str, list[float]]:
+def history(rows: list[dict], method: str = "dpo") -> dict[str, list[float]]:
     """Each metric's value at every logged training step."""
     train = [r for r in rows if "loss" in r and "train_runtime" not in r]
-    return {k: [r[k] for r in train] for k in METRICS if all(k in r for r in train)}
+    keys = (*METRICS, *EXTRA_METRICS.get(method, ()))
+    return {k: [r[k] for r in train] for k in keys if all(k in r for r in train)}
 
 
 def lora() -> Any:
@@ -104,15 +109,37 @@ def lora() -> Any:
     )
 
 
-def run_trl(out: Path, kind: str, peft_config: Any = None, **fields: Any) -> dict[str, list[float]]:
+def trl_classes(method: str) -> tuple[type, type]:
     import trl
 
+    if method == "dpo":
+        return trl.DPOConfig, trl.DPOTrainer
+    if method == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        return ORPOConfig, ORPOTrainer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    return CPOConfig, CPOTrainer
+
+
+def run_trl(
+    out: Path, kind: str, peft_config: Any = None, method: str = "dpo", **fields: Any
+) -> dict[str, list[float]]:
     unset_hf_deepspeed_config()
     set_seed(0)  # both trainers wrap LoRA before they seed: its initial A matrices come from here
-    args = trl.DPOConfig(output_dir=str(out / "trl"), use_cpu=True, **{**COMMON, **fields})
-    trainer = trl.DPOTrainer(base(out), args=args, train_dataset=pairs(kind), peft_config=peft_config)
+    config, trainer_class = trl_classes(method)
+    args = config(output_dir=str(out / "trl"), use_cpu=True, **{**COMMON, **fields})
+    model, tok = base(out), None
+    if method != "dpo":  # TRL's experimental trainers take a model object and its tokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model, tok = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+    trainer = trainer_class(
+        model, args=args, train_dataset=pairs(kind), processing_class=tok, peft_config=peft_config
+    )
     trainer.train()
-    return history(trainer.state.log_history)
+    return history(trainer.state.log_history, method)
 
 
 def run_ours(
@@ -121,19 +148,23 @@ def run_ours(
     name: str = "ours",
     data: datasets.Dataset | None = None,
     setup: dict | None = None,
+    method: str = "dpo",
     **fields: Any,
 ):
-    """Our run; ``setup``: the DPOTrainer's own arguments (``ref_model``, ``peft_config``)."""
+    """Our run; ``setup``: the trainer's own arguments (``ref_model``, ``peft_config``)."""
     set_seed(0)
-    args = DPOConfig(output_dir=str(out / name), **{**COMMON, **fields})
-    trainer = DPOTrainer(base(out), args=args, train_dataset=data or pairs(kind), **(setup or {}))
+    config, trainer_class = OURS[method]
+    args = config(output_dir=str(out / name), **{**COMMON, **fields})
+    trainer = trainer_class(base(out), args=args, train_dataset=data or pairs(kind), **(setup or {}))
     trainer.train()
-    return trainer, history(read_metrics(out / name))
+    return trainer, history(read_metrics(out / name), method)
 
 
-def parity(out: Path, kind: str, setup: dict | None = None, **fields: Any) -> dict[str, Any]:
-    theirs = run_trl(out, kind, **(setup or {}), **fields)
-    _, ours = run_ours(out, kind, setup=setup, **fields)
+def parity(
+    out: Path, kind: str, setup: dict | None = None, method: str = "dpo", **fields: Any
+) -> dict[str, Any]:
+    theirs = run_trl(out, kind, method=method, **(setup or {}), **fields)
+    _, ours = run_ours(out, kind, setup=setup, method=method, **fields)
     return {"ours": ours, "trl": theirs}
 
 
@@ -165,6 +196,37 @@ def hinge(out: Path) -> dict[str, Any]:
 @scenario
 def robust(out: Path) -> dict[str, Any]:
     return parity(out, "text", loss_type="robust", label_smoothing=0.2)
+
+
+@scenario
+def orpo(out: Path) -> dict[str, Any]:
+    return parity(out, "text", method="orpo", beta=0.5)
+
+
+@scenario
+def orpo_accumulated(out: Path) -> dict[str, Any]:
+    """Two micro-batches of 2 pairs a step: the NLL term is each micro-batch's token mean, as TRL's."""
+    return parity(
+        out, "text", method="orpo", beta=0.5, per_device_train_batch_size=2, gradient_accumulation_steps=2
+    )
+
+
+@scenario
+def cpo(out: Path) -> dict[str, Any]:
+    return parity(out, "text", method="cpo")
+
+
+SIMPO = dict(loss_type="simpo", cpo_alpha=0.0, simpo_gamma=0.5, beta=2.0)
+
+
+@scenario
+def simpo(out: Path) -> dict[str, Any]:
+    return parity(out, "text", method="cpo", **SIMPO)
+
+
+@scenario
+def cpo_ipo(out: Path) -> dict[str, Any]:
+    return parity(out, "text", method="cpo", loss_type="ipo", beta=0.5)
 
 
 @scenario
@@ -255,6 +317,12 @@ def zero_stages(out: Path) -> dict[str, Any]:
         "zero2": run_ours(out, "text", "zero2", zero_stage=2, per_device_train_batch_size=per_rank)[1],
         "zero3_accumulated": run_ours(out, "text", "zero3", zero_stage=3, per_device_train_batch_size=per_rank // 2,
                                       gradient_accumulation_steps=2)[1],
+        # ORPO's micro-batches hold the pairs one process's two accumulated ones hold (orpo_accumulated)
+        "orpo_zero2": run_ours(out, "text", "orpo_zero2", method="orpo", zero_stage=2, beta=0.5,
+                               per_device_train_batch_size=per_rank)[1],
+        "simpo_zero3_accumulated": run_ours(out, "text", "simpo_zero3", method="cpo", zero_stage=3,
+                                            per_device_train_batch_size=per_rank // 2, gradient_accumulation_steps=2,
+                                            **SIMPO)[1],
     }  # fmt: skip
     return {**runs, "world_size": dist_info().world_size}
 

@@ -1,5 +1,6 @@
-"""DPO: ``from trainer import DPOConfig, DPOTrainer`` against TRL's ``DPOTrainer``, step by step, and
-the pieces it is made of (TRL's tokenisation rules, the pair collator, the arguments' refusals).
+"""Preference training: ``from trainer import DPOTrainer, ORPOTrainer, CPOTrainer`` (and their configs)
+against TRL's trainers of the same names, step by step, and the pieces they are made of (TRL's
+tokenisation rules, the pair collator, the arguments' refusals).
 
 The runs happen in one child process (tests/helpers/preference_scenarios.py, plain python, one
 rank), TRL's and ours on the same tiny Llama, tokenizer, pairs, order and seed.
@@ -14,18 +15,20 @@ import pytest
 import torch
 
 from tests.helpers.launch import launch
-from tests.helpers.preference_scenarios import METRICS, tokenizer
+from tests.helpers.preference_scenarios import EXTRA_METRICS, METRICS, tokenizer
 from trainer.data.preference import PreferenceCollator, split_prompt, tokenize_pair, tokenize_preferences
 
 SCRIPT = "tests/helpers/preference_scenarios.py"
 PARITY = ["sigmoid_text", "sigmoid_implicit", "sigmoid_conversation", "ipo", "hinge", "robust", "lora_adapters_off",
           "ref_model"]  # fmt: skip
+# Reference-free: TRL's experimental ORPOTrainer and CPOTrainer (loss_type simpo: SimPO)
+FREE = {"orpo": "orpo", "orpo_accumulated": "orpo", "cpo": "cpo", "simpo": "cpo", "cpo_ipo": "cpo"}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("preference")
-    names = [*PARITY, "reference_cache", "resume"]
+    names = [*PARITY, *FREE, "reference_cache", "resume"]
     launch([SCRIPT, str(out), *names], launcher="python", timeout=1200)
     return {name: json.loads((out / f"{name}.json").read_text()) for name in names}
 
@@ -44,6 +47,20 @@ def test_each_step_matches_trls_dpo_trainer(results, name):
         first = 1 if key == "rewards/accuracies" else 0
         assert ours[key][first:] == pytest.approx(trl[key][first:], rel=1e-5, abs=1e-6), key
     assert trl["loss"][1] != trl["loss"][0]  # the first step moved the policy away from the reference
+
+
+@pytest.mark.parametrize("name", FREE)
+def test_each_step_matches_trls_reference_free_trainer(results, name):
+    """ORPO, CPO and SimPO: loss, grad norm, the reward metrics and the method's own metrics at every
+    one of 4 steps. orpo_accumulated: two micro-batches of 2 pairs a step (the NLL term is each
+    micro-batch's token mean, as TRL's)."""
+    ours, trl = results[name]["ours"], results[name]["trl"]
+    keys = {*METRICS, *EXTRA_METRICS[FREE[name]]}
+    assert set(trl) == keys and set(ours) == keys
+    for key in keys:
+        assert len(trl[key]) == 4, key
+        assert ours[key] == pytest.approx(trl[key], rel=1e-5, abs=1e-6), key
+    assert trl["loss"][3] < trl["loss"][0]
 
 
 def test_a_lora_reference_is_fingerprinted_by_its_base_alone(results):
@@ -137,6 +154,18 @@ def test_a_prompt_that_fills_max_length_drops_its_pair():
     assert len(tokenize_preferences(rows, tok, prompt, "keep_end", "train")) == 2
 
 
+def test_group_by_length_orders_pairs_by_their_longer_sequence(tmp_path):
+    from trainer import ORPOConfig
+    from trainer.data.loader import sample_lengths
+
+    rows = datasets.Dataset.from_list(
+        [{"prompt_ids": [5, 6, 7], "chosen_ids": [8, 9], "rejected_ids": [10]},
+         {"prompt_ids": [5], "chosen_ids": [11], "rejected_ids": [12, 13, 14]}]
+    )  # fmt: skip
+    args = ORPOConfig(output_dir=str(tmp_path), train_sampling_strategy="group_by_length")
+    assert sample_lengths(rows, args) == [5, 4]
+
+
 def test_the_collator_batches_pairs_and_cuts_as_asked():
     rows = [
         {"prompt_ids": [5, 6, 7], "chosen_ids": [8, 9], "rejected_ids": [10], "ref_logps": [-1.0, -2.0]},
@@ -172,3 +201,26 @@ def test_dpo_config_takes_trls_fields_and_refuses_what_is_not_implemented(tmp_pa
         DPOConfig(output_dir=str(tmp_path), loss_type="discopop")
     with pytest.raises(ValueError, match="loss_weights: 1 weights for 2 loss types"):
         DPOConfig(output_dir=str(tmp_path), loss_type=["sigmoid", "ipo"], loss_weights=[1.0])
+
+
+def test_orpo_and_cpo_configs_take_trls_fields_and_refuse_what_is_not_implemented(tmp_path):
+    from trainer import CPOConfig, ORPOConfig
+
+    orpo = ORPOConfig(output_dir=str(tmp_path), beta=0.2, padding_value=0)
+    assert (orpo.beta, orpo.padding_value, orpo.learning_rate, orpo.max_length) == (0.2, 0, 1e-6, 1024)
+    cpo = CPOConfig(output_dir=str(tmp_path), loss_type="simpo", cpo_alpha=0.0)
+    assert (cpo.loss_type, cpo.cpo_alpha, cpo.simpo_gamma, cpo.beta) == ("simpo", 0.0, 0.5, 0.1)
+    refused = [(ORPOConfig, "max_completion_length", 64), (ORPOConfig, "generate_during_eval", True),
+               (CPOConfig, "alpha", 0.25), (CPOConfig, "is_encoder_decoder", True)]  # fmt: skip
+    for config, field, value in refused:
+        with pytest.raises(ValueError, match=rf"{field}={value!r}: not supported \("):
+            config(output_dir=str(tmp_path), **{field: value})
+    with pytest.raises(ValueError, match="loss_type"):
+        CPOConfig(output_dir=str(tmp_path), loss_type="alphapo")
+
+
+def test_a_preference_trainer_takes_only_its_own_config(tmp_path):
+    from trainer import DPOConfig, ORPOTrainer
+
+    with pytest.raises(TypeError, match="^ORPOTrainer: args must be ORPOConfig, got DPOConfig$"):
+        ORPOTrainer(torch.nn.Linear(1, 1), args=DPOConfig(output_dir=str(tmp_path)))

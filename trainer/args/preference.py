@@ -1,16 +1,21 @@
-"""``DPOConfig``: TRL's DPO arguments, by TRL's names and defaults, on top of ``TrainingArguments``.
+"""TRL's preference configs, by TRL's names and defaults, on top of ``TrainingArguments``:
+``DPOConfig``, ``ORPOConfig`` and ``CPOConfig`` (whose ``loss_type="simpo"`` is SimPO).
 
 Each TRL field is honoured with TRL's meaning, or refused by name when set to a value this trainer
-does not implement yet (``REFUSED``), before anything is built. Where ours differs from TRL's:
-- the reference's log-probabilities are always computed once, before the first step, by the training
-  engine itself (``precompute_ref_log_probs`` is accepted either way; the numbers are the same);
+does not implement yet (each class's ``REFUSED``), before anything is built. Where ours differs from
+TRL's:
+- DPO's reference log-probabilities are always computed once, before the first step, by the
+  training engine itself (``precompute_ref_log_probs`` is accepted either way; the numbers are the
+  same);
+- every trainer tokenises pairs by ``DPOTrainer``'s rules (``trainer.data.preference``); TRL's ORPO
+  and CPO trainers also put the BOS token in front of a text prompt whose tokenizer does not;
 - ``bf16`` keeps this project's default (off; ``precision: auto`` picks bf16 on GPUs that have it),
   where TRL turns it on unless ``fp16`` is set.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
@@ -18,28 +23,28 @@ from trainer.args.training import TrainingArguments
 
 LossType = Literal["sigmoid", "hinge", "ipo", "robust"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+CPOLossType = Literal["sigmoid", "hinge", "ipo", "simpo"]
+CPO_LOSS_TYPES: tuple[str, ...] = get_args(CPOLossType)
 
-# field -> (the value that is implemented, why another is refused)
-REFUSED: dict[str, tuple[Any, str]] = {
-    "padding_free": (False, "pairs are padded per batch; padding-free batches are not implemented"),
-    "ld_alpha": (None, "length-desensitised DPO (LD-DPO) is not implemented"),
-    "f_divergence_type": ("reverse_kl", "only the reverse KL (standard DPO) is implemented"),
-    "use_weighting": (False, "WPO weighting is not implemented"),
-    "sync_ref_model": (False, "the reference is computed once before the first step, never synced"),
-    "router_aux_loss_coef": (None, "the MoE router's auxiliary loss is not added"),
-    "activation_offloading": (False, "use offload_activations with the tiled loss instead"),
-    "pad_token": (None, "set tokenizer.pad_token and pass the tokenizer as processing_class"),
+Refusals = dict[str, tuple[Any, str]]  # field -> (the value that is implemented, why another is refused)
+ENCODER_DECODER: Refusals = {
+    "max_completion_length": (None, "TRL reads it for encoder-decoder models only, which are not supported"),
+    "is_encoder_decoder": (None, "encoder-decoder models are not supported; pairs train decoder-only models"),
+    "generate_during_eval": (False, "sampling completions during evaluation is not implemented"),
 }
 
 
-class DPOConfig(TrainingArguments):
-    """TRL's ``DPOConfig`` fields: the model, the data's tokenisation, the reference and the loss."""
+class PreferenceConfig(TrainingArguments):
+    """The fields every preference trainer shares: the model, and how pairs are tokenised and cut."""
 
-    learning_rate: float = Field(1e-6, ge=0, description="Peak learning rate (TRL's DPO default).")
+    REFUSED: ClassVar[Refusals] = {}
+
+    learning_rate: float = Field(1e-6, ge=0, description="Peak learning rate (TRL's default).")
     gradient_checkpointing: bool = Field(True, description="Activation checkpointing (TRL's default: on).")
     model_init_kwargs: dict[str, Any] | None = Field(
         None, description="Keyword arguments for from_pretrained when the model is given by name."
     )
+    trust_remote_code: bool = Field(False, description="Let from_pretrained run a model's own code.")
     disable_dropout: bool = Field(True, description="Set every dropout probability of the model to 0.")
     dataset_num_proc: int | None = Field(None, ge=1, description="Processes that tokenise the pairs.")
     max_length: int | None = Field(
@@ -49,6 +54,30 @@ class DPOConfig(TrainingArguments):
         "keep_start", description="What a cut keeps of a sequence: its start or its end."
     )
     pad_to_multiple_of: int | None = Field(None, ge=1, description="Pad each batch to a multiple of this.")
+    beta: float = Field(0.1, gt=0, description="The preference term's temperature or weight.")
+
+    @model_validator(mode="after")
+    def _implemented(self) -> PreferenceConfig:
+        for name, (implemented, why) in self.REFUSED.items():
+            if getattr(self, name) != implemented:
+                raise ValueError(f"{name}={getattr(self, name)!r}: not supported ({why})")
+        return self
+
+
+class DPOConfig(PreferenceConfig):
+    """TRL's ``DPOConfig`` fields: the reference and the loss."""
+
+    REFUSED: ClassVar[Refusals] = {
+        "padding_free": (False, "pairs are padded per batch; padding-free batches are not implemented"),
+        "ld_alpha": (None, "length-desensitised DPO (LD-DPO) is not implemented"),
+        "f_divergence_type": ("reverse_kl", "only the reverse KL (standard DPO) is implemented"),
+        "use_weighting": (False, "WPO weighting is not implemented"),
+        "sync_ref_model": (False, "the reference is computed once before the first step, never synced"),
+        "router_aux_loss_coef": (None, "the MoE router's auxiliary loss is not added"),
+        "activation_offloading": (False, "use offload_activations with the tiled loss instead"),
+        "pad_token": (None, "set tokenizer.pad_token and pass the tokenizer as processing_class"),
+    }
+
     precompute_ref_log_probs: bool = Field(
         False, description="Accepted for TRL's scripts: the reference is always computed once, before step 0."
     )
@@ -84,12 +113,44 @@ class DPOConfig(TrainingArguments):
         return [value] if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _implemented(self) -> DPOConfig:
-        for name, (implemented, why) in REFUSED.items():
-            if getattr(self, name) != implemented:
-                raise ValueError(f"{name}={getattr(self, name)!r}: not supported ({why})")
+    def _weights(self) -> DPOConfig:
         if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
             raise ValueError(
                 f"loss_weights: {len(self.loss_weights)} weights for {len(self.loss_type)} loss types; give one each"
             )
         return self
+
+
+class ORPOConfig(PreferenceConfig):
+    """TRL's ``ORPOConfig`` fields. ``beta`` is the paper's lambda: the odds-ratio term's weight."""
+
+    REFUSED: ClassVar[Refusals] = ENCODER_DECODER
+
+    beta: float = Field(0.1, gt=0, description="The weight of the odds-ratio term (the paper's lambda).")
+    padding_value: int | None = Field(
+        None, description="The token id that pads; default the tokenizer's pad."
+    )
+    max_completion_length: int | None = Field(None, description="Refused when set (REFUSED).")
+    is_encoder_decoder: bool | None = Field(None, description="Refused when set (REFUSED).")
+    generate_during_eval: bool = Field(False, description="Refused when true (REFUSED).")
+
+
+class CPOConfig(PreferenceConfig):
+    """TRL's ``CPOConfig`` fields; ``loss_type="simpo"`` with ``cpo_alpha=0`` is SimPO."""
+
+    REFUSED: ClassVar[Refusals] = {
+        **ENCODER_DECODER,
+        "alpha": (0.0, "AlphaPO's reward transformation is not implemented"),
+    }
+
+    beta: float = Field(0.1, gt=0, description="The temperature of the preference loss (IPO's tau).")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="The sigmoid and simpo losses' assumed rate of flipped labels."
+    )
+    loss_type: CPOLossType = Field("sigmoid", description="sigmoid, hinge, ipo or simpo (SimPO).")
+    cpo_alpha: float = Field(1.0, ge=0, description="The weight of the chosen answers' NLL term.")
+    simpo_gamma: float = Field(0.5, description="SimPO's target reward margin (loss_type simpo).")
+    alpha: float = Field(0.0, description="Refused unless 0 (REFUSED).")
+    max_completion_length: int | None = Field(None, description="Refused when set (REFUSED).")
+    is_encoder_decoder: bool | None = Field(None, description="Refused when set (REFUSED).")
+    generate_during_eval: bool = Field(False, description="Refused when true (REFUSED).")

@@ -23,6 +23,7 @@ import torch
 from trainer.checkpoint.writer import file_entry
 from trainer.runtime.digests import HASHES, file_digest
 from trainer.runtime.distributed import DistInfo, all_gather_object
+from trainer.runtime.run_files import write_whole
 
 PREFIX = "checkpoint-"
 MARKER = "COMPLETE"
@@ -155,12 +156,7 @@ def final_dir(output_dir: str | Path, step: int) -> Path:
 
 
 def _write_durable(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_whole(path, lambda partial: partial.write_text(text))
 
 
 def _fsync_dir(path: Path) -> None:

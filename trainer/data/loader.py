@@ -21,7 +21,8 @@ def data_seed(args: Any) -> int:
 def sample_lengths(dataset: Any, args: Any) -> list[int] | None:
     """The lengths ``train_sampling_strategy="group_by_length"`` orders by (None otherwise), as HF
     takes them: the ``length_column_name`` column where the dataset has one, else each row's
-    ``input_ids`` length. Read before the dataset is cut to the model's inputs."""
+    ``input_ids`` length (a preference pair's: its longer sequence). Read before the dataset is cut
+    to the model's inputs."""
     if dataset is None or args.train_sampling_strategy != "group_by_length":
         return None
     columns = getattr(dataset, "column_names", None) or []
@@ -29,6 +30,9 @@ def sample_lengths(dataset: Any, args: Any) -> list[int] | None:
         return [int(n) for n in dataset[args.length_column_name]]
     if "input_ids" in columns:
         return [len(ids) for ids in dataset["input_ids"]]
+    if "prompt_ids" in columns:  # trainer.data.preference's pairs
+        ids = (dataset[c] for c in ("prompt_ids", "chosen_ids", "rejected_ids"))
+        return [len(p) + max(len(c), len(r)) for p, c, r in zip(*ids, strict=True)]
     return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
 
 

@@ -21,6 +21,7 @@ import datasets
 from trainer.args import DataArguments
 from trainer.config.errors import ConfigError, suggest
 from trainer.runtime.digests import CHECKSUM, file_digest
+from trainer.runtime.run_files import write_whole
 
 logger = logging.getLogger(__name__)
 
@@ -150,9 +151,7 @@ def content_digests(data_args: DataArguments) -> dict[str, dict[str, str]]:
             digests[path] = known[path][CHECKSUM]
     with contextlib.suppress(OSError):  # a read-only cache: the digests are only computed again
         store.parent.mkdir(parents=True, exist_ok=True)
-        partial = store.with_name(f"{store.name}.{os.getpid()}")
-        partial.write_text(json.dumps(known))
-        os.replace(partial, store)  # ranks sharing the cache never read half a file
+        write_whole(store, lambda partial: partial.write_text(json.dumps(known)))  # ranks share it
     return found
 
 

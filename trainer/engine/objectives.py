@@ -36,6 +36,7 @@ from transformers.utils import find_labels
 from trainer.data import IGNORE_INDEX
 from trainer.data.collator import is_causal_lm
 from trainer.engine.loss import count_targets, next_token_targets, token_loss_sum
+from trainer.runtime.distributed import all_reduce_sum
 
 Batch = dict[str, torch.Tensor]
 Forward = Callable[..., Any]  # DeepSpeed's engine (or the bare model): forward(**inputs) -> outputs
@@ -62,6 +63,18 @@ class Objective(ABC):
         since the last call followed by the item count; None when nothing was summed). The Trainer
         logs their means over all ranks at each logging step; the sums start again."""
         return (), None
+
+    def metric_means(self, device: torch.device) -> dict[str, float]:
+        """The means, over the items of every rank since the last call, of what the objective logs
+        besides the loss (a preference objective's rewards). A collective: every rank calls it at
+        each logging step."""
+        names, sums = self.take_metric_sums()
+        if not names:
+            return {}
+        if sums is None:  # this rank trained on nothing since the last call
+            sums = torch.zeros(len(names) + 1, device=device)
+        *totals, items = all_reduce_sum(sums.double()).tolist()
+        return {name: total / max(items, 1.0) for name, total in zip(names, totals, strict=True)}
 
     def labelled(self, batch: Batch) -> bool:
         """HF's ``has_labels``: the batch carries every label (none named: no loss to compute)."""

@@ -1,34 +1,43 @@
-"""Direct preference optimisation (DPO) behind the objective contract, with TRL's loss types.
+"""Preference objectives behind the objective contract, with TRL's formulas: DPO against a
+reference, and the reference-free ORPO and CPO (whose ``simpo`` loss is SimPO).
 
 A micro-batch holds pairs (``trainer.data.preference``): one forward through the engine scores both
-sequences of every pair, and each sequence's log-probability is the sum of its answer tokens'
-log-probabilities. With the reference's log-probabilities (``ref_logps``, from the reference pass),
-each pair's implicit reward margin is ``beta * ((chosen - ref_chosen) - (rejected - ref_rejected))``.
-A pair counts once (``count``), so a step's loss is the mean over the pairs of its window on every
-rank: TRL's per-batch mean when micro-batches hold as many pairs, and exact when they do not.
+sequences of every pair. A sequence's log-probability is the sum of its answer tokens'
+log-probabilities (DPO, CPO's ``sigmoid`` and ``hinge``) or their mean (ORPO, CPO's ``ipo`` and
+``simpo``: length-normalised, as TRL computes them). A pair counts once (``count``), so a step's
+loss is the mean over the pairs of its window on every rank: TRL's per-batch mean when micro-batches
+hold as many pairs, and exact when they do not.
 
-Loss types (TRL's names and formulas): ``sigmoid`` (the DPO paper's), ``hinge``, ``ipo`` (on
-log-ratios averaged over each answer's tokens, as TRL computes it) and ``robust`` (with
-``label_smoothing``, the assumed rate of flipped labels). Several types add up with their weights.
+- ``DPO``: with the reference's log-probabilities (``ref_logps``, from the reference pass), each
+  pair's implicit reward margin is ``beta * ((chosen - ref_chosen) - (rejected - ref_rejected))``.
+  Loss types: ``sigmoid`` (the paper's), ``hinge``, ``ipo`` (on log-ratios averaged over each
+  answer's tokens) and ``robust`` (with ``label_smoothing``, the assumed rate of flipped labels).
+  Several types add up with their weights.
+- ``ORPO``: the chosen sequence's negative log-likelihood (every token after the first, prompt
+  included) minus ``beta`` times the log-sigmoid of the log odds ratio of chosen over rejected.
+- ``CPO``: a DPO-style loss on the policy's own log-probabilities (no reference), plus ``cpo_alpha``
+  times the chosen answers' negative log-likelihood. ``simpo`` subtracts the target margin
+  ``simpo_gamma / beta`` first; SimPO proper has ``cpo_alpha = 0``.
 
-The objective also sums TRL's reward metrics over the pairs it trains on (``rewards/chosen``,
-``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
-``logps/rejected``); the Trainer takes their means at each logging step.
+The likelihood terms follow TRL: a token mean within each micro-batch (over its chosen sequences),
+which every pair of the micro-batch carries. Each objective sums TRL's metrics over the pairs it
+trains on (the six reward metrics, and ORPO's and CPO's ``nll_loss``, ORPO's ``log_odds_ratio`` and
+``log_odds_chosen``); the Trainer takes their means at each logging step.
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from trainer.args.preference import LOSS_TYPES
-from trainer.data import IGNORE_INDEX
+from trainer.args.preference import CPO_LOSS_TYPES, LOSS_TYPES
 from trainer.data.preference import REFERENCE_COLUMN
 from trainer.engine.objectives import Batch, Forward, Objective
 
-METRICS = (
+REWARD_METRICS = (
     "rewards/chosen",
     "rewards/rejected",
     "rewards/accuracies",
@@ -39,21 +48,86 @@ METRICS = (
 MODEL_KEYS = ("input_ids", "attention_mask")
 
 
-def sequence_logps(forward: Forward, batch: Batch) -> tuple[torch.Tensor, Any]:
-    """(summed answer-token log-probabilities of shape (pairs, 2), the model's outputs): both
-    sequences of every pair in one forward, in fp32."""
+def token_nll(forward: Forward, batch: Batch) -> tuple[torch.Tensor, Any]:
+    """(the next-token negative log-likelihood at every position of both sequences of every pair,
+    shape (pairs, 2, L - 1), in fp32; the model's outputs)."""
     pairs, _, length = batch["input_ids"].shape
     inputs = {k: batch[k].reshape(2 * pairs, length) for k in MODEL_KEYS}
     outputs = forward(**inputs, use_cache=False)
-    targets = inputs["input_ids"][:, 1:].masked_fill(
-        batch["completion_mask"].reshape(2 * pairs, length)[:, 1:] == 0, IGNORE_INDEX
-    )
     logits = outputs.logits[:, :-1].float()
-    token_nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none")
-    return -token_nll.sum(dim=1).view(pairs, 2), outputs
+    nll = F.cross_entropy(logits.transpose(1, 2), inputs["input_ids"][:, 1:], reduction="none")
+    return nll.view(pairs, 2, length - 1), outputs
 
 
-class DPO(Objective):
+def answer_mask(batch: Batch) -> torch.Tensor:
+    """Which shifted targets are answer tokens, shape (pairs, 2, L - 1)."""
+    return batch["completion_mask"][..., 1:]
+
+
+def sequence_logps(forward: Forward, batch: Batch) -> tuple[torch.Tensor, Any]:
+    """(summed answer-token log-probabilities of shape (pairs, 2), the model's outputs)."""
+    nll, outputs = token_nll(forward, batch)
+    return -(nll * answer_mask(batch)).sum(dim=2), outputs
+
+
+def mean_logps(nll: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities averaged over the tokens ``mask`` selects, shape (pairs, 2)."""
+    return -(nll * mask).sum(dim=2) / mask.sum(dim=2).clamp(min=1)
+
+
+def chosen_nll(nll: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The micro-batch's token mean of the chosen sequences' NLL over ``mask``'s tokens (a scalar)."""
+    return (nll[:, 0] * mask[:, 0]).sum() / mask[:, 0].sum().clamp(min=1)
+
+
+def reward_rows(rewards: torch.Tensor, logps: torch.Tensor) -> list[torch.Tensor]:
+    """TRL's six reward metrics, one value per pair each, from (pairs, 2) rewards and log-probs."""
+    margins = rewards[:, 0] - rewards[:, 1]
+    return [rewards[:, 0], rewards[:, 1], (margins > 0).to(rewards), margins, logps[:, 0], logps[:, 1]]
+
+
+def sigmoid_loss(logits: torch.Tensor, beta: float, smoothing: float) -> torch.Tensor:
+    """The Bradley-Terry loss, conservative under a rate ``smoothing`` of flipped labels."""
+    return -F.logsigmoid(beta * logits) * (1 - smoothing) - F.logsigmoid(-beta * logits) * smoothing
+
+
+class PairObjective(Objective):
+    """A loss per pair from one forward over both sequences; metrics summed per pair."""
+
+    label_names = ("completion_mask",)  # every pair batch has one: the loss needs no other labels
+    metric_names: tuple[str, ...] = REWARD_METRICS
+
+    def __init__(self) -> None:
+        self._sums: torch.Tensor | None = None  # the metrics summed over pairs, then the pairs
+
+    @abstractmethod
+    def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(each pair's loss, each metric's value per pair) from the per-token NLL."""
+
+    def count(self, batch: Batch) -> float:
+        return float(batch["input_ids"].shape[0])
+
+    def loss_sum(self, forward: Forward, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
+        nll, outputs = token_nll(forward, batch)
+        loss, metrics = self.pair_terms(batch, nll)
+        values = torch.stack([m.detach().float() for m in metrics]).sum(dim=1)
+        sums = torch.cat([values, values.new_tensor([float(len(loss))])])
+        self._sums = sums if self._sums is None else self._sums + sums
+        return loss.sum(), outputs
+
+    def eval_sum(self, forward: Forward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        nll, outputs = token_nll(forward, batch)
+        loss, _ = self.pair_terms(batch, nll)
+        return loss.sum(), loss.new_tensor(float(len(loss))), outputs
+
+    def take_metric_sums(self) -> tuple[tuple[str, ...], torch.Tensor | None]:
+        """(metric names, their sums over the pairs trained on since the last call, then the pair
+        count); the sums start again."""
+        sums, self._sums = self._sums, None
+        return self.metric_names, sums
+
+
+class DPO(PairObjective):
     """TRL's DPO losses over a pair's log-ratios against the reference."""
 
     label_names = (REFERENCE_COLUMN,)  # a batch without the reference's log-probs has no loss
@@ -65,18 +139,15 @@ class DPO(Objective):
         loss_weights: tuple[float, ...] | None = None,
         label_smoothing: float = 0.0,
     ):
+        super().__init__()
         unknown = [t for t in loss_types if t not in LOSS_TYPES]
         if unknown:
             raise ValueError(f"loss_type: {', '.join(unknown)} is not one of {', '.join(LOSS_TYPES)}")
         self.beta, self.loss_types, self.label_smoothing = beta, tuple(loss_types), label_smoothing
         self.loss_weights = tuple(loss_weights) if loss_weights is not None else (1.0,) * len(loss_types)
-        self._sums: torch.Tensor | None = None  # METRICS summed over pairs, then the pairs
 
-    def count(self, batch: Batch) -> float:
-        return float(batch["input_ids"].shape[0])
-
-    def pair_losses(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(each pair's loss, each pair's log-ratios [chosen, rejected])."""
+    def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        logps = -(nll * answer_mask(batch)).sum(dim=2)
         ratios = logps - batch[REFERENCE_COLUMN].to(logps)
         delta = ratios[:, 0] - ratios[:, 1]
         beta, smoothing = self.beta, self.label_smoothing
@@ -95,30 +166,66 @@ class DPO(Objective):
                     -(1 - smoothing) * F.logsigmoid(beta * delta) + smoothing * F.logsigmoid(-beta * delta)
                 ) / (1 - 2 * smoothing)
             loss = loss + weight * term
-        return loss, ratios
+        return loss, reward_rows(beta * ratios, logps)
 
-    def loss_sum(self, forward: Forward, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
-        logps, outputs = sequence_logps(forward, batch)
-        loss, ratios = self.pair_losses(batch, logps)
-        self._record(logps.detach(), ratios.detach())
-        return loss.sum(), outputs
 
-    def eval_sum(self, forward: Forward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        logps, outputs = sequence_logps(forward, batch)
-        loss, _ = self.pair_losses(batch, logps)
-        return loss.sum(), loss.new_tensor(float(len(loss))), outputs
+class ORPO(PairObjective):
+    """Odds-ratio preference optimisation: supervised NLL plus ``beta`` times the odds-ratio term."""
 
-    def _record(self, logps: torch.Tensor, ratios: torch.Tensor) -> None:
-        rewards = self.beta * ratios
-        margins = rewards[:, 0] - rewards[:, 1]
-        values = torch.stack(
-            [rewards[:, 0], rewards[:, 1], (margins > 0).to(rewards), margins, logps[:, 0], logps[:, 1]]
-        ).sum(dim=1)
-        sums = torch.cat([values, values.new_tensor([float(len(margins))])])
-        self._sums = sums if self._sums is None else self._sums + sums
+    metric_names = (*REWARD_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
 
-    def take_metric_sums(self) -> tuple[tuple[str, ...], torch.Tensor | None]:
-        """(metric names, their sums over the pairs trained on since the last call, then the pair
-        count); the sums start again."""
-        sums, self._sums = self._sums, None
-        return METRICS, sums
+    def __init__(self, beta: float = 0.1):
+        super().__init__()
+        self.beta = beta
+
+    def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        logps = mean_logps(nll, answer_mask(batch))
+        log_odds = (logps[:, 0] - logps[:, 1]) - (log1mexp(logps[:, 0]) - log1mexp(logps[:, 1]))
+        ratio = F.logsigmoid(log_odds)
+        sft = chosen_nll(nll, batch["attention_mask"][..., 1:])  # the prompt's tokens too, as TRL's
+        loss = sft - self.beta * ratio
+        return loss, [*reward_rows(self.beta * logps, logps), sft.expand_as(ratio), ratio, log_odds]
+
+
+class CPO(PairObjective):
+    """Contrastive preference optimisation; its ``simpo`` loss type is SimPO."""
+
+    metric_names = (*REWARD_METRICS, "nll_loss")
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        loss_type: str = "sigmoid",
+        cpo_alpha: float = 1.0,
+        simpo_gamma: float = 0.5,
+        label_smoothing: float = 0.0,
+    ):
+        super().__init__()
+        if loss_type not in CPO_LOSS_TYPES:
+            raise ValueError(f"loss_type: {loss_type} is not one of {', '.join(CPO_LOSS_TYPES)}")
+        self.beta, self.loss_type, self.cpo_alpha = beta, loss_type, cpo_alpha
+        self.simpo_gamma, self.label_smoothing = simpo_gamma, label_smoothing
+
+    def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        answers = answer_mask(batch)
+        if self.loss_type in ("ipo", "simpo"):
+            logps = mean_logps(nll, answers)
+        else:
+            logps = -(nll * answers).sum(dim=2)
+        logits, beta = logps[:, 0] - logps[:, 1], self.beta
+        if self.loss_type == "simpo":
+            loss = sigmoid_loss(logits - self.simpo_gamma / beta, beta, self.label_smoothing)
+        elif self.loss_type == "sigmoid":
+            loss = sigmoid_loss(logits, beta, self.label_smoothing)
+        elif self.loss_type == "hinge":
+            loss = torch.relu(1 - beta * logits)
+        else:  # ipo
+            loss = (logits - 1 / (2 * beta)) ** 2
+        sft = chosen_nll(nll, answers) if self.cpo_alpha else logits.new_zeros(())
+        loss = loss + self.cpo_alpha * sft
+        return loss, [*reward_rows(beta * logps, logps), sft.expand_as(logits)]
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable on both sides of -ln 2."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))

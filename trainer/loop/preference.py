@@ -1,60 +1,37 @@
-"""``DPOTrainer``: TRL's DPO trainer on this project's loop and engine. A TRL DPO script ports by
-changing its import (``from trainer import DPOConfig, DPOTrainer``).
+"""TRL's preference trainers on this project's loop and engine: ``ORPOTrainer`` and ``CPOTrainer``
+here (reference-free), ``DPOTrainer`` in ``trainer.loop.dpo``. A TRL script ports by changing its
+import (``from trainer import ORPOConfig, ORPOTrainer``).
 
-The reference is one pass, not a second model. Before the first step (and before an evaluation set
-is first evaluated), the training engine itself (its ZeRO-partitioned weights, as they are before
-any update) scores every pair of the set, each rank its share; the log-probabilities become the
-set's ``ref_logps`` column. Training then holds no reference model at all. The reference is:
-- the initial policy (the model given), by default;
-- the policy with its adapters turned off, for a PEFT model (the base model, as in TRL);
-- ``ref_model`` when one is given: it scores the pairs once, on this rank's device, and is let go.
-
-The pass is written to ``output_dir/reference/<set>.safetensors`` with a fingerprint of the
-reference (its class, config and weights, and which of the three it is) and of the tokenised pairs.
-A rerun or a resume with the same fingerprint reads it instead of scoring again; one whose
-fingerprint differs is refused with one line naming the file, since reusing it would train
-against another model's or another set's numbers.
+``PreferenceTrainer`` holds what they share: a model given by name is loaded with the config's
+``model_init_kwargs``, a ``peft_config`` wraps it in adapters, dropout is turned off
+(``disable_dropout``), rows in TRL's preference formats are tokenised into pairs
+(``trainer.data.preference``), and batches hold pairs, not rows cut to the model's columns. Each
+trainer names its objective (``trainer.engine.preference``); the loop does not branch on it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
-import os
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from trainer.args.preference import DPOConfig
-from trainer.data.preference import (
-    PAIR_COLUMNS,
-    REFERENCE_COLUMN,
-    PreferenceCollator,
-    pairs_digest,
-    tokenize_preferences,
-)
-from trainer.engine.preference import DPO, sequence_logps
-from trainer.engine.zero import gathered
-from trainer.loop.evaluation import eval_batches
+from trainer.args.preference import CPOConfig, ORPOConfig, PreferenceConfig
+from trainer.data.preference import PAIR_COLUMNS, PreferenceCollator, tokenize_preferences
+from trainer.engine.preference import CPO, ORPO, PairObjective
 from trainer.loop.trainer import Trainer
 from trainer.observe.throughput import flops_per_token_for_model
-from trainer.runtime.distributed import all_gather_object, barrier, print_main
-
-REFERENCE_DIR = "reference"
 
 
-class DPOTrainer(Trainer):
-    """TRL's ``DPOTrainer`` arguments; ``args`` is a ``DPOConfig``."""
+class PreferenceTrainer(Trainer):
+    """A Trainer over preference pairs; subclasses say which config they take and their objective."""
+
+    config_class: type[PreferenceConfig] = PreferenceConfig
 
     def __init__(
         self,
         model: str | torch.nn.Module,
-        ref_model: str | torch.nn.Module | None = None,
-        args: DPOConfig | None = None,
+        args: PreferenceConfig | None = None,
         data_collator: Callable | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
@@ -64,26 +41,25 @@ class DPOTrainer(Trainer):
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
         peft_config: Any = None,
     ):
-        args = args or DPOConfig()
-        if not isinstance(args, DPOConfig):
-            raise TypeError(f"DPOTrainer: args must be a DPOConfig, got {type(args).__name__}")
+        name, config = type(self).__name__, self.config_class
+        args = args or config()
+        if not isinstance(args, config):
+            raise TypeError(f"{name}: args must be {config.__name__}, got {type(args).__name__}")
         if isinstance(model, str):
-            model, processing_class = _load(model, args, processing_class)
-        if isinstance(ref_model, str):
-            ref_model, _ = _load(ref_model, args, processing_class)
+            model, processing_class = load_model(model, args, processing_class)
         if processing_class is None:
-            raise ValueError("DPOTrainer: give processing_class (the tokenizer) with a model object")
+            raise ValueError(f"{name}: give processing_class (the tokenizer) with a model object")
         if peft_config is not None:
             from peft import get_peft_model
 
             model = get_peft_model(model, peft_config)
         if args.disable_dropout:
-            for module in (model, ref_model):
-                _disable_dropout(module)
-        pad = processing_class.pad_token_id
+            disable_dropout(model)
+        pad = getattr(args, "padding_value", None)
+        pad = processing_class.pad_token_id if pad is None else pad
         pad = processing_class.eos_token_id if pad is None else pad
         if pad is None:
-            raise ValueError("DPOTrainer: the tokenizer has neither a pad token nor an EOS token to pad with")
+            raise ValueError(f"{name}: the tokenizer has neither a pad token nor an EOS token to pad with")
         super().__init__(
             model,
             args,
@@ -96,17 +72,9 @@ class DPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        self.ref_model = ref_model
-        self._reference_source = (
-            "ref_model" if ref_model is not None else "adapters_off" if _is_peft(model) else "policy"
-        )
-        # With the adapters off, the reference is the frozen base: the adapters' initial values
-        # (drawn afresh by each run) are no part of it, so a rerun or a resume still matches.
-        frozen_only = self._reference_source == "adapters_off"
-        self._reference_digest = _weights_digest(ref_model if ref_model is not None else model, frozen_only)
 
     @staticmethod
-    def _pairs(dataset: Any, name: str, args: DPOConfig, tokenizer: Any) -> Any:
+    def _pairs(dataset: Any, name: str, args: PreferenceConfig, tokenizer: Any) -> Any:
         """A preference set as token ids (one already tokenised as it is)."""
         if dataset is None or all(c in (dataset.column_names or []) for c in PAIR_COLUMNS):
             return dataset
@@ -118,157 +86,50 @@ class DPOTrainer(Trainer):
         """Kept whole: the pair collator reads the pairs' columns, not the model's forward arguments."""
         return dataset
 
-    def _objective(self) -> DPO:
-        args = self.args
-        return DPO(args.beta, tuple(args.loss_type), args.loss_weights, args.label_smoothing)
-
-    # ---- the reference pass --------------------------------------------------------------------
-
-    def _prepare_training(self, spec: Any):
-        sampler = super()._prepare_training(spec)  # the engine is built, its weights not yet loaded
-        self.train_dataset = self._with_reference(self.train_dataset, "train")
-        return sampler
-
-    def evaluate(
-        self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
-    ):
-        if eval_dataset is not None:  # a set of the call's own: its cache is named by its fingerprint
-            pairs = self._pairs(eval_dataset, metric_key_prefix, self.args, self.processing_class)
-            eval_dataset = self._with_reference(pairs, None)
-        elif self.eval_dataset is not None:
-            self.eval_dataset = self._with_reference(self.eval_dataset, "eval")
-        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
-
-    def _with_reference(self, dataset: Any, name: str | None) -> Any:
-        """``dataset`` with its ``ref_logps`` column: read from the cache when its fingerprint
-        matches, else scored now (collective: every rank calls it). ``name``: the Trainer's own set
-        ("train", "eval"), whose cache of another fingerprint is refused; None for a set passed to
-        one ``evaluate`` call, cached under its fingerprint."""
-        if dataset is None or REFERENCE_COLUMN in dataset.column_names:
-            return dataset
-        self._ensure_engine(max(self.state.max_steps, 1))
-        fingerprint = self._fingerprint(dataset)
-        name = name or f"set-{fingerprint[:16]}"
-        path = Path(self.args.output_dir) / REFERENCE_DIR / f"{name}.safetensors"
-        cached = _read_cache(path, fingerprint)
-        if cached is None:
-            cached = self._score(dataset, name)
-            if self.dist.is_main:
-                _write_cache(path, cached, fingerprint)
-            barrier("reference_cache")
-        return dataset.add_column(REFERENCE_COLUMN, cached.tolist())
-
-    def _fingerprint(self, dataset: Any) -> str:
-        parts = {
-            "reference": self._reference_source,
-            "weights": self._reference_digest,
-            "pairs": pairs_digest(dataset),
-            "max_length": self.args.max_length,
-            "truncation_mode": self.args.truncation_mode,
-        }
-        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-
-    @torch.no_grad()
-    def _score(self, dataset: Any, name: str) -> torch.Tensor:
-        """[chosen, rejected] log-probabilities of every pair of ``dataset`` under the reference;
-        each rank scores its share, and every rank gets all of them."""
-        engine, (world, rank) = self.engine, self._data_ranks
-        size = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
-        print_main(
-            f"Scoring the {name} set's {len(dataset):,} pairs under the reference ({self._reference_source})."
-        )
-        scored: dict[int, list[float]] = {}
-        engine.train(False)
-        try:
-            with self._reference_forward() as forward:
-                for batch, indices in eval_batches(dataset, self.data_collator, size, rank, world):
-                    logps, _ = sequence_logps(forward, engine.to_device(batch))
-                    scored.update((i, row) for i, row in zip(indices, logps.tolist(), strict=True) if i >= 0)
-        finally:
-            engine.train(True)
-        merged: dict[int, list[float]] = {}
-        for part in all_gather_object(scored):
-            merged.update(part)
-        return torch.tensor([merged[i] for i in range(len(dataset))], dtype=torch.float32)
-
-    @contextlib.contextmanager
-    def _reference_forward(self) -> Iterator[Callable]:
-        """The forward that scores the reference: the engine's (with the adapters off for a PEFT
-        model), or ``ref_model``'s on this rank's device, let go afterwards."""
-        if self.ref_model is not None:
-            try:
-                yield self.ref_model.to(self.engine.device).eval()
-            finally:
-                self.ref_model = None  # training holds no reference model
-        elif _is_peft(self.model):
-            with self.engine.module.disable_adapter():
-                yield self.engine.forward
-        else:
-            yield self.engine.forward
+    def _objective(self) -> PairObjective:
+        raise NotImplementedError(f"{type(self).__name__} names no objective")
 
     def _flops_per_token(self) -> float | None:
         """Both sequences of a pair are tokens the model reads: FLOPs per token at ``max_length``."""
         return flops_per_token_for_model(self.model, self.args.max_length or 1024)
 
 
-def _load(name: str, args: DPOConfig, processing_class: Any) -> tuple[torch.nn.Module, Any]:
+class ORPOTrainer(PreferenceTrainer):
+    """TRL's ``ORPOTrainer`` arguments; ``args`` is an ``ORPOConfig``. No reference model."""
+
+    config_class = ORPOConfig
+
+    def _objective(self) -> ORPO:
+        return ORPO(self.args.beta)
+
+
+class CPOTrainer(PreferenceTrainer):
+    """TRL's ``CPOTrainer`` arguments; ``args`` is a ``CPOConfig`` (``loss_type="simpo"``: SimPO)."""
+
+    config_class = CPOConfig
+
+    def _objective(self) -> CPO:
+        args = self.args
+        return CPO(args.beta, args.loss_type, args.cpo_alpha, args.simpo_gamma, args.label_smoothing)
+
+
+def load_model(name: str, args: PreferenceConfig, processing_class: Any) -> tuple[torch.nn.Module, Any]:
+    """A causal LM and its tokenizer by name or path, with the config's ``model_init_kwargs``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(name, **(args.model_init_kwargs or {}))
-    return model, processing_class or AutoTokenizer.from_pretrained(name)
+    kwargs = {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
+    model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    tokenizer = processing_class or AutoTokenizer.from_pretrained(
+        name, trust_remote_code=args.trust_remote_code
+    )
+    return model, tokenizer
 
 
-def _is_peft(model: Any) -> bool:
+def is_peft(model: Any) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
-def _disable_dropout(model: torch.nn.Module | None) -> None:
+def disable_dropout(model: torch.nn.Module | None) -> None:
     for module in model.modules() if model is not None else ():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-
-
-def _weights_digest(model: torch.nn.Module, frozen_only: bool = False) -> str:
-    """A digest of a model's class, config and weights (each parameter's sum and sum of squares in
-    float64, gathered first where ZeRO-3 has partitioned it): what tells one reference from another.
-    ``frozen_only``: the parameters that do not train (a PEFT model's base)."""
-    digest = hashlib.sha256(type(model).__name__.encode())
-    config = getattr(model, "config", None)
-    if config is not None:
-        digest.update(config.to_json_string(use_diff=False).encode())
-    for name, param in model.named_parameters():
-        if frozen_only and param.requires_grad:
-            continue
-        with gathered([param]):
-            values = param.detach().double()
-            digest.update(f"{name}:{values.sum().item():.12e}:{(values * values).sum().item():.12e}".encode())
-    return digest.hexdigest()
-
-
-def _read_cache(path: Path, fingerprint: str) -> torch.Tensor | None:
-    """The cached log-probabilities, None where there are none (or a pass stopped before its
-    fingerprint was written); a cache of another fingerprint is refused."""
-    meta = path.with_suffix(".json")
-    if not (path.is_file() and meta.is_file()):
-        return None
-    stored = json.loads(meta.read_text()).get("fingerprint")
-    if stored != fingerprint:
-        raise ValueError(
-            f"{path}: the reference log-probabilities there were computed for another model or set "
-            f"(fingerprint {str(stored)[:12]}, this run's {fingerprint[:12]}); remove {path.parent} "
-            "to score the reference again, or use another output_dir"
-        )
-    return load_file(path)[REFERENCE_COLUMN]
-
-
-def _write_cache(path: Path, logps: torch.Tensor, fingerprint: str) -> None:
-    """Written whole or not at all: the tensors, then the fingerprint beside them, each renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta = path.with_suffix(".json")
-    meta.unlink(missing_ok=True)
-    partial = path.with_suffix(".partial")
-    save_file({REFERENCE_COLUMN: logps.contiguous()}, partial)
-    os.replace(partial, path)
-    meta_partial = meta.with_suffix(".json.partial")
-    meta_partial.write_text(json.dumps({"fingerprint": fingerprint, "pairs": len(logps)}))
-    os.replace(meta_partial, meta)

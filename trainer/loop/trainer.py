@@ -62,7 +62,7 @@ from trainer.model.neftune import NEFTune
 from trainer.observe.metrics import summary_table
 from trainer.observe.monitor import EmptyDeviceCache, memory_stats
 from trainer.observe.reporting import reporting_callbacks
-from trainer.observe.results import ResultsAPI, TrainTotals, train_metrics
+from trainer.observe.results import ResultsAPI, TrainTotals
 from trainer.observe.throughput import StepTimer, flops_per_token_for_model
 from trainer.runtime.distributed import (
     all_reduce_sum,
@@ -244,15 +244,6 @@ class Trainer(HFMethods, ResultsAPI):
         self.args = self.args.model_copy(update={"per_device_train_batch_size": micro_batch})
         if self.run_config is not None:
             self.run_config = self.run_config.model_copy(update={"training": self.args})
-
-    def _train_output(self) -> TrainOutput:
-        """HF's end of training: the call's metrics, logged as one row, and the TrainOutput."""
-        if getattr(self, "_token_sum", 0.0) > 0:  # steps since the last logging step (collective)
-            self._take_window_loss()
-        flops = self.state.total_flos = (self._flops_per_token() or 0.0) * self.state.num_input_tokens_seen
-        metrics = train_metrics(self._run, flops, self.state.epoch)
-        self._log({**metrics, "step": self.state.global_step})
-        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def _train_epoch(self, sampler: ResumableDistributedSampler) -> bool:
         """Optimizer steps until the epoch ends (True) or the run stops or rolls back (False)."""
@@ -554,22 +545,11 @@ class Trainer(HFMethods, ResultsAPI):
         scale = self.engine.loss_scale()
         if scale is not None:
             logs.update(loss_scale=scale, skipped_steps=self.engine.skipped_steps)
-        logs.update(self._objective_metrics())
+        logs.update(self.engine.objective.metric_means(self.engine.device))
         logs.update(self.timer.flush(sync_fn=self._sync, all_reduce_sum=host_all_reduce))
         logs.update(memory_stats(self.engine.device))
         logs.update(self._params, activation_checkpointing=self.engine.activation_checkpointing)
         self._log(logs)
-
-    def _objective_metrics(self) -> dict[str, float]:
-        """The means, over the pairs (or items) of every rank since the last logging step, of what the
-        objective logs besides the loss (DPO's rewards). A collective, on every rank."""
-        names, sums = self.engine.objective.take_metric_sums()
-        if not names:
-            return {}
-        if sums is None:
-            sums = torch.zeros(len(names) + 1, device=self.engine.device)
-        *totals, items = all_reduce_sum(sums.double()).tolist()
-        return {name: total / max(items, 1.0) for name, total in zip(names, totals, strict=True)}
 
     def _maybe_evaluate_and_save(self) -> bool:
         """Evaluate and/or save as the control flags ask; True if anything ran."""

@@ -1,0 +1,202 @@
+"""``DPOTrainer``: TRL's DPO trainer on this project's loop and engine. A TRL DPO script ports by
+changing its import (``from trainer import DPOConfig, DPOTrainer``).
+
+The reference is one pass, not a second model. Before the first step (and before an evaluation set
+is first evaluated), the training engine itself (its ZeRO-partitioned weights, as they are before
+any update) scores every pair of the set, each rank its share; the log-probabilities become the
+set's ``ref_logps`` column. Training then holds no reference model at all. The reference is:
+- the initial policy (the model given), by default;
+- the policy with its adapters turned off, for a PEFT model (the base model, as in TRL);
+- ``ref_model`` when one is given: it scores the pairs once, on this rank's device, and is let go.
+
+The pass is written to ``output_dir/reference/<set>.safetensors`` with a fingerprint of the
+reference (its class, config and weights, and which of the three it is) and of the tokenised pairs.
+A rerun or a resume with the same fingerprint reads it instead of scoring again; one whose
+fingerprint differs is refused with one line naming the file, since reusing it would train
+against another model's or another set's numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from trainer.args.preference import DPOConfig
+from trainer.data.preference import REFERENCE_COLUMN, pairs_digest
+from trainer.engine.preference import DPO, sequence_logps
+from trainer.engine.zero import gathered
+from trainer.loop.evaluation import eval_batches
+from trainer.loop.preference import PreferenceTrainer, disable_dropout, is_peft, load_model
+from trainer.runtime.distributed import all_gather_object, barrier, print_main
+from trainer.runtime.run_files import write_whole
+
+REFERENCE_DIR = "reference"
+
+
+class DPOTrainer(PreferenceTrainer):
+    """TRL's ``DPOTrainer`` arguments; ``args`` is a ``DPOConfig``."""
+
+    config_class = DPOConfig
+
+    def __init__(
+        self,
+        model: str | torch.nn.Module,
+        ref_model: str | torch.nn.Module | None = None,
+        args: DPOConfig | None = None,
+        *rest: Any,
+        **kwargs: Any,
+    ):
+        """TRL's order: the model, the reference, then ``PreferenceTrainer``'s arguments."""
+        if isinstance(ref_model, str):
+            ref_model, _ = load_model(ref_model, args or DPOConfig(), kwargs.get("processing_class"))
+        if ref_model is not None and (args is None or args.disable_dropout):
+            disable_dropout(ref_model)
+        super().__init__(model, args, *rest, **kwargs)
+        self.ref_model = ref_model
+        self._reference_source = (
+            "ref_model" if ref_model is not None else "adapters_off" if is_peft(self.model) else "policy"
+        )
+        # With the adapters off, the reference is the frozen base: the adapters' initial values
+        # (drawn afresh by each run) are no part of it, so a rerun or a resume still matches.
+        frozen_only = self._reference_source == "adapters_off"
+        self._reference_digest = _weights_digest(
+            ref_model if ref_model is not None else self.model, frozen_only
+        )
+
+    def _objective(self) -> DPO:
+        args = self.args
+        return DPO(args.beta, tuple(args.loss_type), args.loss_weights, args.label_smoothing)
+
+    # ---- the reference pass --------------------------------------------------------------------
+
+    def _prepare_training(self, spec: Any):
+        sampler = super()._prepare_training(spec)  # the engine is built, its weights not yet loaded
+        self.train_dataset = self._with_reference(self.train_dataset, "train")
+        return sampler
+
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ):
+        if eval_dataset is not None:  # a set of the call's own: its cache is named by its fingerprint
+            pairs = self._pairs(eval_dataset, metric_key_prefix, self.args, self.processing_class)
+            eval_dataset = self._with_reference(pairs, None)
+        elif self.eval_dataset is not None:
+            self.eval_dataset = self._with_reference(self.eval_dataset, "eval")
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def _with_reference(self, dataset: Any, name: str | None) -> Any:
+        """``dataset`` with its ``ref_logps`` column: read from the cache when its fingerprint
+        matches, else scored now (collective: every rank calls it). ``name``: the Trainer's own set
+        ("train", "eval"), whose cache of another fingerprint is refused; None for a set passed to
+        one ``evaluate`` call, cached under its fingerprint."""
+        if dataset is None or REFERENCE_COLUMN in dataset.column_names:
+            return dataset
+        self._ensure_engine(max(self.state.max_steps, 1))
+        fingerprint = self._fingerprint(dataset)
+        name = name or f"set-{fingerprint[:16]}"
+        path = Path(self.args.output_dir) / REFERENCE_DIR / f"{name}.safetensors"
+        cached = _read_cache(path, fingerprint)
+        if cached is None:
+            cached = self._score(dataset, name)
+            if self.dist.is_main:
+                _write_cache(path, cached, fingerprint)
+            barrier("reference_cache")
+        return dataset.add_column(REFERENCE_COLUMN, cached.tolist())
+
+    def _fingerprint(self, dataset: Any) -> str:
+        parts = {
+            "reference": self._reference_source,
+            "weights": self._reference_digest,
+            "pairs": pairs_digest(dataset),
+            "max_length": self.args.max_length,
+            "truncation_mode": self.args.truncation_mode,
+        }
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+    @torch.no_grad()
+    def _score(self, dataset: Any, name: str) -> torch.Tensor:
+        """[chosen, rejected] log-probabilities of every pair of ``dataset`` under the reference;
+        each rank scores its share, and every rank gets all of them."""
+        engine, (world, rank) = self.engine, self._data_ranks
+        size = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
+        print_main(
+            f"Scoring the {name} set's {len(dataset):,} pairs under the reference ({self._reference_source})."
+        )
+        scored: dict[int, list[float]] = {}
+        engine.train(False)
+        try:
+            with self._reference_forward() as forward:
+                for batch, indices in eval_batches(dataset, self.data_collator, size, rank, world):
+                    logps, _ = sequence_logps(forward, engine.to_device(batch))
+                    scored.update((i, row) for i, row in zip(indices, logps.tolist(), strict=True) if i >= 0)
+        finally:
+            engine.train(True)
+        merged: dict[int, list[float]] = {}
+        for part in all_gather_object(scored):
+            merged.update(part)
+        return torch.tensor([merged[i] for i in range(len(dataset))], dtype=torch.float32)
+
+    @contextlib.contextmanager
+    def _reference_forward(self) -> Iterator[Callable]:
+        """The forward that scores the reference: the engine's (with the adapters off for a PEFT
+        model), or ``ref_model``'s on this rank's device, let go afterwards."""
+        if self.ref_model is not None:
+            try:
+                yield self.ref_model.to(self.engine.device).eval()
+            finally:
+                self.ref_model = None  # training holds no reference model
+        elif is_peft(self.model):
+            with self.engine.module.disable_adapter():
+                yield self.engine.forward
+        else:
+            yield self.engine.forward
+
+
+def _weights_digest(model: torch.nn.Module, frozen_only: bool = False) -> str:
+    """A digest of a model's class, config and weights (each parameter's sum and sum of squares in
+    float64, gathered first where ZeRO-3 has partitioned it): what tells one reference from another.
+    ``frozen_only``: the parameters that do not train (a PEFT model's base)."""
+    digest = hashlib.sha256(type(model).__name__.encode())
+    config = getattr(model, "config", None)
+    if config is not None:
+        digest.update(config.to_json_string(use_diff=False).encode())
+    for name, param in model.named_parameters():
+        if frozen_only and param.requires_grad:
+            continue
+        with gathered([param]):
+            values = param.detach().double()
+            digest.update(f"{name}:{values.sum().item():.12e}:{(values * values).sum().item():.12e}".encode())
+    return digest.hexdigest()
+
+
+def _read_cache(path: Path, fingerprint: str) -> torch.Tensor | None:
+    """The cached log-probabilities, None where there are none (or a pass stopped before its
+    fingerprint was written); a cache of another fingerprint is refused."""
+    meta = path.with_suffix(".json")
+    if not (path.is_file() and meta.is_file()):
+        return None
+    stored = json.loads(meta.read_text()).get("fingerprint")
+    if stored != fingerprint:
+        raise ValueError(
+            f"{path}: the reference log-probabilities there were computed for another model or set "
+            f"(fingerprint {str(stored)[:12]}, this run's {fingerprint[:12]}); remove {path.parent} "
+            "to score the reference again, or use another output_dir"
+        )
+    return load_file(path)[REFERENCE_COLUMN]
+
+
+def _write_cache(path: Path, logps: torch.Tensor, fingerprint: str) -> None:
+    """Written whole or not at all: the tensors, then the fingerprint beside them, each renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = path.with_suffix(".json")
+    meta.unlink(missing_ok=True)
+    write_whole(path, lambda partial: save_file({REFERENCE_COLUMN: logps.contiguous()}, partial))
+    record = json.dumps({"fingerprint": fingerprint, "pairs": len(logps)})
+    write_whole(meta, lambda partial: partial.write_text(record))
