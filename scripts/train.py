@@ -2,7 +2,9 @@
 
 Also runs under torchrun, ``accelerate launch`` and plain python. With no arguments it trains the
 embedded default: a small Llama-style model on the Python standard library source, resuming from
-the newest complete checkpoint in output_dir if there is one.
+the newest complete checkpoint in output_dir if there is one. A preference objective
+(``--objective dpo``, ``orpo``, ``cpo`` or ``simpo``) starts from TRL's defaults instead of that
+recipe, whose learning rate and length are the pretraining job's.
 """
 
 import sys
@@ -12,10 +14,21 @@ from trainer.cli.train import main
 
 DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "default.yaml"
 
+
+def flag(argv: list[str], name: str) -> str | None:
+    """The value ``--name`` has in ``argv`` (``--name v`` or ``--name=v``); None when it is absent."""
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}":
+            return argv[i + 1] if i + 1 < len(argv) else ""
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+    if flag(argv, "config") is None and flag(argv, "objective") in (None, "causal_lm"):
         argv = ["--config", str(DEFAULT_RECIPE), *argv]
-    if not any(a == "--resume_from_checkpoint" or a.startswith("--resume_from_checkpoint=") for a in argv):
+    if flag(argv, "resume_from_checkpoint") is None:
         argv = [*argv, "--resume_from_checkpoint", "auto"]
     sys.exit(main(argv, prog="scripts/train.py"))

@@ -64,6 +64,18 @@ TEST_NODES = {
     "python scripts/train.py --report_to wandb mlflow tensorboard --run_name demo": (
         "tests/e2e/test_report_to.py::test_wandb_offline_run_holds_the_metrics"
     ),
+    **dict.fromkeys(
+        [
+            "deepspeed --num_gpus 2 scripts/train.py --objective dpo --beta 0.1 --zero_stage 3 "
+            "--model_name_or_path BASE --dataset prefs.jsonl",
+            "deepspeed --num_gpus 2 scripts/train.py --objective dpo --zero_stage 3 --use_peft true --lora_r 4 "
+            "--model_name_or_path BASE --dataset prefs.jsonl",
+            "torchrun --nproc_per_node 2 scripts/train.py --objective orpo --beta 0.5 --zero_stage 2 "
+            "--model_name_or_path BASE --dataset prefs.jsonl",
+            "python scripts/train.py --objective simpo --beta 2.0 --model_name_or_path BASE --dataset prefs.jsonl",
+        ],
+        "tests/e2e/test_preference_cli.py::test_dpo_on_two_ranks_under_zero3_follows_one_process",
+    ),
 }
 # make targets: who runs each (a test node, CI, a prerequisite), or why nothing does.
 MAKE_TARGETS = {

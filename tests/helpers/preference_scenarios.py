@@ -283,11 +283,24 @@ def resume(out: Path) -> dict[str, Any]:
 
 @scenario
 def reference_cache(out: Path) -> dict[str, Any]:
-    """A first run scores the reference; a second in the same output_dir reads it back; one whose
-    pairs differ is refused, its cache left as it was."""
-    first, rows = run_ours(out, "text", "cached", max_steps=1)
+    """A first run scores the reference of its train and eval sets before the first step; a second
+    in the same output_dir reads them back; one whose pairs differ is refused, its cache left as it
+    was. A set of its own passed to evaluate() is scored before training, and refused after it."""
+    set_seed(0)
+    args = DPOConfig(output_dir=str(out / "cached"), **{**COMMON, "max_steps": 1})
+    first = DPOTrainer(
+        base(out), args=args, train_dataset=pairs("text"), eval_dataset=pairs("conversation", 8)
+    )
+    other_set = first.evaluate(pairs("implicit"))  # before training: scored and cached apart
+    first.train()
+    rows = history(read_metrics(out / "cached"))
+    after = first.evaluate()  # the eval set, scored before the step: against the initial policy
+    try:
+        first.evaluate(pairs("implicit", 12))
+        late = ""
+    except ValueError as err:
+        late = str(err)
     cache = out / "cached" / "reference" / "train.safetensors"
-    other_set = first.evaluate(pairs("implicit"))  # a set of its own: scored and cached apart
     stamp = cache.stat().st_mtime_ns
     run_ours(out, "text", "cached", max_steps=2)
     try:
@@ -303,6 +316,8 @@ def reference_cache(out: Path) -> dict[str, Any]:
         "refusal": refusal,
         "cache_file": str(cache),
         "other_set_loss": other_set.get("eval_loss"),
+        "eval_after_a_step": after["eval_loss"],
+        "late_set_refusal": late,
         "reference_files": sorted(p.name for p in cache.parent.glob("*.safetensors")),
     }
 

@@ -84,8 +84,20 @@ def test_a_rerun_reads_the_cached_reference_and_a_stale_one_is_refused(results):
         run["cache_file"] + ": the reference log-probabilities there were computed"
     )
     # A set passed to evaluate() is no stale train set: it is scored and cached under its fingerprint.
-    assert run["other_set_loss"] > 0
-    assert run["reference_files"][-1] == "train.safetensors" and run["reference_files"][0].startswith("set-")
+    assert run["other_set_loss"] == pytest.approx(run["ln2"], abs=1e-6)  # the policy is the reference
+    names = run["reference_files"]
+    assert len(names) == 3 and names[1].startswith("set-")
+    assert (names[0], names[2]) == ("eval.safetensors", "train.safetensors")
+
+
+def test_the_eval_set_is_scored_before_the_first_step_and_a_late_set_is_refused(results):
+    """Evaluated after a step of lr 1e-2, the eval set's loss is no longer ln 2: its reference was
+    scored with the initial weights (scored with the trained ones, it would read ln 2 again). A new
+    set after training has no reference left to score it with."""
+    run = results["reference_cache"]
+    assert abs(run["eval_after_a_step"] - run["ln2"]) > 1e-3
+    assert run["late_set_refusal"].startswith("the set-")
+    assert "reference (the policy) is gone once training starts" in run["late_set_refusal"]
 
 
 def test_a_resumed_run_scores_the_initial_policy_and_ends_bitwise_equal(results):

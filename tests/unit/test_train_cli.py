@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers.launch import launch
 from trainer.args.recipe import run_help
-from trainer.args.training import SECTIONS
+from trainer.args.run import SECTIONS
 from trainer.config.reference import type_name
 
 DOORS = {

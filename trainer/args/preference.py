@@ -67,6 +67,9 @@ class PreferenceConfig(TrainingArguments):
 class DPOConfig(PreferenceConfig):
     """TRL's ``DPOConfig`` fields: the reference and the loss."""
 
+    OBJECTIVES: ClassVar[tuple[str, ...]] = ("dpo",)
+    objective: Literal["dpo"] = Field("dpo", description="dpo: what scripts/train.py runs with these fields.")
+
     REFUSED: ClassVar[Refusals] = {
         "padding_free": (False, "pairs are padded per batch; padding-free batches are not implemented"),
         "ld_alpha": (None, "length-desensitised DPO (LD-DPO) is not implemented"),
@@ -125,6 +128,11 @@ class ORPOConfig(PreferenceConfig):
     """TRL's ``ORPOConfig`` fields. ``beta`` is the paper's lambda: the odds-ratio term's weight."""
 
     REFUSED: ClassVar[Refusals] = ENCODER_DECODER
+    OBJECTIVES: ClassVar[tuple[str, ...]] = ("orpo",)
+
+    objective: Literal["orpo"] = Field(
+        "orpo", description="orpo: what scripts/train.py runs with these fields."
+    )
 
     beta: float = Field(0.1, gt=0, description="The weight of the odds-ratio term (the paper's lambda).")
     padding_value: int | None = Field(
@@ -142,6 +150,12 @@ class CPOConfig(PreferenceConfig):
         **ENCODER_DECODER,
         "alpha": (0.0, "AlphaPO's reward transformation is not implemented"),
     }
+    OBJECTIVES: ClassVar[tuple[str, ...]] = ("cpo", "simpo")
+
+    objective: Literal["cpo", "simpo"] = Field(
+        "cpo",
+        description="cpo, or simpo: CPO's loss_type simpo without its NLL term (cpo_alpha 0) by default.",
+    )
 
     beta: float = Field(0.1, gt=0, description="The temperature of the preference loss (IPO's tau).")
     label_smoothing: float = Field(
@@ -154,3 +168,24 @@ class CPOConfig(PreferenceConfig):
     max_completion_length: int | None = Field(None, description="Refused when set (REFUSED).")
     is_encoder_decoder: bool | None = Field(None, description="Refused when set (REFUSED).")
     generate_during_eval: bool = Field(False, description="Refused when true (REFUSED).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _simpo(cls, data: Any) -> Any:
+        """``objective: simpo`` is SimPO as its paper has it, unless a field says otherwise."""
+        if isinstance(data, dict) and data.get("objective") == "simpo":
+            data = {"loss_type": "simpo", "cpo_alpha": 0.0, **data}
+            if data["loss_type"] != "simpo":
+                raise ValueError(
+                    f"objective, loss_type: simpo is CPO's loss_type simpo, not {data['loss_type']}; "
+                    "use objective cpo for the other loss types"
+                )
+        return data
+
+
+OBJECTIVE_CONFIGS: dict[str, type[PreferenceConfig]] = {
+    "dpo": DPOConfig,
+    "orpo": ORPOConfig,
+    "cpo": CPOConfig,
+    "simpo": CPOConfig,
+}

@@ -15,7 +15,9 @@ from typing import Any
 import yaml
 
 from trainer.args import hf_fields
-from trainer.args.training import SECTIONS, RunConfig, stated_by_deepspeed
+from trainer.args.preference import CPOConfig, DPOConfig, ORPOConfig, PreferenceConfig
+from trainer.args.run import SECTIONS, RunConfig
+from trainer.args.training import stated_by_deepspeed
 from trainer.config.errors import ConfigError
 from trainer.config.reference import type_name
 
@@ -141,24 +143,36 @@ def _default_text(field: Any) -> str:
     return json.dumps(value)
 
 
+# The preference configs' own fields, each group with the objectives that read it
+PREFERENCE_HELP = (
+    (PreferenceConfig, "dpo, orpo, cpo and simpo"),
+    (DPOConfig, "dpo"),
+    (ORPOConfig, "orpo"),
+    (CPOConfig, "cpo and simpo"),
+)
+
+
 def run_help(prog: str = "scripts/train.py") -> str:
     """The ``--help`` text: every run field with its type, default and description, from the schema;
-    HF's fields that are refused unless left at their default come last, under their own heading."""
+    HF's fields that are refused unless left at their default come after the sections, under their
+    own heading, and the preference objectives' own fields last."""
     lines = [f"usage: {prog} [--config RECIPE.yaml] [--field value ...]", "", _HELP_INTRO]
+    groups = []
     for section, model in SECTIONS.items():
         fields = model.model_fields.items()
         refused = [(name, field) for name, field in fields if hf_fields.refused_note(name)]
-        for heading, group in (
-            (f"{section} arguments ({model.__name__}):", [f for f in fields if f not in refused]),
-            ("HF's fields refused unless left at their default:", refused),
-        ):
-            lines += ["", heading] if group else []
-            for name, field in group:
-                lines.append(
-                    f"  --{name} {type_name(field.annotation, ' | ')} (default: {_default_text(field)})"
-                )
-                text = " ".join(filter(None, (field.description, hf_fields.refused_note(name))))
-                lines += textwrap.wrap(text, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        groups.append((f"{section} arguments ({model.__name__}):", [f for f in fields if f not in refused]))
+        groups.append(("HF's fields refused unless left at their default:", refused))
+    for config, objectives in PREFERENCE_HELP:
+        inherited = config.__mro__[1].model_fields
+        own = [(name, field) for name, field in config.model_fields.items() if name not in inherited]
+        groups.append((f"with --objective {objectives} ({config.__name__}):", own))
+    for heading, group in groups:
+        lines += ["", heading] if group else []
+        for name, field in group:
+            lines.append(f"  --{name} {type_name(field.annotation, ' | ')} (default: {_default_text(field)})")
+            text = " ".join(filter(None, (field.description, hf_fields.refused_note(name))))
+            lines += textwrap.wrap(text, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)
 
 

@@ -1,5 +1,5 @@
-"""Run arguments: HF-style ``TrainingArguments`` (and ``Seq2SeqTrainingArguments``), and the
-``RunConfig`` that groups them with the model and data arguments.
+"""Run arguments: HF-style ``TrainingArguments`` (and ``Seq2SeqTrainingArguments``); ``RunConfig``,
+which groups them with the model and data arguments, is in ``trainer.args.run``.
 
 A run is described by one flat YAML recipe plus ``--field value`` overrides. Every key belongs to
 exactly one of the three argument models; an unknown key is an error that names it and suggests the
@@ -16,14 +16,11 @@ from __future__ import annotations
 import importlib.util
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     field_serializer,
     field_validator,
     model_validator,
@@ -40,16 +37,13 @@ from trainer.args.base import (
 )
 from trainer.args.hf import HFArgumentHelpers, zero3_init
 from trainer.args.model_data import DataArguments, ModelArguments
-from trainer.config.errors import ConfigError, unknown_key_message
 from trainer.config.files import STATED_ARGUMENTS
 
 __all__ = [
     "PRECISION_FIELDS",
     "REPORT_TO",
-    "SECTIONS",
     "DataArguments",
     "ModelArguments",
-    "RunConfig",
     "Seq2SeqTrainingArguments",
     "TrainingArguments",
     "json_object",
@@ -60,6 +54,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
+Objective = Literal["causal_lm", "dpo", "orpo", "cpo", "simpo"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Strategy = Literal["no", "steps", "epoch"]
 LogLevel = Literal["passive", "debug", "info", "warning", "error", "critical"]
@@ -73,6 +68,15 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
     """The fields of ``TrainingArguments`` this trainer implements: HF's, with HF's names and
     meanings, and its own; and their validation."""
 
+    #: The objectives this class's fields describe (a preference config names its own).
+    OBJECTIVES: ClassVar[tuple[str, ...]] = ("causal_lm",)
+
+    objective: Objective = Field(
+        "causal_lm",
+        description="What a run of scripts/train.py minimises: the next-token loss (causal_lm), or a "
+        "preference objective over the dataset's pairs (dpo, orpo, cpo, simpo), which takes the fields "
+        "of DPOConfig, ORPOConfig or CPOConfig (docs/preference.md).",
+    )
     output_dir: str = Field("output", description="Where metrics, checkpoints and the final export go.")
     num_train_epochs: float = Field(1.0, gt=0, description="Epochs to train when max_steps is -1.")
     max_steps: int = Field(-1, ge=-1, description="Optimizer steps to train; -1 means use num_train_epochs.")
@@ -438,6 +442,15 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
         return data
 
     @model_validator(mode="after")
+    def _objective_fits(self) -> TrainingFields:
+        if self.objective not in self.OBJECTIVES:
+            raise ValueError(
+                f"objective: {self.objective} is not what {type(self).__name__} trains "
+                f"({', '.join(self.OBJECTIVES)}); scripts/train.py and RunConfig pick the class from it"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _precision_flags(self) -> TrainingFields:
         if self.bf16 and self.fp16:
             raise ValueError("bf16, fp16: both enabled; choose one")
@@ -518,76 +531,3 @@ class Seq2SeqTrainingArguments(TrainingArguments):
     def _generation_config_json(self, value: Any) -> Any:
         """A GenerationConfig object as its dict, as HF's ``to_dict`` writes it."""
         return value.to_dict() if hasattr(value, "to_dict") else value
-
-
-SECTIONS: dict[str, type[ArgsModel]] = {
-    "training": TrainingArguments,
-    "model": ModelArguments,
-    "data": DataArguments,
-}
-
-
-class RunConfig(BaseModel):
-    """A whole run: the three argument groups, validated together."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    training: TrainingArguments = Field(default_factory=TrainingArguments)
-    model: ModelArguments = Field(default_factory=ModelArguments)
-    data: DataArguments = Field(default_factory=DataArguments)
-
-    @model_validator(mode="after")
-    def _lora_without_the_pipeline(self) -> RunConfig:
-        if self.model.use_peft and self.training.pipeline_parallel_size > 1:
-            raise ValueError(
-                "use_peft: LoRA runs with ZeRO 0-3 and data parallelism, not with pipeline_parallel_size > 1 "
-                "(the pipeline rebuilds the model from its layers, without peft's wrappers)"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _sequence_split(self) -> RunConfig:
-        sp, block = self.training.sequence_parallel_size, self.data.block_size
-        if sp > 1 and self.training.pipeline_parallel_size > 1:
-            raise ValueError(
-                "sequence_parallel_size, pipeline_parallel_size: sequence parallelism runs with ZeRO 0-3 and "
-                "data parallelism, not with pipeline stages"
-            )
-        if block % sp:
-            raise ValueError(
-                f"block_size, sequence_parallel_size: {block} tokens do not split over {sp} ranks; "
-                f"use a block_size divisible by {sp}"
-            )
-        return self
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _as_sections(cls, data: Any, handler: Any) -> Any:
-        token = IN_RUN_CONFIG.set(True)
-        try:
-            return handler(data)
-        finally:
-            IN_RUN_CONFIG.reset(token)
-
-    @classmethod
-    def from_flat(cls, flat: dict[str, Any]) -> RunConfig:
-        """Build from one flat mapping of field -> value; each field is routed to its section."""
-        owners = {name: section for section, model in SECTIONS.items() for name in model.model_fields}
-        grouped: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
-        problems = []
-        for key, value in flat.items():
-            if key not in owners:
-                problems.append((key, unknown_key_message(key, owners)))
-            else:
-                grouped[owners[key]][key] = value
-        if problems:
-            raise ConfigError(problems)
-        try:
-            return cls(**grouped)
-        except ValidationError as err:
-            raise ConfigError(validation_problems(err, SECTIONS)) from None
-
-    def to_flat(self) -> dict[str, Any]:
-        return {
-            k: v for section in (self.training, self.model, self.data) for k, v in section.to_dict().items()
-        }

@@ -74,9 +74,10 @@ def run(run_config: RunConfig) -> int:
     evals = [row for row in state.log_history if "eval_loss" in row]
     if eval_ds is not None and len(eval_ds) and not (evals and evals[-1]["step"] == state.global_step):
         evals.append(trainer.evaluate())
-    if evals:
+    if evals:  # a perplexity only where the loss is a next-token loss
         loss = evals[-1]["eval_loss"]
-        print_main(f"eval_loss {loss:.4f}  perplexity {safe_exp(loss):.2f}")
+        perplexity = f"  perplexity {safe_exp(loss):.2f}" if args.objective == "causal_lm" else ""
+        print_main(f"eval_loss {loss:.4f}{perplexity}")
     final = trainer.save_model(str(Path(args.output_dir) / FINAL))
     if dist_info().is_main:
         plot_runs([args.output_dir])

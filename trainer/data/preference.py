@@ -193,3 +193,23 @@ class PreferenceCollator:
                 [row[REFERENCE_COLUMN] for row in rows], dtype=torch.float32
             )
         return batch
+
+
+def load_pairs(data_args: Any, seed: int) -> tuple[Any, Any]:
+    """The raw preference rows of a run's ``dataset`` (a file, directory or hub name, as any run's),
+    and its evaluation rows: the ``validation_file``'s, else the source's own validation split, else
+    ``validation_split_percentage`` of the rows held out, drawn with ``seed``. Tokenised later, by
+    the preference trainer."""
+    from trainer.data.sources import load_raw, load_validation, resolve_source
+
+    raw = load_raw(data_args)
+    train, held = raw.train, raw.eval
+    if data_args.validation_file is not None:
+        source = resolve_source(data_args, data_args.validation_file, "validation_file")
+        held = load_validation(data_args, source)
+    elif held is None and data_args.validation_split_percentage:
+        split = train.train_test_split(test_size=data_args.validation_split_percentage / 100, seed=seed)
+        train, held = split["train"], split["test"]
+    if data_args.max_train_samples is not None and data_args.max_train_samples < len(train):
+        train = train.select(range(data_args.max_train_samples))
+    return train, held

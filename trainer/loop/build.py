@@ -21,13 +21,26 @@ from transformers import set_seed
 from trainer.args import RunConfig
 from trainer.config import Hardware
 from trainer.data import build_datasets, get_tokenizer
+from trainer.data.preference import load_pairs
+from trainer.data.sources import DataError
 from trainer.engine.sequence_parallel import check_layout
 from trainer.loop.callbacks import TrainerCallback
+from trainer.loop.dpo import DPOTrainer
 from trainer.loop.plan import layout_of, plan_run
+from trainer.loop.preference import CPOTrainer, ORPOTrainer, PreferenceTrainer
 from trainer.loop.trainer import Trainer
 from trainer.model.liger import check_liger
 from trainer.model.modeling import build_model, hidden_size_of, model_config
 from trainer.runtime.distributed import DistInfo, detect_hardware, init_distributed
+
+# What a run's ``objective`` trains with: the Trainer for the next-token loss, TRL's trainers for pairs.
+TRAINERS: dict[str, type[Trainer]] = {
+    "causal_lm": Trainer,
+    "dpo": DPOTrainer,
+    "orpo": ORPOTrainer,
+    "cpo": CPOTrainer,
+    "simpo": CPOTrainer,
+}
 
 
 def build_run(
@@ -63,10 +76,18 @@ def build_run(
     if not layout_checked:
         layout = layout_of(run_config, dist)
         check_layout(config, layout.sequence, layout.world)  # before any data loads
+    trainer_class = TRAINERS[args.objective]
     if not given_data:
-        train_dataset, eval_dataset = build_datasets(data_args, tokenizer, seed=args.seed)
+        if issubclass(trainer_class, PreferenceTrainer):
+            train_dataset, eval_dataset = load_pairs(data_args, args.seed)
+        else:
+            train_dataset, eval_dataset = build_datasets(data_args, tokenizer, seed=args.seed)
         if eval_dataset is not None and data_args.max_eval_samples:
             eval_dataset = eval_dataset.select(range(min(data_args.max_eval_samples, len(eval_dataset))))
+    if issubclass(trainer_class, PreferenceTrainer):  # before the plan, which counts the pairs kept
+        eval_key = "validation_file" if data_args.validation_file else "dataset"
+        train_dataset = _pairs(trainer_class, train_dataset, "train", "dataset", args, tokenizer)
+        eval_dataset = _pairs(trainer_class, eval_dataset, "eval", eval_key, args, tokenizer)
     plan = plan_run(
         run_config,
         hardware,
@@ -79,7 +100,7 @@ def build_run(
     model: torch.nn.Module = build_model(
         model_args, config, plan.ds_config, args.gradient_checkpointing, seed=args.seed
     )
-    return Trainer(
+    return trainer_class(
         model=model,
         args=args,
         train_dataset=train_dataset,
@@ -90,3 +111,15 @@ def build_run(
         run_config=run_config,
         plan=plan,
     )
+
+
+def _pairs(
+    trainer_class: type[PreferenceTrainer], dataset: Any, name: str, key: str, args: Any, tokenizer: Any
+):
+    """A preference set tokenised; a bad row or a missing column is one line naming the run's key."""
+    try:
+        return trainer_class.pairs(dataset, name, args, tokenizer)
+    except DataError:
+        raise
+    except ValueError as err:
+        raise DataError([(key, str(err))]) from None

@@ -66,6 +66,7 @@ class DPOTrainer(PreferenceTrainer):
         # With the adapters off, the reference is the frozen base: the adapters' initial values
         # (drawn afresh by each run) are no part of it, so a rerun or a resume still matches.
         frozen_only = self._reference_source == "adapters_off"
+        self._can_score = True  # the reference is at hand until training starts
         self._reference_digest = _weights_digest(
             ref_model if ref_model is not None else self.model, frozen_only
         )
@@ -79,13 +80,17 @@ class DPOTrainer(PreferenceTrainer):
     def _prepare_training(self, spec: Any):
         sampler = super()._prepare_training(spec)  # the engine is built, its weights not yet loaded
         self.train_dataset = self._with_reference(self.train_dataset, "train")
+        self.eval_dataset = self._with_reference(self.eval_dataset, "eval")  # evaluated after updates
+        # From here the policy moves (or a checkpoint's weights replace it), and a given ref_model is
+        # let go: only the frozen base of a PEFT model can still score a new set.
+        self._can_score = self._reference_source == "adapters_off"
         return sampler
 
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
     ):
         if eval_dataset is not None:  # a set of the call's own: its cache is named by its fingerprint
-            pairs = self._pairs(eval_dataset, metric_key_prefix, self.args, self.processing_class)
+            pairs = self.pairs(eval_dataset, metric_key_prefix, self.args, self.processing_class)
             eval_dataset = self._with_reference(pairs, None)
         elif self.eval_dataset is not None:
             self.eval_dataset = self._with_reference(self.eval_dataset, "eval")
@@ -104,6 +109,12 @@ class DPOTrainer(PreferenceTrainer):
         path = Path(self.args.output_dir) / REFERENCE_DIR / f"{name}.safetensors"
         cached = _read_cache(path, fingerprint)
         if cached is None:
+            if not self._can_score:
+                raise ValueError(
+                    f"the {name} set has no reference log-probabilities, and its reference (the "
+                    f"{self._reference_source}) is gone once training starts; pass the set to "
+                    "DPOTrainer(eval_dataset=...) or evaluate it before train()"
+                )
             cached = self._score(dataset, name)
             if self.dist.is_main:
                 _write_cache(path, cached, fingerprint)

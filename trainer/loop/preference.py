@@ -40,7 +40,10 @@ class PreferenceTrainer(Trainer):
         callbacks: list | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
         peft_config: Any = None,
+        **kwargs: Any,
     ):
+        """TRL's arguments; ``kwargs``: the Trainer's own (``run_config``, ``plan``: a run that
+        ``trainer.loop.build`` builds)."""
         name, config = type(self).__name__, self.config_class
         args = args or config()
         if not isinstance(args, config):
@@ -63,18 +66,19 @@ class PreferenceTrainer(Trainer):
         super().__init__(
             model,
             args,
-            train_dataset=self._pairs(train_dataset, "train", args, processing_class),
-            eval_dataset=self._pairs(eval_dataset, "eval", args, processing_class),
+            train_dataset=self.pairs(train_dataset, "train", args, processing_class),
+            eval_dataset=self.pairs(eval_dataset, "eval", args, processing_class),
             data_collator=data_collator
             or PreferenceCollator(pad, args.max_length, args.truncation_mode, args.pad_to_multiple_of),
             processing_class=processing_class,
             compute_metrics=compute_metrics,
             callbacks=callbacks,
             optimizers=optimizers,
+            **kwargs,
         )
 
     @staticmethod
-    def _pairs(dataset: Any, name: str, args: PreferenceConfig, tokenizer: Any) -> Any:
+    def pairs(dataset: Any, name: str, args: PreferenceConfig, tokenizer: Any) -> Any:
         """A preference set as token ids (one already tokenised as it is)."""
         if dataset is None or all(c in (dataset.column_names or []) for c in PAIR_COLUMNS):
             return dataset

@@ -1,0 +1,112 @@
+"""Preference training through the public command: ``scripts/train.py --objective dpo|orpo|simpo``
+on a saved tiny Llama and a JSON-lines file of pairs, under the deepspeed launcher (ZeRO-3, with
+LoRA and without), torchrun and plain python.
+
+One launch each, shared by the tests: DPO on one process (the reference run), DPO on 2 ranks under
+ZeRO-3 (the same global batches), DPO with LoRA on 2 ranks under ZeRO-3, ORPO on 2 ranks under
+ZeRO-2 with accumulation, SimPO on one process."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.helpers.launch import launch
+from tests.helpers.preference_scenarios import EXTRA_METRICS, METRICS, base, pairs
+from tests.helpers.scaffold import read_metrics
+
+pytestmark = pytest.mark.distributed
+
+COMMON = ["--max_steps", "4", "--learning_rate", "1e-2", "--lr_scheduler_type", "constant", "--warmup_ratio", "0",
+          "--logging_steps", "1", "--max_length", "24", "--eval_steps", "4", "--save_steps", "4"]  # fmt: skip
+
+
+def train_rows(out) -> list[dict]:
+    return [r for r in read_metrics(out) if "loss" in r and "train_runtime" not in r]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("preference_cli")
+    model = base(root)
+    data = root / "prefs.jsonl"
+    pairs("text", 34).to_json(data)  # 32 train pairs, 2 held out (validation_split_percentage 5)
+    start = ["scripts/train.py", "--model_name_or_path", model, "--dataset", str(data),
+             "--cache_dir", str(root / "cache"), *COMMON]  # fmt: skip
+    specs = {
+        "dpo_one": ("python", 1, ["--objective", "dpo", "--per_device_train_batch_size", "4"]),
+        "dpo_zero3": ("deepspeed", 2, ["--objective", "dpo", "--zero_stage", "3", "--per_device_train_batch_size", "2"]),
+        "dpo_lora_zero3": ("deepspeed", 2, ["--objective", "dpo", "--zero_stage", "3", "--per_device_train_batch_size",
+                                            "2", "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8"]),
+        "orpo_zero2": ("torchrun", 2, ["--objective", "orpo", "--beta", "0.5", "--zero_stage", "2",
+                                       "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2"]),
+        "simpo_one": ("python", 1, ["--objective", "simpo", "--beta", "2.0", "--per_device_train_batch_size", "4"]),
+    }  # fmt: skip
+    out = {}
+    for name, (launcher, nproc, extra) in specs.items():
+        out[name] = root / name
+        proc = launch([*start, "--output_dir", str(out[name]), *extra], nproc=nproc, launcher=launcher)
+        out[f"{name}.stdout"] = proc.stdout
+    return out
+
+
+def test_dpo_on_two_ranks_under_zero3_follows_one_process(runs):
+    one, three = train_rows(runs["dpo_one"]), train_rows(runs["dpo_zero3"])
+    assert [r["step"] for r in one] == [r["step"] for r in three] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", *METRICS[2:]):
+        first = 1 if key == "rewards/accuracies" else 0  # step 1's margins are 0 up to rounding
+        ours = [r[key] for r in three][first:]
+        assert ours == pytest.approx([r[key] for r in one][first:], rel=1e-5, abs=1e-6), key
+
+
+def test_the_first_dpo_step_is_at_the_reference(runs):
+    for name in ("dpo_one", "dpo_zero3", "dpo_lora_zero3"):
+        first = train_rows(runs[name])[0]
+        assert first["loss"] == pytest.approx(math.log(2), abs=1e-6), name
+        assert [first["rewards/chosen"], first["rewards/rejected"]] == pytest.approx([0, 0], abs=1e-6), name
+        assert train_rows(runs[name])[-1]["loss"] < first["loss"], name
+
+
+def test_the_reference_is_scored_once_and_cached_and_the_eval_set_against_it(runs):
+    for name, source in (("dpo_zero3", "policy"), ("dpo_lora_zero3", "adapters_off")):
+        stdout = runs[f"{name}.stdout"]
+        assert f"Scoring the train set's 32 pairs under the reference ({source})." in stdout, name
+        assert f"Scoring the eval set's 2 pairs under the reference ({source})." in stdout, name
+        cached = sorted(p.name for p in (runs[name] / "reference").iterdir())
+        assert cached == ["eval.json", "eval.safetensors", "train.json", "train.safetensors"], name
+        (evaluation,) = [r for r in read_metrics(runs[name]) if "eval_loss" in r]
+        assert abs(evaluation["eval_loss"] - math.log(2)) > 1e-4, (
+            name
+        )  # the trained policy, the initial reference
+        assert f"eval_loss {evaluation['eval_loss']:.4f}\n" in stdout  # no perplexity for a preference loss
+
+
+def test_lora_trains_the_adapters_only_and_exports_them(runs):
+    stdout = runs["dpo_lora_zero3.stdout"]
+    assert "Parameters: " in stdout and "(100.00%)" not in stdout
+    final = runs["dpo_lora_zero3"] / "final"
+    assert (final / "adapter_model.safetensors").is_file() or (final / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name, method", [("orpo_zero2", "orpo"), ("simpo_one", "cpo")])
+def test_reference_free_objectives_log_trls_metrics_and_learn(runs, name, method):
+    rows = train_rows(runs[name])
+    assert len(rows) == 4 and all(k in rows[0] for k in (*METRICS, *EXTRA_METRICS[method])), rows[0]
+    assert rows[-1]["rewards/margins"] > rows[0]["rewards/margins"]
+    assert not (runs[name] / "reference").exists()  # no reference pass
+    if name == "simpo_one":
+        assert [r["nll_loss"] for r in rows] == [0.0] * 4  # SimPO: cpo_alpha 0
+
+
+def test_a_bad_pair_is_one_line_naming_the_row(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "Q", "chosen": " A", "rejected": " B"}\n{"prompt": "Q", "chosen": " A"}\n')
+    proc = launch(["scripts/train.py", "--objective", "dpo", "--model_name_or_path", base(tmp_path),
+                   "--dataset", str(bad), "--validation_split_percentage", "0", "--output_dir", str(tmp_path / "o"),
+                   "--cache_dir", str(tmp_path / "cache")], launcher="python", check=False)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (
+        proc.stderr.strip().splitlines()[-1] == "error: dataset: the train set's row 1: rejected is missing"
+    )
+    assert "Traceback" not in proc.stderr
