@@ -46,7 +46,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -54,6 +53,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from trainer.bench.launch import free_port
 from trainer.bench.long_context import Setup, bounds, classify, lengths, summarise, table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -299,12 +299,6 @@ class Data:
 # ---------------------------------------------------------------- one probe
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Prober:
     def __init__(self, args: argparse.Namespace, out: Path, data: Data):
         from trainer.model.modeling import model_config
@@ -329,7 +323,7 @@ class Prober:
             env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if setup.system == "hf" and setup.ranks == 1:  # a world of one without a launcher, for DeepSpeed
             env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(_free_port()))  # fmt: skip
+                       MASTER_PORT=str(free_port()))  # fmt: skip
         return env
 
     def ours_flags(self, setup: Setup, length: int, out_dir: Path) -> list[str]:
@@ -348,7 +342,7 @@ class Prober:
     def command(self, setup: Setup, length: int, out_dir: Path) -> list[str]:
         if setup.ranks > 1:
             launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(setup.ranks),
-                        "--master_port", str(_free_port())]  # fmt: skip
+                        "--master_port", str(free_port())]  # fmt: skip
         else:
             launcher = [sys.executable]
         if setup.system == "ours":

@@ -54,6 +54,7 @@ TEST_NODES = {
     "scripts/bench.py": "tests/e2e/test_bench.py::test_json_holds_the_four_systems_with_the_contract_keys",
     "scripts/bench_checkpoint.py": "tests/e2e/test_bench_checkpoint.py::test_reports_save_and_raw_speeds_and_blocked_times",
     "scripts/bench_comm.py": "tests/e2e/test_bench_comm.py::test_two_gloo_ranks_write_the_json_report",
+    "scripts/bench_preference.py": "tests/e2e/test_bench_preference.py::test_ours_and_trl_train_the_same_dpo_job_on_zero3",
     "scripts/bench_long_context.py": "tests/e2e/test_bench_long_context.py::test_json_holds_every_probe_and_sp_trains_at_least_as_long",
     "scripts/fault_campaign.py": "tests/e2e/test_fault_campaign.py::test_every_fault_hits_and_every_run_recovers",
     # scripts/train.py launches the matrix does not hold
@@ -70,7 +71,7 @@ TEST_NODES = {
             "--model_name_or_path BASE --dataset prefs.jsonl",
             "deepspeed --num_gpus 2 scripts/train.py --objective dpo --zero_stage 3 --use_peft true --lora_r 4 "
             "--model_name_or_path BASE --dataset prefs.jsonl",
-            "torchrun --nproc_per_node 2 scripts/train.py --objective orpo --beta 0.5 --zero_stage 2 "
+            "python scripts/train.py --objective orpo --beta 0.5 --gradient_accumulation_steps 2 "
             "--model_name_or_path BASE --dataset prefs.jsonl",
             "python scripts/train.py --objective simpo --beta 2.0 --model_name_or_path BASE --dataset prefs.jsonl",
         ],
@@ -239,7 +240,9 @@ def helps(command: str) -> list[tuple[tuple[str, ...] | None, list[str]]]:
 
 
 @functools.cache
+@functools.cache
 def help_text(program: tuple[str, ...]) -> str:
+    """A program's ``--help``, run once per program (each run imports torch and more: seconds)."""
     proc = subprocess.run(
         [*program, "--help"], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=300
     )

@@ -323,6 +323,54 @@ def reference_cache(out: Path) -> dict[str, Any]:
 
 
 @scenario
+def reference_resume(out: Path) -> dict[str, Any]:
+    """The reference pass stopped after 3 of its 6 batches (of 4 pairs, each written as it is
+    scored), then the run again in the same output_dir: the pass forwards only the 3 batches left,
+    and its cache and the steps equal an uninterrupted run's, bitwise."""
+    from safetensors.torch import load_file
+
+    import trainer.loop.dpo as dpo
+
+    dpo.FLUSH_PAIRS = 4
+    calls, real = [], dpo.sequence_logps
+
+    def counted(forward, batch, stop_after=None):
+        calls.append(1)
+        if stop_after is not None and len(calls) > stop_after:
+            raise KeyboardInterrupt("stopped in the reference pass")
+        return real(forward, batch)
+
+    fields = dict(precompute_ref_batch_size=4, max_steps=2)
+    _, whole = run_ours(out, "text", "whole", **fields)
+    dpo.sequence_logps = lambda forward, batch: counted(forward, batch, stop_after=3)
+    try:
+        run_ours(out, "text", "resumed", **fields)
+        stopped = False
+    except KeyboardInterrupt:
+        stopped = True
+    chunks = len(list((out / "resumed" / "reference" / "train.partial").glob("*.safetensors")))
+    calls.clear()
+    dpo.sequence_logps = lambda forward, batch: counted(forward, batch)
+    _, resumed = run_ours(out, "text", "resumed", **fields)
+    dpo.sequence_logps = real
+    caches = [
+        load_file(out / name / "reference" / "train.safetensors")["ref_logps"]
+        for name in ("whole", "resumed")
+    ]
+    return {
+        "stopped": stopped,
+        "chunks_left": chunks,
+        "forwards_after": len(
+            calls
+        ),  # the pass's (6 batches, 3 done) and nothing else: the steps call the objective
+        "partial_left": (out / "resumed" / "reference" / "train.partial").exists(),
+        "same_cache": bool(torch.equal(caches[0], caches[1])),
+        "whole": whole,
+        "resumed": resumed,
+    }
+
+
+@scenario
 def zero_stages(out: Path) -> dict[str, Any]:
     """Under a launcher: the text pairs, every rank a share of the same global batch of 4 pairs:
     under ZeRO-2 in one micro-batch, under ZeRO-3 in two accumulated ones (the reference pass

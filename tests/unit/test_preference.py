@@ -28,7 +28,7 @@ FREE = {"orpo": "orpo", "orpo_accumulated": "orpo", "cpo": "cpo", "simpo": "cpo"
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("preference")
-    names = [*PARITY, *FREE, "reference_cache", "resume"]
+    names = [*PARITY, *FREE, "reference_cache", "resume", "reference_resume"]
     launch([SCRIPT, str(out), *names], launcher="python", timeout=1200)
     return {name: json.loads((out / f"{name}.json").read_text()) for name in names}
 
@@ -236,3 +236,13 @@ def test_a_preference_trainer_takes_only_its_own_config(tmp_path):
 
     with pytest.raises(TypeError, match="^ORPOTrainer: args must be ORPOConfig, got DPOConfig$"):
         ORPOTrainer(torch.nn.Linear(1, 1), args=DPOConfig(output_dir=str(tmp_path)))
+
+
+def test_a_reference_pass_stopped_midway_resumes_where_it_stopped(results):
+    run = results["reference_resume"]
+    assert run["stopped"] and run["chunks_left"] == 3  # one chunk per batch scored before the stop
+    assert run["forwards_after"] == 3  # only the batches left
+    assert not run["partial_left"]  # the whole pass is in the cache; its chunks are gone
+    assert run["same_cache"]
+    for key in METRICS:
+        assert run["resumed"][key] == run["whole"][key], key

@@ -71,12 +71,6 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
     #: The objectives this class's fields describe (a preference config names its own).
     OBJECTIVES: ClassVar[tuple[str, ...]] = ("causal_lm",)
 
-    objective: Objective = Field(
-        "causal_lm",
-        description="What a run of scripts/train.py minimises: the next-token loss (causal_lm), or a "
-        "preference objective over the dataset's pairs (dpo, orpo, cpo, simpo), which takes the fields "
-        "of DPOConfig, ORPOConfig or CPOConfig (docs/preference.md).",
-    )
     output_dir: str = Field("output", description="Where metrics, checkpoints and the final export go.")
     num_train_epochs: float = Field(1.0, gt=0, description="Epochs to train when max_steps is -1.")
     max_steps: int = Field(-1, ge=-1, description="Optimizer steps to train; -1 means use num_train_epochs.")
@@ -274,6 +268,12 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
     resume_from_checkpoint: str | None = Field(
         None,
         description="A checkpoint dir, 'auto' (newest complete one in output_dir; also true), or None (also false).",
+    )
+    objective: Objective = Field(
+        "causal_lm",
+        description="What a run of scripts/train.py minimises: the next-token loss (causal_lm), or a "
+        "preference objective over the dataset's pairs (dpo, orpo, cpo, simpo), which takes the fields "
+        "of DPOConfig, ORPOConfig or CPOConfig (docs/preference.md).",
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage when no DeepSpeed config is given.")
     offload_optimizer: OffloadDevice = Field("none", description="Offload optimizer states to cpu or nvme.")

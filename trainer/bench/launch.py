@@ -26,7 +26,7 @@ WORKER_MODULE = "trainer.bench.worker"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -54,7 +54,7 @@ def worker_command(system: str, job: Job, job_file: Path, gate: str) -> list[str
     """One system's launcher: ``job.world_size`` ranks of ``python -m trainer.bench.worker``."""
     return [
         sys.executable, "-m", "deepspeed.launcher.runner",
-        "--num_gpus", str(job.world_size), "--master_port", str(_free_port()),
+        "--num_gpus", str(job.world_size), "--master_port", str(free_port()),
         "--module", WORKER_MODULE,
         "--system", system, "--job", str(job_file), "--gate", gate,
     ]  # fmt: skip

@@ -15,6 +15,7 @@ from trainer.planner import (
     Cluster,
     LongContext,
     ModelSpec,
+    Objective,
     Setup,
     format_activation_table,
     format_table,
@@ -22,6 +23,7 @@ from trainer.planner import (
     load_model_spec,
     long_context_words,
     no_fit_message,
+    reference_bytes,
     sequence_parallel_problems,
     spec_from_counts,
 )
@@ -56,6 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lora-r", type=int, help="LoRA adapters of this rank on every linear layer, base frozen"
     )
     run.add_argument("--qlora", action="store_true", help="with --lora-r: the frozen base in 4-bit NF4")
+    run.add_argument(
+        "--objective", choices=["causal_lm", "dpo", "orpo", "cpo", "simpo"], default="causal_lm",
+        help="what the run trains; a preference objective's micro-batch counts pairs (2 sequences each)",
+    )  # fmt: skip
+    run.add_argument(
+        "--reference", choices=["cached", "model"], default="cached",
+        help="DPO's reference: the cached pass (no model held in training; the default) or a reference "
+        "model beside the policy, as TRL holds one",
+    )  # fmt: skip
     long = parser.add_argument_group(
         "long context (the plan picks the fewest features and smallest size that fit)"
     )
@@ -161,6 +172,10 @@ def run(args: argparse.Namespace) -> int:
         _check_positive(args)
         if args.qlora and not args.lora_r:
             raise ConfigError("QLoRA trains LoRA adapters: give --lora-r too", "--qlora")
+        if args.reference == "model" and args.objective != "dpo":
+            raise ConfigError(
+                f"--objective {args.objective} has no reference model; only dpo does", "--reference"
+            )
         spec = _spec(args)
         cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_memory_gb, args.cpu_memory_gb)
         _check_sequence_parallel(args, spec, cluster)
@@ -172,8 +187,9 @@ def run(args: argparse.Namespace) -> int:
     def config_for(setup: Setup) -> dict[str, Any]:
         return deepspeed_config(setup, args.precision, args.micro_batch, cluster.world_size, spec.hidden_size)
 
+    objective = Objective(args.objective, args.reference == "model")
     result = make_plan(spec, cluster, args.seq_len, args.micro_batch, args.precision, config_for,
-                       args.lora_r, args.qlora, options)  # fmt: skip
+                       args.lora_r, args.qlora, options, objective)  # fmt: skip
     best = result["recommended"]
     if best is not None:
         best["deepspeed_config"] = config_for(Setup(**{k: best[k] for k in Setup.__dataclass_fields__}))
@@ -206,6 +222,7 @@ def _report(result: dict[str, Any], long_context: bool) -> str:
             else []
         ),
     ]
+    lines += _objective_lines(result)
     if long_context:
         lines += [
             "activations and logits per GPU, GB, by sequence-parallel size (every combination, allowed or "
@@ -223,6 +240,29 @@ def _report(result: dict[str, Any], long_context: bool) -> str:
         "",
     ]
     return "\n".join(lines + _recommendation(result))
+
+
+def _objective_lines(result: dict[str, Any]) -> list[str]:
+    """What a preference objective changes: the pairs, and DPO's reference and what it costs."""
+    objective, m = result["objective"], result["model"]
+    if objective["name"] == "causal_lm":
+        return []
+    lines = [f"objective {objective['name']}: each micro-batch row is a pair, 2 sequences of seq_len"]
+    if objective["name"] != "dpo":
+        return lines + ["reference: none (the objective is reference-free)"]
+    if result["lora_r"]:
+        return lines + ["reference: the frozen base with the adapters off, no second model"]
+    world = result["cluster"]["world_size"]
+    whole, share = (
+        reference_bytes(m["n_params"], stage, world, result["precision"]) / 1e9 for stage in (0, 3)
+    )
+    cost = f"{whole:.2f} GB per GPU at ZeRO 0-2, {share:.2f} GB at ZeRO-3"
+    if objective["reference_model"]:
+        return lines + [f"reference: a model beside the policy, in the model column ({cost})"]
+    return lines + [
+        f"reference: the cached pass, scored before step 0; no model held in training, where a reference "
+        f"model would add {cost} (--reference model plans with one)"
+    ]
 
 
 def _recommendation(result: dict[str, Any]) -> list[str]:

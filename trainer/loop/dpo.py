@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,10 +36,11 @@ from trainer.engine.preference import DPO, sequence_logps
 from trainer.engine.zero import gathered
 from trainer.loop.evaluation import eval_batches
 from trainer.loop.preference import PreferenceTrainer, disable_dropout, is_peft, load_model
-from trainer.runtime.distributed import all_gather_object, barrier, print_main
+from trainer.runtime.distributed import all_gather_object, barrier, host_all_reduce, print_main
 from trainer.runtime.run_files import write_whole
 
 REFERENCE_DIR = "reference"
+FLUSH_PAIRS = 4096  # pairs a rank scores between two writes of its progress in the reference pass
 
 
 class DPOTrainer(PreferenceTrainer):
@@ -115,9 +118,10 @@ class DPOTrainer(PreferenceTrainer):
                     f"{self._reference_source}) is gone once training starts; pass the set to "
                     "DPOTrainer(eval_dataset=...) or evaluate it before train()"
                 )
-            cached = self._score(dataset, name)
+            cached = self._score(dataset, name, path.with_suffix(".partial"), fingerprint)
             if self.dist.is_main:
                 _write_cache(path, cached, fingerprint)
+                shutil.rmtree(path.with_suffix(".partial"), ignore_errors=True)  # the pass is whole
             barrier("reference_cache")
         return dataset.add_column(REFERENCE_COLUMN, cached.tolist())
 
@@ -132,23 +136,42 @@ class DPOTrainer(PreferenceTrainer):
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
     @torch.no_grad()
-    def _score(self, dataset: Any, name: str) -> torch.Tensor:
+    def _score(self, dataset: Any, name: str, partial: Path, fingerprint: str) -> torch.Tensor:
         """[chosen, rejected] log-probabilities of every pair of ``dataset`` under the reference;
-        each rank scores its share, and every rank gets all of them."""
+        each rank scores its share, and every rank gets all of them.
+
+        The pass resumes: every ``FLUSH_PAIRS`` pairs a rank writes what it scored since its last
+        write to ``partial`` (a directory of chunks, keyed by ``fingerprint``). A pass that starts
+        over reads every chunk there (any rank's, any world size's) and forwards only the batches a
+        rank still needs; ranks agree on each batch, since ZeRO-3's forwards are collective."""
         engine, (world, rank) = self.engine, self._data_ranks
         size = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
+        scored = _read_partial(partial, fingerprint) if self.dist.is_main else {}
+        scored = all_gather_object(scored)[0]  # the main rank's reading, so that every rank agrees
+        done = f"; {len(scored):,} were scored by an earlier attempt" if scored else ""
         print_main(
-            f"Scoring the {name} set's {len(dataset):,} pairs under the reference ({self._reference_source})."
+            f"Scoring the {name} set's {len(dataset):,} pairs under the reference ({self._reference_source}){done}."
         )
-        scored: dict[int, list[float]] = {}
+        if self.dist.is_main:
+            _start_partial(partial, fingerprint)
+        barrier("reference_partial")
+        fresh: dict[int, list[float]] = {}
         engine.train(False)
         try:
             with self._reference_forward() as forward:
                 for batch, indices in eval_batches(dataset, self.data_collator, size, rank, world):
+                    needed = any(i >= 0 and i not in scored for i in indices)
+                    if not host_all_reduce([float(needed)])[0]:
+                        continue  # no rank needs this batch: every rank skips its forward
                     logps, _ = sequence_logps(forward, engine.to_device(batch))
-                    scored.update((i, row) for i, row in zip(indices, logps.tolist(), strict=True) if i >= 0)
+                    fresh.update((i, row) for i, row in zip(indices, logps.tolist(), strict=True) if i >= 0)
+                    if len(fresh) >= FLUSH_PAIRS:
+                        _write_chunk(partial, rank, fresh)
+                        scored.update(fresh)
+                        fresh = {}
         finally:
             engine.train(True)
+        scored.update(fresh)
         merged: dict[int, list[float]] = {}
         for part in all_gather_object(scored):
             merged.update(part)
@@ -211,3 +234,37 @@ def _write_cache(path: Path, logps: torch.Tensor, fingerprint: str) -> None:
     write_whole(path, lambda partial: save_file({REFERENCE_COLUMN: logps.contiguous()}, partial))
     record = json.dumps({"fingerprint": fingerprint, "pairs": len(logps)})
     write_whole(meta, lambda partial: partial.write_text(record))
+
+
+def _start_partial(partial: Path, fingerprint: str) -> None:
+    """A directory for the pass's chunks, keyed by ``fingerprint``; one of another fingerprint (an
+    earlier pass over other weights or pairs, never a finished cache) is emptied first."""
+    meta = partial / "fingerprint.json"
+    if partial.is_dir() and (
+        not meta.is_file() or json.loads(meta.read_text()).get("fingerprint") != fingerprint
+    ):
+        shutil.rmtree(partial)
+    if not meta.is_file():
+        partial.mkdir(parents=True, exist_ok=True)
+        write_whole(meta, lambda tmp: tmp.write_text(json.dumps({"fingerprint": fingerprint})))
+
+
+def _read_partial(partial: Path, fingerprint: str) -> dict[int, list[float]]:
+    """The pairs an earlier attempt of this pass scored (none if its fingerprint differs)."""
+    meta = partial / "fingerprint.json"
+    if not meta.is_file() or json.loads(meta.read_text()).get("fingerprint") != fingerprint:
+        return {}
+    scored: dict[int, list[float]] = {}
+    for chunk in sorted(partial.glob("*.safetensors")):
+        tensors = load_file(chunk)
+        scored.update(zip(tensors["indices"].tolist(), tensors[REFERENCE_COLUMN].tolist(), strict=True))
+    return scored
+
+
+def _write_chunk(partial: Path, rank: int, fresh: dict[int, list[float]]) -> None:
+    """This rank's pairs scored since its last chunk, as one more chunk (written whole)."""
+    tensors = {
+        "indices": torch.tensor(list(fresh), dtype=torch.int64),
+        REFERENCE_COLUMN: torch.tensor(list(fresh.values()), dtype=torch.float32),
+    }
+    write_whole(partial / f"rank{rank}-{time.time_ns()}.safetensors", lambda tmp: save_file(tensors, tmp))

@@ -45,6 +45,7 @@ from trainer.planner.memory import (
     mlp_tile_tokens,
     model_state_bytes,
     param_bytes,
+    reference_bytes,
     tiled_loss_auto,
 )
 from trainer.planner.report import (
@@ -73,6 +74,7 @@ from trainer.planner.spec import (
     PRESETS,
     Cluster,
     ModelSpec,
+    Objective,
     Setup,
     load_model_spec,
     spec_from_counts,
@@ -91,6 +93,7 @@ __all__ = [
     "Cluster",
     "LongContext",
     "ModelSpec",
+    "Objective",
     "Setup",
     "activation_bytes",
     "activation_table",
@@ -116,6 +119,7 @@ __all__ = [
     "no_fit_message",
     "param_bytes",
     "plan",
+    "reference_bytes",
     "sequence_parallel_problems",
     "sequence_parallel_sizes",
     "setups",

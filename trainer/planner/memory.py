@@ -262,3 +262,9 @@ def lora_state_bytes(spec: ModelSpec, r: int, qlora: bool, stage: int, dp: int, 
     base /= dp if stage == 3 else 1
     states["cpu" if offload_param == "cpu" else "params"] += base
     return states
+
+
+def reference_bytes(n_params: int, stage: int, dp: int, precision: str) -> int:
+    """A frozen reference model's weights on one GPU: whole under ZeRO 0-2, a 1/dp share under
+    ZeRO-3 (as DeepSpeed partitions a second engine's), in the training precision."""
+    return param_bytes(precision) * n_params // (dp if stage == 3 else 1)

@@ -19,9 +19,10 @@ from trainer.planner.memory import (
     lora_state_bytes,
     loss_tile_tokens,
     model_state_bytes,
+    reference_bytes,
     tiled_loss_auto,
 )
-from trainer.planner.spec import GB, HEADROOM, Cluster, ModelSpec, Setup
+from trainer.planner.spec import GB, HEADROOM, Cluster, ModelSpec, Objective, Setup
 
 # (offload_optimizer, offload_param) choices, cheapest first.
 OFFLOADS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
@@ -47,10 +48,12 @@ def setups() -> list[Setup]:
 
 def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micro_batch: int,
              precision: str = "bf16", ds_config: dict[str, Any] | None = None,
-             lora_r: int | None = None, qlora: bool = False) -> dict[str, Any]:  # fmt: skip
+             lora_r: int | None = None, qlora: bool = False, objective: Objective = Objective()) -> dict[str, Any]:  # fmt: skip
     """One row of the plan: every figure in GB (1e9 bytes), per GPU and per node. ``lora_r``: LoRA
     adapters of that rank on a frozen base (``qlora``: a 4-bit base). ZeRO partitions over the whole
-    world, sequence-parallel ranks included: they hold the same model and average their gradients."""
+    world, sequence-parallel ranks included: they hold the same model and average their gradients.
+    ``objective``: pairs double the sequences a micro-batch forwards; a reference model (never under
+    LoRA, whose reference is the frozen base) adds its weights to the model column."""
     dp = cluster.world_size
     if lora_r:
         states = lora_state_bytes(spec, lora_r, qlora, setup.zero_stage, dp, precision,
@@ -60,8 +63,11 @@ def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micr
                                    setup.offload_optimizer, setup.offload_param)  # fmt: skip
     trainable = lora_params(spec, lora_r) if lora_r else None
     buffers = buffer_bytes(spec, setup, dp, precision, knobs_from_config(ds_config), trainable)
-    acts = activation_bytes(spec, seq_len, micro_batch, precision, setup)
-    model_gb = (states["params"] + states["grads"] + states["optimizer"]) / GB
+    acts = activation_bytes(spec, seq_len, micro_batch * objective.sequences_per_row, precision, setup)
+    reference = 0
+    if objective.reference_model and not lora_r:
+        reference = reference_bytes(spec.n_params, setup.zero_stage, dp, precision)
+    model_gb = (states["params"] + states["grads"] + states["optimizer"] + reference) / GB
     buffers_gb, acts_gb = sum(buffers.values()) / GB, acts["gpu"] / GB
     total = model_gb + buffers_gb + acts_gb
     host = states["cpu"] + acts["cpu"]
@@ -73,6 +79,7 @@ def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micr
         "params_gb_per_gpu": states["params"] / GB,
         "grads_gb_per_gpu": states["grads"] / GB,
         "optimizer_gb_per_gpu": states["optimizer"] / GB,
+        "reference_gb_per_gpu": reference / GB,
         "model_states_gb_per_gpu": model_gb,
         "buffers_gb_per_gpu": buffers_gb,
         "buffers": {k: v / GB for k, v in buffers.items()},
@@ -176,7 +183,7 @@ def activation_table(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batc
 def plan(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int, precision: str = "bf16",
          config_for: Callable[[Setup], dict[str, Any]] | None = None,
          lora_r: int | None = None, qlora: bool = False,
-         long_context: LongContext = LongContext()) -> dict[str, Any]:  # fmt: skip
+         long_context: LongContext = LongContext(), objective: Objective = Objective()) -> dict[str, Any]:  # fmt: skip
     """Every configuration, in the order ``candidate_setups`` tries them, and the first that fits (or None).
 
     ``config_for`` gives the DeepSpeed config a setup would run with, so buffers are sized from the
@@ -185,7 +192,11 @@ def plan(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int, prec
     rows = []
     for setup in candidate_setups(spec, cluster, seq_len, micro_batch, long_context):
         ds_config = config_for(setup) if config_for else None
-        rows.append(estimate(spec, setup, cluster, seq_len, micro_batch, precision, ds_config, lora_r, qlora))
+        rows.append(
+            estimate(
+                spec, setup, cluster, seq_len, micro_batch, precision, ds_config, lora_r, qlora, objective
+            )
+        )
     sizes = sequence_parallel_sizes(spec, cluster, seq_len, long_context.sequence_parallel)
     return {
         "model": asdict(spec),
@@ -195,6 +206,7 @@ def plan(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int, prec
         "precision": precision,
         "lora_r": lora_r,
         "qlora": qlora,
+        "objective": asdict(objective),
         "trainable_params": lora_params(spec, lora_r) if lora_r else spec.n_params,
         "usable_gpu_memory_gb": cluster.gpu_memory_gb * (1 - HEADROOM),
         "usable_cpu_memory_gb": cluster.cpu_memory_gb * (1 - HEADROOM),

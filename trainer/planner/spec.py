@@ -86,6 +86,21 @@ class Setup:
     offload_activations: bool = False  # checkpointed layer inputs kept on the host (needs checkpointing)
 
 
+@dataclass(frozen=True)
+class Objective:
+    """What the run trains. A preference objective (``dpo``, ``orpo``, ``cpo``, ``simpo``) forwards
+    pairs: each micro-batch row is two sequences. ``reference_model``: DPO holding a reference model
+    beside the policy through training (TRL's default) instead of this trainer's cached pass, which
+    holds none."""
+
+    name: str = "causal_lm"
+    reference_model: bool = False
+
+    @property
+    def sequences_per_row(self) -> int:
+        return 1 if self.name == "causal_lm" else 2
+
+
 # ---------------------------------------------------------------- model specs
 
 

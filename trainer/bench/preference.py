@@ -1,0 +1,164 @@
+"""The preference benchmark's two halves: the job it prepares once (a Llama saved with its tokenizer,
+and pairs cut from the standard library's source), and the worker each rank of a system runs.
+
+    python -m trainer.bench.preference prepare ROOT --hidden_size H --layers L --vocab_size V --pairs N
+    torchrun ... -m trainer.bench.preference worker ROOT SYSTEM OUT --zero_stage S --steps N ...
+
+Systems: ``ours`` (``trainer.DPOTrainer``: the reference scored once before the first step, then no
+reference model) and ``trl`` (``trl.DPOTrainer`` on DeepSpeed through HF's Trainer, TRL's default:
+a reference model beside the policy, a forward of it every step, under ZeRO-3 partitioned). The
+worker writes ``OUT/result.json``: every step's wall time, the reference pass's time (ours) and the
+losses. scripts/bench_preference.py runs both and reports the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("ours", "trl")
+
+
+def prepare(root: Path, hidden_size: int, layers: int, vocab_size: int, pairs: int, seed: int) -> None:
+    """``root/base`` (the model and its tokenizer) and ``root/pairs.jsonl``: prompts are lines of
+    the standard library's source, chosen answers the line that follows, rejected ones a line drawn
+    from elsewhere."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.args import DataArguments, ModelArguments
+    from trainer.data import get_tokenizer
+    from trainer.data.sources import corpus_files
+
+    tokenizer = get_tokenizer(ModelArguments(vocab_size=vocab_size), DataArguments(dataset="stdlib"))
+    lines = [
+        line.strip()
+        for path in corpus_files()[:400]
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines()
+        if 20 <= len(line.strip()) <= 100
+    ]
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(pairs):
+        i = rng.randrange(len(lines) - 1)
+        rows.append({"prompt": lines[i], "chosen": " " + lines[i + 1], "rejected": " " + rng.choice(lines)})
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+        num_hidden_layers=layers, num_attention_heads=max(hidden_size // 64, 1),
+        num_key_value_heads=max(hidden_size // 64, 1), max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+
+
+def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None:
+    import datasets
+    import torch
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from trainer.runtime.distributed import dist_info
+
+    times: list[float] = []
+    marks: dict[str, float] = {}
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            marks["train_begin"] = time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - self.start)
+
+    rows = datasets.load_dataset("json", data_files=str(root / "pairs.jsonl"), split="train")
+    tokenizer = AutoTokenizer.from_pretrained(root / "base")
+    common = dict(
+        output_dir=str(out), max_steps=opts.steps, per_device_train_batch_size=opts.pairs_per_rank,
+        learning_rate=opts.learning_rate, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+        report_to="none", disable_tqdm=True, seed=0, gradient_checkpointing=False, bf16=False,
+        max_length=opts.max_length, beta=0.1,
+    )  # fmt: skip
+    started = time.perf_counter()
+    if system == "ours":
+        from trainer import DPOConfig, DPOTrainer
+
+        args = DPOConfig(**common, zero_stage=opts.zero_stage)
+        trainer = DPOTrainer(str(root / "base"), args=args, train_dataset=rows, processing_class=tokenizer,
+                             callbacks=[Clock()])  # fmt: skip
+    else:
+        import trl
+
+        ds_config = {
+            "zero_optimization": {"stage": opts.zero_stage},
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        }
+        # On CPU ranks accelerate counts one process unless told it runs on the CPU (then gloo, all ranks).
+        args = trl.DPOConfig(**common, deepspeed=ds_config, use_cpu=not torch.cuda.is_available())
+        trainer = trl.DPOTrainer(str(root / "base"), args=args, train_dataset=rows, processing_class=tokenizer,
+                                 callbacks=[Clock()])  # fmt: skip
+    trainer.train()
+    total = time.perf_counter() - started
+    # The stage DeepSpeed's engine ran: ours's resolved config, TRL's engine itself.
+    stage = (
+        trainer.ds_config["zero_optimization"]["stage"]
+        if system == "ours"
+        else trainer.model_wrapped.zero_optimization_stage()
+    )
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
+    if dist_info().is_main:
+        result = {
+            "system": system, "zero_stage": opts.zero_stage, "step_s": times, "losses": losses,
+            "engine_zero_stage": stage, "setup_s": marks["train_begin"] - started, "wall_s": total, "world_size": dist_info().world_size,
+            "torch": torch.__version__,
+        }  # fmt: skip
+        (out / "result.json").write_text(json.dumps(result, indent=1))
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.bench.preference")
+    sub = p.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare")
+    prep.add_argument("root", type=Path)
+    for name, default in (
+        ("hidden_size", 256),
+        ("layers", 4),
+        ("vocab_size", 4096),
+        ("pairs", 256),
+        ("seed", 0),
+    ):
+        prep.add_argument(f"--{name}", type=int, default=default)
+    work = sub.add_parser("worker")
+    work.add_argument("root", type=Path)
+    work.add_argument("system", choices=SYSTEMS)
+    work.add_argument("out", type=Path)
+    for name, default in (("zero_stage", 2), ("steps", 12), ("pairs_per_rank", 4), ("max_length", 128)):
+        work.add_argument(f"--{name}", type=int, default=default)
+    work.add_argument("--learning_rate", type=float, default=1e-5)
+    opts = p.parse_args(argv)
+    if opts.command == "prepare":
+        prepare(opts.root, opts.hidden_size, opts.layers, opts.vocab_size, opts.pairs, opts.seed)
+    else:
+        worker(opts.root, opts.system, opts.out, opts)
+    return 0
+
+
+def summary(result: dict[str, Any], warmup: int) -> dict[str, float]:
+    """Median step time after the first ``warmup`` steps, and steps per second from it."""
+    times = sorted(result["step_s"][warmup:]) or sorted(result["step_s"])
+    median = times[len(times) // 2]
+    return {"median_step_s": median, "steps_per_s": 1 / median}
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
