@@ -249,9 +249,33 @@ def lora_adapters_off(out: Path) -> dict[str, Any]:
 def ref_model(out: Path) -> dict[str, Any]:
     """A ref_model given (the same base, loaded apart): it scores the pairs once and is let go;
     TRL's reference is its own copy of the base."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from trainer.engine.preference import sequence_logps
+
     theirs = run_trl(out, "text")
     trainer, ours = run_ours(out, "text", setup={"ref_model": base(out)})
-    return {"ours": ours, "trl": theirs, "ref_model_kept": trainer.ref_model is not None}
+    # A reference unlike the policy (other initial weights): both sets' cached log-probs are its own.
+    torch.manual_seed(1)
+    other = LlamaForCausalLM(AutoConfig.from_pretrained(base(out)))
+    set_seed(0)
+    args = DPOConfig(output_dir=str(out / "other"), **{**COMMON, "max_steps": 1})
+    apart = DPOTrainer(base(out), ref_model=other, args=args, train_dataset=pairs("text"),
+                       eval_dataset=pairs("conversation", 8))  # fmt: skip
+    apart.train()
+    gaps = {}
+    for name, rows in (("train", apart.train_dataset), ("eval", apart.eval_dataset)):
+        cached = load_file(out / "other" / "reference" / f"{name}.safetensors")["ref_logps"]
+        with torch.no_grad():
+            direct, _ = sequence_logps(other.eval(), apart.data_collator([rows[i] for i in range(len(rows))]))
+        gaps[name] = (cached - direct).abs().max().item()
+    return {
+        "ours": ours,
+        "trl": theirs,
+        "ref_model_kept": trainer.ref_model is not None,
+        "other_ref_gaps": gaps,
+    }
 
 
 @scenario

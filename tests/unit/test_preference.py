@@ -67,8 +67,12 @@ def test_a_lora_reference_is_fingerprinted_by_its_base_alone(results):
     assert results["lora_adapters_off"]["same_digest"]
 
 
-def test_a_given_ref_model_is_let_go_after_its_pass(results):
+def test_a_given_ref_model_scores_both_sets_and_is_let_go(results):
+    """A ref_model unlike the policy: the train and eval sets' cached log-probs are its own (the
+    eval set was once scored by the policy, after the ref_model had been let go)."""
     assert results["ref_model"]["ref_model_kept"] is False
+    gaps = results["ref_model"]["other_ref_gaps"]
+    assert set(gaps) == {"train", "eval"} and max(gaps.values()) < 1e-4, gaps
 
 
 def test_the_policy_at_the_reference_has_loss_ln2_and_no_reward(results):

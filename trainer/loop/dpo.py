@@ -86,6 +86,7 @@ class DPOTrainer(PreferenceTrainer):
         self.eval_dataset = self._with_reference(self.eval_dataset, "eval")  # evaluated after updates
         # From here the policy moves (or a checkpoint's weights replace it), and a given ref_model is
         # let go: only the frozen base of a PEFT model can still score a new set.
+        self.ref_model = None  # training holds no reference model
         self._can_score = self._reference_source == "adapters_off"
         return sampler
 
@@ -179,13 +180,10 @@ class DPOTrainer(PreferenceTrainer):
 
     @contextlib.contextmanager
     def _reference_forward(self) -> Iterator[Callable]:
-        """The forward that scores the reference: the engine's (with the adapters off for a PEFT
-        model), or ``ref_model``'s on this rank's device, let go afterwards."""
+        """The forward that scores the reference: ``ref_model``'s on this rank's device, or the
+        engine's (with the adapters off for a PEFT model)."""
         if self.ref_model is not None:
-            try:
-                yield self.ref_model.to(self.engine.device).eval()
-            finally:
-                self.ref_model = None  # training holds no reference model
+            yield self.ref_model.to(self.engine.device).eval()
         elif is_peft(self.model):
             with self.engine.module.disable_adapter():
                 yield self.engine.forward
