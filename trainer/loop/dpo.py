@@ -157,12 +157,15 @@ class DPOTrainer(PreferenceTrainer):
             _start_partial(partial, fingerprint)
         barrier("reference_partial")
         fresh: dict[int, list[float]] = {}
+        # Only a resumed pass votes on each batch; a fresh one forwards them all, with no collective
+        # beside the forward's own. Decided once, from what every rank read alike.
+        resumed = bool(scored)
         engine.train(False)
         try:
             with self._reference_forward() as forward:
                 for batch, indices in eval_batches(dataset, self.data_collator, size, rank, world):
                     needed = any(i >= 0 and i not in scored for i in indices)
-                    if not host_all_reduce([float(needed)])[0]:
+                    if resumed and not host_all_reduce([float(needed)])[0]:
                         continue  # no rank needs this batch: every rank skips its forward
                     logps, _ = sequence_logps(forward, engine.to_device(batch))
                     fresh.update((i, row) for i, row in zip(indices, logps.tolist(), strict=True) if i >= 0)
