@@ -21,6 +21,8 @@ __all__ = [
     "DPOTrainer",
     "ORPOConfig",
     "ORPOTrainer",
+    "SFTConfig",
+    "SFTTrainer",
     "Seq2SeqTrainer",
     "Seq2SeqTrainingArguments",
     "Trainer",
@@ -37,6 +39,8 @@ _LAZY = {
     "DPOTrainer": "trainer.loop.dpo",
     "ORPOConfig": "trainer.args.preference",
     "ORPOTrainer": "trainer.loop.preference",
+    "SFTConfig": "trainer.args.trl",
+    "SFTTrainer": "trainer.loop.sft",
     "Trainer": "trainer.loop.trainer",
     "TrainingArguments": "trainer.args",
     "Seq2SeqTrainer": "trainer.loop.seq2seq",
@@ -49,9 +53,11 @@ _LAZY = {
 if TYPE_CHECKING:
     from trainer.args import Seq2SeqTrainingArguments, TrainingArguments
     from trainer.args.preference import CPOConfig, DPOConfig, ORPOConfig
+    from trainer.args.trl import SFTConfig
     from trainer.loop.dpo import DPOTrainer
     from trainer.loop.preference import CPOTrainer, ORPOTrainer
     from trainer.loop.seq2seq import Seq2SeqTrainer
+    from trainer.loop.sft import SFTTrainer
     from trainer.loop.trainer import Trainer
     from trainer.runtime.state import TrainerCallback, TrainerControl, TrainerState
 

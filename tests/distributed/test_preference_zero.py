@@ -3,7 +3,9 @@ step by step against the one-process run of the same global batches, and TRL's:
 - DPO under ZeRO-2, and under ZeRO-3 with two accumulated micro-batches: the reference pass scores
   each rank's share with the partitioned weights;
 - ORPO under ZeRO-2 (each rank's micro-batch the pairs of one of a process's two accumulated ones);
-- SimPO under ZeRO-3 with two accumulated micro-batches."""
+- SimPO under ZeRO-3 with two accumulated micro-batches;
+- SFTTrainer on packed rows under ZeRO-3 with two accumulated micro-batches (the same launch), against
+  one process of tests/helpers/sft_scenarios.py and TRL's SFTTrainer."""
 
 from __future__ import annotations
 
@@ -24,7 +26,11 @@ def runs(tmp_path_factory):
     launch([SCRIPT, str(out), "zero_stages"], launcher="torchrun", timeout=900)
     singles = ("sigmoid_text", "orpo_accumulated", "simpo")
     launch([SCRIPT, str(out), *singles], launcher="python", timeout=900)
-    return {name: json.loads((out / f"{name}.json").read_text()) for name in ("zero_stages", *singles)}
+    launch(["tests/helpers/sft_scenarios.py", str(out), "text_packed"], launcher="python", timeout=900)
+    return {
+        name: json.loads((out / f"{name}.json").read_text())
+        for name in ("zero_stages", *singles, "text_packed")
+    }
 
 
 @pytest.mark.parametrize(
@@ -42,3 +48,14 @@ def test_two_ranks_follow_one_process_and_trl(runs, run, one, method):
         first = 1 if key == "rewards/accuracies" and method == "dpo" else 0
         assert ranks[run][key][first:] == pytest.approx(single["ours"][key][first:], rel=1e-5, abs=1e-6), key
         assert ranks[run][key][first:] == pytest.approx(single["trl"][key][first:], rel=1e-5, abs=1e-6), key
+
+
+def test_sft_on_two_ranks_follows_one_process_and_trl(runs):
+    """Loss and grad norm are token-exact over ranks and micro-batches. Entropy and token accuracy
+    are means over micro-batches, as TRL's, so four micro-batches of one row each log other means
+    than one of four rows: they are only checked to be there."""
+    ranks, single = runs["zero_stages"]["sft_packed_zero3_accumulated"], runs["text_packed"]
+    assert set(ranks) == {"loss", "grad_norm", "entropy", "mean_token_accuracy"}
+    for key in ("loss", "grad_norm"):
+        assert ranks[key] == pytest.approx(single["ours"][key], rel=1e-5, abs=1e-6), key
+        assert ranks[key] == pytest.approx(single["trl"][key], rel=1e-5, abs=1e-6), key

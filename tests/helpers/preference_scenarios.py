@@ -410,14 +410,26 @@ def zero_stages(out: Path) -> dict[str, Any]:
         "simpo_zero3_accumulated": run_ours(out, "text", "simpo_zero3", method="cpo", zero_stage=3,
                                             per_device_train_batch_size=per_rank // 2, gradient_accumulation_steps=2,
                                             **SIMPO)[1],
+        # SFTTrainer on packed text (tests/helpers/sft_scenarios.py's text_packed)
+        "sft_packed_zero3_accumulated": sft_zero3(out, per_rank // 2),
     }  # fmt: skip
     return {**runs, "world_size": dist_info().world_size}
 
 
-def main() -> int:
+def sft_zero3(out: Path, per_rank: int) -> dict[str, list[float]]:
+    from tests.helpers.sft_scenarios import rows, run_ours
+
+    fields = dict(
+        zero_stage=3, per_device_train_batch_size=per_rank, gradient_accumulation_steps=2, packing=True
+    )
+    return run_ours(out, rows("text"), None, {}, "sft_zero3", **fields)[1]
+
+
+def main(scenarios: dict[str, Callable[[Path], dict[str, Any]]] = SCENARIOS) -> int:
+    """Run the scenarios argv names (after OUT), each writing OUT/<scenario>.json on the main rank."""
     out, *names = sys.argv[1:]
     for name in names:
-        result = SCENARIOS[name](Path(out) / name)
+        result = scenarios[name](Path(out) / name)
         if dist_info().is_main:
             (Path(out) / f"{name}.json").write_text(json.dumps(result, indent=1))
     return 0

@@ -1,4 +1,4 @@
-"""TRL's preference configs, by TRL's names and defaults, on top of ``TrainingArguments``:
+"""TRL's preference configs, by TRL's names and defaults, on top of ``TRLConfig``:
 ``DPOConfig``, ``ORPOConfig`` and ``CPOConfig`` (whose ``loss_type="simpo"`` is SimPO).
 
 Each TRL field is honoured with TRL's meaning, or refused by name when set to a value this trainer
@@ -19,14 +19,13 @@ from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
-from trainer.args.training import TrainingArguments
+from trainer.args.trl import Refusals, TRLConfig
 
 LossType = Literal["sigmoid", "hinge", "ipo", "robust"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 CPOLossType = Literal["sigmoid", "hinge", "ipo", "simpo"]
 CPO_LOSS_TYPES: tuple[str, ...] = get_args(CPOLossType)
 
-Refusals = dict[str, tuple[Any, str]]  # field -> (the value that is implemented, why another is refused)
 ENCODER_DECODER: Refusals = {
     "max_completion_length": (None, "TRL reads it for encoder-decoder models only, which are not supported"),
     "is_encoder_decoder": (None, "encoder-decoder models are not supported; pairs train decoder-only models"),
@@ -34,34 +33,12 @@ ENCODER_DECODER: Refusals = {
 }
 
 
-class PreferenceConfig(TrainingArguments):
-    """The fields every preference trainer shares: the model, and how pairs are tokenised and cut."""
-
-    REFUSED: ClassVar[Refusals] = {}
+class PreferenceConfig(TRLConfig):
+    """The fields every preference trainer shares."""
 
     learning_rate: float = Field(1e-6, ge=0, description="Peak learning rate (TRL's default).")
-    gradient_checkpointing: bool = Field(True, description="Activation checkpointing (TRL's default: on).")
-    model_init_kwargs: dict[str, Any] | None = Field(
-        None, description="Keyword arguments for from_pretrained when the model is given by name."
-    )
-    trust_remote_code: bool = Field(False, description="Let from_pretrained run a model's own code.")
     disable_dropout: bool = Field(True, description="Set every dropout probability of the model to 0.")
-    dataset_num_proc: int | None = Field(None, ge=1, description="Processes that tokenise the pairs.")
-    max_length: int | None = Field(
-        1024, ge=1, description="Longest prompt+answer sequence; longer ones are cut (truncation_mode)."
-    )
-    truncation_mode: Literal["keep_start", "keep_end"] = Field(
-        "keep_start", description="What a cut keeps of a sequence: its start or its end."
-    )
-    pad_to_multiple_of: int | None = Field(None, ge=1, description="Pad each batch to a multiple of this.")
     beta: float = Field(0.1, gt=0, description="The preference term's temperature or weight.")
-
-    @model_validator(mode="after")
-    def _implemented(self) -> PreferenceConfig:
-        for name, (implemented, why) in self.REFUSED.items():
-            if getattr(self, name) != implemented:
-                raise ValueError(f"{name}={getattr(self, name)!r}: not supported ({why})")
-        return self
 
 
 class DPOConfig(PreferenceConfig):

@@ -17,7 +17,7 @@ import yaml
 from trainer.args import hf_fields
 from trainer.args.preference import CPOConfig, DPOConfig, ORPOConfig, PreferenceConfig
 from trainer.args.run import SECTIONS, RunConfig
-from trainer.args.training import stated_by_deepspeed
+from trainer.args.training import TrainingArguments, stated_by_deepspeed
 from trainer.config.errors import ConfigError
 from trainer.config.reference import type_name
 
@@ -143,12 +143,12 @@ def _default_text(field: Any) -> str:
     return json.dumps(value)
 
 
-# The preference configs' own fields, each group with the objectives that read it
+# The preference configs' own fields (those the second class lacks), each group with the objectives that read it
 PREFERENCE_HELP = (
-    (PreferenceConfig, "dpo, orpo, cpo and simpo"),
-    (DPOConfig, "dpo"),
-    (ORPOConfig, "orpo"),
-    (CPOConfig, "cpo and simpo"),
+    (PreferenceConfig, TrainingArguments, "dpo, orpo, cpo and simpo"),
+    (DPOConfig, PreferenceConfig, "dpo"),
+    (ORPOConfig, PreferenceConfig, "orpo"),
+    (CPOConfig, PreferenceConfig, "cpo and simpo"),
 )
 
 
@@ -163,8 +163,8 @@ def run_help(prog: str = "scripts/train.py") -> str:
         refused = [(name, field) for name, field in fields if hf_fields.refused_note(name)]
         groups.append((f"{section} arguments ({model.__name__}):", [f for f in fields if f not in refused]))
         groups.append(("HF's fields refused unless left at their default:", refused))
-    for config, objectives in PREFERENCE_HELP:
-        inherited = config.__mro__[1].model_fields
+    for config, base, objectives in PREFERENCE_HELP:
+        inherited = base.model_fields
         own = [(name, field) for name, field in config.model_fields.items() if name not in inherited]
         groups.append((f"with --objective {objectives} ({config.__name__}):", own))
     for heading, group in groups:

@@ -133,6 +133,55 @@ class CausalLM(Objective):
         return loss, targets, outputs
 
 
+class SFT(CausalLM):
+    """TRL's ``SFTTrainer`` loss and metrics: the causal-LM loss (``dft``: each target's NLL weighted
+    by its detached probability), and per micro-batch the mean ``entropy`` of the predicted
+    distribution and ``mean_token_accuracy`` (the share of targets that are the top prediction)
+    over its targets, logged as the mean over micro-batches, as TRL logs them. The metrics come from
+    a training forward that holds the logits: the tiled loss and sequence parallelism log none."""
+
+    metric_names = ("entropy", "mean_token_accuracy")
+
+    def __init__(self, loss_type: str = "nll"):
+        super().__init__()
+        self.dft = loss_type == "dft"
+        self.token_exact_causal = not self.dft  # the tiled, pipelined and SP losses are plain NLL
+        self._sums: torch.Tensor | None = None
+
+    def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not self.dft:
+            return super().token_loss_sum(logits, targets)
+        nll = F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)),
+            targets.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
+        )
+        return (nll * torch.exp(-nll).detach()).sum()
+
+    def loss_sum(self, forward: Forward, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
+        loss, outputs = super().loss_sum(forward, batch, items)
+        with torch.no_grad():
+            targets = next_token_targets(batch["labels"])
+            valid = targets != IGNORE_INDEX
+            logits = outputs.logits[valid].float()
+            logps = logits.log_softmax(-1)
+            entropy = -(logps.exp() * logps).sum(-1).sum()
+            correct = (logits.argmax(-1) == targets[valid]).sum()
+            tokens = valid.sum().clamp(min=1)
+            sums = torch.stack([entropy / tokens, correct / tokens, torch.ones_like(entropy)])
+        self._sums = sums if self._sums is None else self._sums + sums
+        return loss, outputs
+
+    def eval_sum(self, forward: Forward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        loss, outputs = super().loss_sum(forward, batch, 1.0)  # not a training micro-batch's metrics
+        return loss, (batch["labels"][:, 1:] != IGNORE_INDEX).sum().float(), outputs
+
+    def take_metric_sums(self) -> tuple[tuple[str, ...], torch.Tensor | None]:
+        sums, self._sums = self._sums, None
+        return self.metric_names, sums
+
+
 class ModelLoss(Objective):
     """The model's own loss (or a ``compute_loss`` override's), as HF's Trainer accumulates it.
 

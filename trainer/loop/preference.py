@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from trainer.args.preference import CPOConfig, ORPOConfig, PreferenceConfig
+from trainer.args.trl import TRLConfig
 from trainer.data.preference import PAIR_COLUMNS, PreferenceCollator, tokenize_preferences
 from trainer.engine.preference import CPO, ORPO, PairObjective
 from trainer.loop.trainer import Trainer
@@ -117,7 +118,7 @@ class CPOTrainer(PreferenceTrainer):
         return CPO(args.beta, args.loss_type, args.cpo_alpha, args.simpo_gamma, args.label_smoothing)
 
 
-def load_model(name: str, args: PreferenceConfig, processing_class: Any) -> tuple[torch.nn.Module, Any]:
+def load_model(name: str, args: TRLConfig, processing_class: Any) -> tuple[torch.nn.Module, Any]:
     """A causal LM and its tokenizer by name or path, with the config's ``model_init_kwargs``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

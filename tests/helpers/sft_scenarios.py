@@ -1,0 +1,174 @@
+"""Supervised fine-tuning through ``from trainer import SFTConfig, SFTTrainer`` against TRL's
+``SFTTrainer``, on the same tiny Llama, tokenizer, rows, order and seed, in one process (TRL's
+without DeepSpeed, ``use_cpu``).
+
+Usage: ``python tests/helpers/sft_scenarios.py OUT SCENARIO [SCENARIO...]``; each scenario writes
+``OUT/<scenario>.json`` for ``tests/unit/test_sft_trainer.py`` to read.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import datasets
+from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+from tests.helpers.preference_scenarios import COLOURS, SUBJECTS, base, lora, main
+from tests.helpers.scaffold import read_metrics
+from trainer import SFTConfig, SFTTrainer
+from trainer.runtime.resilience import quick_exit
+
+SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {}
+METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy")
+# The default template with the assistant's turns marked for assistant_only_loss
+MARKED_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}"
+    "{% else %}{{ message['content'] }}{{ eos_token }}{% endif %}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+COMMON = dict(max_steps=4, per_device_train_batch_size=4, learning_rate=5e-3, lr_scheduler_type="constant",
+              logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+              gradient_checkpointing=False, bf16=False, max_length=40)  # fmt: skip
+
+
+def scenario(fn: Callable[[Path], dict[str, Any]]) -> Callable[[Path], dict[str, Any]]:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def rows(kind: str, n: int = 32) -> datasets.Dataset:
+    """SFT rows in one of TRL's forms, of different lengths (so batches carry padding and packing
+    has choices to make)."""
+    out = []
+    for i in range(n):
+        subject, colour = SUBJECTS[i % 8], COLOURS[(i * 5) % 6]
+        question = f"What colour is {subject}?"
+        answer = f"It is {colour}." + f" Or {COLOURS[(i + 2) % 6]}, maybe." * (i % 4)
+        if kind == "text":
+            out.append({"text": f"{question} {answer}"})
+        elif kind == "prompt_completion":
+            out.append({"prompt": question, "completion": f" {answer}"})
+        else:
+            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            if i % 3 == 0:  # some conversations go on for a second turn
+                messages += [{"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}]
+            out.append({"messages": messages})
+    return datasets.Dataset.from_list(out)
+
+
+def history(rows: list[dict]) -> dict[str, list[float]]:
+    """Each metric's value at every logged training step."""
+    train = [r for r in rows if "loss" in r and "train_runtime" not in r]
+    return {k: [r[k] for r in train] for k in METRICS if all(k in r for r in train)}
+
+
+def model_and_tokenizer(out: Path, template: str | None) -> tuple[Any, Any]:
+    path = base(out)
+    tok = AutoTokenizer.from_pretrained(path)
+    if template:
+        tok.chat_template = template
+    return AutoModelForCausalLM.from_pretrained(path), tok
+
+
+def run_trl(out: Path, data: datasets.Dataset, template: str | None, setup: dict, **fields: Any) -> dict:
+    import trl
+
+    unset_hf_deepspeed_config()
+    model, tok = model_and_tokenizer(out, template)
+    args = trl.SFTConfig(output_dir=str(out / "trl"), use_cpu=True, **{**COMMON, **fields})
+    trainer = trl.SFTTrainer(model, args=args, train_dataset=data, processing_class=tok, **setup)
+    trainer.train()
+    return history(trainer.state.log_history)
+
+
+def run_ours(
+    out: Path, data: datasets.Dataset, template: str | None, setup: dict, name: str = "ours", **fields: Any
+):
+    model, tok = model_and_tokenizer(out, template)
+    args = SFTConfig(output_dir=str(out / name), **{**COMMON, **fields})
+    trainer = SFTTrainer(model, args=args, train_dataset=data, processing_class=tok, **setup)
+    trainer.train()
+    return trainer, history(read_metrics(out / name))
+
+
+def parity(
+    out: Path, kind: str, template: str | None = None, setup: dict | None = None, **fields: Any
+) -> dict:
+    data = rows(kind)
+    set_seed(0)
+    theirs = run_trl(out, data, template, setup or {}, **fields)
+    set_seed(0)
+    trainer, ours = run_ours(out, data, template, setup or {}, **fields)
+    tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"])
+    return {"ours": ours, "trl": theirs, "rows": len(trainer.train_dataset), "tokens": tokens}
+
+
+@scenario
+def text(out: Path) -> dict:
+    return parity(out, "text")
+
+
+@scenario
+def text_packed(out: Path) -> dict:
+    return parity(out, "text", packing=True)
+
+
+@scenario
+def text_packed_split(out: Path) -> dict:
+    return parity(out, "text", packing=True, packing_strategy="bfd_split", max_length=16)
+
+
+@scenario
+def text_wrapped(out: Path) -> dict:
+    return parity(out, "text", packing=True, packing_strategy="wrapped", max_length=32)
+
+
+@scenario
+def prompt_completion(out: Path) -> dict:
+    return parity(out, "prompt_completion")
+
+
+@scenario
+def prompt_completion_packed(out: Path) -> dict:
+    return parity(out, "prompt_completion", packing=True)
+
+
+@scenario
+def conversation(out: Path) -> dict:
+    return parity(out, "messages", template=MARKED_TEMPLATE)
+
+
+@scenario
+def assistant_only(out: Path) -> dict:
+    return parity(out, "messages", template=MARKED_TEMPLATE, assistant_only_loss=True)
+
+
+@scenario
+def assistant_only_packed(out: Path) -> dict:
+    return parity(out, "messages", template=MARKED_TEMPLATE, assistant_only_loss=True, packing=True)
+
+
+@scenario
+def accumulated(out: Path) -> dict:
+    """Two micro-batches of 2 rows a step: the loss is over the step's tokens, as TRL's."""
+    return parity(out, "text", per_device_train_batch_size=2, gradient_accumulation_steps=2)
+
+
+@scenario
+def dft(out: Path) -> dict:
+    return parity(out, "prompt_completion", loss_type="dft")
+
+
+@scenario
+def lora_adapters(out: Path) -> dict:
+    return parity(out, "text", setup={"peft_config": lora()})
+
+
+if __name__ == "__main__":
+    quick_exit()
+    sys.exit(main(SCENARIOS))
