@@ -27,7 +27,7 @@ else
 DEMO_LAUNCH ?= $(LAUNCH)
 endif
 
-.PHONY: install install-dev demo test test-all lint format bench presets clean
+.PHONY: install install-dev demo sft-dpo test test-all lint format bench presets clean
 
 # `install`: the project and what a run needs; `install-dev` adds what the tests and lint use (pytest,
 # ruff, and the optional integrations they exercise: peft, wandb, MLflow).
@@ -51,13 +51,21 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 demo: install
 	$(DEMO_LAUNCH) scripts/train.py
 
+# The offline SFT-then-DPO recipe on the default job's model (docs/sft.md): the stdlib's documented
+# functions as instruction rows, then as preference pairs. make demo trains the model first.
+sft-dpo: install
+	test -d output/default/final || $(MAKE) demo
+	$(BIN)/python scripts/recipes/stdlib_tasks.py output/stdlib_tasks
+	$(DEMO_LAUNCH) scripts/train.py --config scripts/recipes/sft_stdlib.yaml
+	$(DEMO_LAUNCH) scripts/train.py --config scripts/recipes/dpo_stdlib.yaml
+
 PYTEST := $(BIN)/python -m pytest -q
 
 # The tests share two cores (tests/conftest.py): one worker runs the `distributed` tests (two or more
 # ranks each) one at a time, the other the rest, a file at a time and at a lower priority, filling
-# the cores a launch leaves idle. DeepSpeed's JIT ops that the tests load (two-rank collectives, offload's CPU Adam,
-# adamw_fused's FusedAdam) build meanwhile, two at a time; a run that needs one first waits for its
-# build. The one-process demo needs none of them.
+# the cores a launch leaves idle. DeepSpeed's JIT ops that the tests load (offload's CPU Adam,
+# adamw_fused's FusedAdam, and the collective op of HF's Trainer on CPU ranks) build meanwhile, two at
+# a time; a run that needs one first waits for its build. The demo needs none of them.
 test: install-dev
 # Byte-compiled once here, the project's modules load faster in each of the hundreds of processes
 # the tests start (where PYTHONDONTWRITEBYTECODE is set, none would write its own).

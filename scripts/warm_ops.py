@@ -1,9 +1,10 @@
 """Compile DeepSpeed's JIT ops ahead of the runs that load them, so the tests do not pay for it.
 
-``python scripts/warm_ops.py [BUILDER ...]`` (default: all three). On CPU: the shared-memory
-collective op (loaded by every run of two or more ranks), the CPU Adam of optimizer offload, and the
-CPU FusedAdam of ``optim=adamw_fused``. ``make test`` runs it; a one-process run (``make demo``)
-loads none of them. The builds go to TORCH_EXTENSIONS_DIR (the Makefile pins it to a stable path);
+``python scripts/warm_ops.py [BUILDER ...]`` (default: all three, in this order). On CPU: the CPU
+Adam of optimizer offload, the CPU FusedAdam of ``optim=adamw_fused``, and the shared-memory
+collective op, which this project's runs never load (it serves DeepSpeed's inference all-reduce) but
+HF's Trainer and plain DeepSpeed on two or more CPU ranks do (the benchmarks' baselines and HF's
+scripts in the tests). ``make test`` runs it; ``make demo`` loads none of them. The builds go to TORCH_EXTENSIONS_DIR (the Makefile pins it to a stable path);
 one already built loads in a second. On a GPU box nothing is forced: ops build on first use there.
 """
 
@@ -14,7 +15,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-BUILDERS = ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder")
+BUILDERS = ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder")
 
 
 def build(name: str) -> str:

@@ -86,6 +86,7 @@ MAKE_TARGETS = {
     "make test-all": "not run by the tests: the whole suite, slow and GPU tests included (hours on CPU)",
     "make lint": "not run by the tests: ruff over the tree, run before each commit",
     "make bench": "not run by the tests: the full benchmark (minutes); test_bench.py runs it scaled down",
+    "make sft-dpo": "tests/e2e/test_recipe_sft_dpo.py::test_sft_trains_the_default_model_and_dpo_starts_from_it_at_ln2",
 }
 # Files a command shown with its output needs, so that it prints what the doc shows.
 EXAMPLE_FILES = {
@@ -324,6 +325,14 @@ def check_make_target(c: DocCommand) -> None:
     elif runner.startswith("prerequisite of"):
         dependent = runner.split()[-1]
         assert re.search(rf"^{dependent}:.*\b{target}\b", makefile, re.M), f"{c}: {runner} is not so"
+    elif runner.startswith("tests/") and target != "demo":
+        # A recipe of several commands, scaled down by its test: the test runs each script and config.
+        text = node_module(runner).read_text()
+        for line in recipe.group(2).splitlines():
+            files = [w for w in line.split() if w.startswith("scripts/")]
+            assert all(Path(f).name.split(".")[0] in text for f in files), (
+                f"{c}: {runner} does not run `{line.strip()}`"
+            )
     elif runner.startswith("tests/"):
         # make demo is the embedded default: scripts/train.py with no arguments, the matrix's case.
         node_module(runner)

@@ -124,8 +124,14 @@ def trl_classes(method: str) -> tuple[type, type]:
 
 
 def run_trl(
-    out: Path, kind: str, peft_config: Any = None, method: str = "dpo", **fields: Any
+    out: Path,
+    kind: str,
+    peft_config: Any = None,
+    method: str = "dpo",
+    evaluated: dict | None = None,
+    **fields: Any,
 ) -> dict[str, list[float]]:
+    """TRL's run; ``evaluated``: filled with its evaluation of ``eval_pairs`` after training."""
     unset_hf_deepspeed_config()
     set_seed(0)  # both trainers wrap LoRA before they seed: its initial A matrices come from here
     config, trainer_class = trl_classes(method)
@@ -135,11 +141,18 @@ def run_trl(
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model, tok = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
-    trainer = trainer_class(
-        model, args=args, train_dataset=pairs(kind), processing_class=tok, peft_config=peft_config
-    )
+    eval_dataset = eval_pairs(kind) if evaluated is not None else None
+    trainer = trainer_class(model, args=args, train_dataset=pairs(kind), eval_dataset=eval_dataset,
+                            processing_class=tok, peft_config=peft_config)  # fmt: skip
     trainer.train()
+    if evaluated is not None:
+        evaluated.update(trainer.evaluate())
     return history(trainer.state.log_history, method)
+
+
+def eval_pairs(kind: str) -> datasets.Dataset:
+    """8 pairs past the 24 training ones."""
+    return pairs(kind, 32).select(range(24, 32))
 
 
 def run_ours(
@@ -163,9 +176,12 @@ def run_ours(
 def parity(
     out: Path, kind: str, setup: dict | None = None, method: str = "dpo", **fields: Any
 ) -> dict[str, Any]:
-    theirs = run_trl(out, kind, method=method, **(setup or {}), **fields)
-    _, ours = run_ours(out, kind, setup=setup, method=method, **fields)
-    return {"ours": ours, "trl": theirs}
+    """Both runs, step by step, and each one's evaluation of ``eval_pairs`` after training."""
+    their_eval: dict[str, float] = {}
+    theirs = run_trl(out, kind, method=method, evaluated=their_eval, **(setup or {}), **fields)
+    trainer, ours = run_ours(out, kind, setup={**(setup or {}), "eval_dataset": eval_pairs(kind)}, method=method,
+                             **fields)  # fmt: skip
+    return {"ours": ours, "trl": theirs, "ours_eval": trainer.evaluate(), "trl_eval": their_eval}
 
 
 @scenario
@@ -254,8 +270,10 @@ def ref_model(out: Path) -> dict[str, Any]:
 
     from trainer.engine.preference import sequence_logps
 
-    theirs = run_trl(out, "text")
-    trainer, ours = run_ours(out, "text", setup={"ref_model": base(out)})
+    their_eval: dict[str, float] = {}
+    theirs = run_trl(out, "text", evaluated=their_eval)
+    trainer, ours = run_ours(out, "text", setup={"ref_model": base(out), "eval_dataset": eval_pairs("text")})
+    ours_eval = trainer.evaluate()
     # A reference unlike the policy (other initial weights): both sets' cached log-probs are its own.
     torch.manual_seed(1)
     other = LlamaForCausalLM(AutoConfig.from_pretrained(base(out)))
@@ -273,6 +291,8 @@ def ref_model(out: Path) -> dict[str, Any]:
     return {
         "ours": ours,
         "trl": theirs,
+        "ours_eval": ours_eval,
+        "trl_eval": their_eval,
         "ref_model_kept": trainer.ref_model is not None,
         "other_ref_gaps": gaps,
     }
@@ -422,7 +442,7 @@ def sft_zero3(out: Path, per_rank: int) -> dict[str, list[float]]:
     fields = dict(
         zero_stage=3, per_device_train_batch_size=per_rank, gradient_accumulation_steps=2, packing=True
     )
-    return run_ours(out, rows("text"), None, {}, "sft_zero3", **fields)[1]
+    return run_ours(out, {"train_dataset": rows("text")}, None, {}, "sft_zero3", **fields)[1]
 
 
 def main(scenarios: dict[str, Callable[[Path], dict[str, Any]]] = SCENARIOS) -> int:

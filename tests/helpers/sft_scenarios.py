@@ -24,6 +24,7 @@ from trainer.runtime.resilience import quick_exit
 
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {}
 METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy")
+EVAL_METRICS = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy")
 # The default template with the assistant's turns marked for assistant_only_loss
 MARKED_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n"
@@ -41,11 +42,11 @@ def scenario(fn: Callable[[Path], dict[str, Any]]) -> Callable[[Path], dict[str,
     return fn
 
 
-def rows(kind: str, n: int = 32) -> datasets.Dataset:
+def rows(kind: str, n: int = 32, start: int = 0) -> datasets.Dataset:
     """SFT rows in one of TRL's forms, of different lengths (so batches carry padding and packing
-    has choices to make)."""
+    has choices to make); ``start``: the first row's index (eval rows follow the training rows)."""
     out = []
-    for i in range(n):
+    for i in range(start, start + n):
         subject, colour = SUBJECTS[i % 8], COLOURS[(i * 5) % 6]
         question = f"What colour is {subject}?"
         answer = f"It is {colour}." + f" Or {COLOURS[(i + 2) % 6]}, maybe." * (i % 4)
@@ -75,23 +76,28 @@ def model_and_tokenizer(out: Path, template: str | None) -> tuple[Any, Any]:
     return AutoModelForCausalLM.from_pretrained(path), tok
 
 
-def run_trl(out: Path, data: datasets.Dataset, template: str | None, setup: dict, **fields: Any) -> dict:
+def evaluated(trainer: Any) -> dict[str, float]:
+    """The trained model's evaluation: loss and TRL's token metrics."""
+    metrics = trainer.evaluate()
+    return {k: metrics[k] for k in EVAL_METRICS if k in metrics}
+
+
+def run_trl(out: Path, data: dict, template: str | None, setup: dict, **fields: Any) -> tuple[dict, dict]:
     import trl
 
     unset_hf_deepspeed_config()
     model, tok = model_and_tokenizer(out, template)
     args = trl.SFTConfig(output_dir=str(out / "trl"), use_cpu=True, **{**COMMON, **fields})
-    trainer = trl.SFTTrainer(model, args=args, train_dataset=data, processing_class=tok, **setup)
+    trainer = trl.SFTTrainer(model, args=args, processing_class=tok, **data, **setup)
     trainer.train()
-    return history(trainer.state.log_history)
+    return history(trainer.state.log_history), evaluated(trainer)
 
 
-def run_ours(
-    out: Path, data: datasets.Dataset, template: str | None, setup: dict, name: str = "ours", **fields: Any
-):
+def run_ours(out: Path, data: dict, template: str | None, setup: dict, name: str = "ours", **fields: Any):
+    """Our trainer on ``data`` (``train_dataset``, and ``eval_dataset``)."""
     model, tok = model_and_tokenizer(out, template)
     args = SFTConfig(output_dir=str(out / name), **{**COMMON, **fields})
-    trainer = SFTTrainer(model, args=args, train_dataset=data, processing_class=tok, **setup)
+    trainer = SFTTrainer(model, args=args, processing_class=tok, **data, **setup)
     trainer.train()
     return trainer, history(read_metrics(out / name))
 
@@ -99,13 +105,15 @@ def run_ours(
 def parity(
     out: Path, kind: str, template: str | None = None, setup: dict | None = None, **fields: Any
 ) -> dict:
-    data = rows(kind)
+    """TRL's run and ours on 32 training rows, then each one's evaluation on 12 others."""
+    data = {"train_dataset": rows(kind), "eval_dataset": rows(kind, 12, start=32)}
     set_seed(0)
-    theirs = run_trl(out, data, template, setup or {}, **fields)
+    theirs, their_eval = run_trl(out, data, template, setup or {}, **fields)
     set_seed(0)
     trainer, ours = run_ours(out, data, template, setup or {}, **fields)
     tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"])
-    return {"ours": ours, "trl": theirs, "rows": len(trainer.train_dataset), "tokens": tokens}
+    return {"ours": ours, "trl": theirs, "ours_eval": evaluated(trainer), "trl_eval": their_eval,
+            "rows": len(trainer.train_dataset), "tokens": tokens}  # fmt: skip
 
 
 @scenario

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from trainer.loop.callbacks import TrainerCallback
 from trainer.loop.faults import FaultInjection
 from trainer.model.modeling import init_weights
 from trainer.runtime.distributed import (
+    SHM_BUFFER_PREFIX,
     all_gather_object,
     barrier,
     detect_hardware,
@@ -556,7 +558,12 @@ def main() -> int:
     out, *names = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     out = Path(out)
     init_distributed(detect_hardware())
-    results = {}
+    # DeepSpeed's shared-memory all-reduce (inference only): neither loaded nor given a buffer
+    port = os.environ["MASTER_PORT"]
+    results = {
+        "shm_op_loaded": getattr(deepspeed.comm.comm.cdb, "shm_comm_op", None) is not None,
+        "shm_buffers": sorted(p.name for p in Path("/dev/shm").glob(f"{SHM_BUFFER_PREFIX}*_{port}_*")),
+    }
     for name in names:
         results[name] = SCENARIOS[name](out)
         barrier(name)

@@ -47,6 +47,15 @@ def test_each_step_matches_trls_dpo_trainer(results, name):
         first = 1 if key == "rewards/accuracies" else 0
         assert ours[key][first:] == pytest.approx(trl[key][first:], rel=1e-5, abs=1e-6), key
     assert trl["loss"][1] != trl["loss"][0]  # the first step moved the policy away from the reference
+    assert_same_evaluation(results[name], METRICS[2:])
+
+
+def assert_same_evaluation(run, metrics):
+    """The trained model's evaluation of 8 other pairs: eval_loss and the metrics, as TRL's names them."""
+    keys = ["eval_loss", *(f"eval_{m}" for m in metrics)]
+    assert {k: run["ours_eval"].get(k) for k in keys} == pytest.approx(
+        {k: run["trl_eval"][k] for k in keys}, rel=1e-5, abs=1e-6
+    )
 
 
 @pytest.mark.parametrize("name", FREE)
@@ -61,6 +70,7 @@ def test_each_step_matches_trls_reference_free_trainer(results, name):
         assert len(trl[key]) == 4, key
         assert ours[key] == pytest.approx(trl[key], rel=1e-5, abs=1e-6), key
     assert trl["loss"][3] < trl["loss"][0]
+    assert_same_evaluation(results[name], [*METRICS[2:], *EXTRA_METRICS[FREE[name]]])
 
 
 def test_a_lora_reference_is_fingerprinted_by_its_base_alone(results):

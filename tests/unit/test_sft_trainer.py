@@ -18,7 +18,7 @@ import torch
 
 from tests.helpers.launch import launch
 from tests.helpers.preference_scenarios import tokenizer
-from tests.helpers.sft_scenarios import MARKED_TEMPLATE, METRICS, SCENARIOS, rows
+from tests.helpers.sft_scenarios import EVAL_METRICS, MARKED_TEMPLATE, METRICS, SCENARIOS, rows
 from trainer import SFTConfig, SFTTrainer, TrainingArguments
 from trainer.config.errors import ConfigError
 from trainer.data import IGNORE_INDEX
@@ -36,15 +36,18 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_each_step_matches_trls_sft_trainer(results, name):
-    """Loss, grad norm, entropy and token accuracy at every one of 4 steps: text, prompt-completion
-    and conversations; packed (bfd, bfd_split, wrapped) and not; assistant-only and completion-only
-    losses; two accumulated micro-batches; dft; LoRA."""
+    """Loss, grad norm, entropy and token accuracy at every one of 4 steps, then the evaluation:
+    text, prompt-completion and conversations; packed (bfd, bfd_split, wrapped) and not;
+    assistant-only and completion-only losses; two accumulated micro-batches; dft; LoRA."""
     ours, trl = results[name]["ours"], results[name]["trl"]
     assert set(trl) == set(METRICS) and set(ours) == set(METRICS)
     for key in METRICS:
         assert len(trl[key]) == 4, key
         assert ours[key] == pytest.approx(trl[key], rel=1e-5, abs=1e-6), key
     assert trl["loss"][3] != trl["loss"][0]
+    # The trained model's evaluation of 12 other rows: HF's loss weighting and TRL's metrics
+    assert set(results[name]["trl_eval"]) == set(EVAL_METRICS)
+    assert results[name]["ours_eval"] == pytest.approx(results[name]["trl_eval"], rel=1e-5, abs=1e-6)
 
 
 def test_packing_fills_fewer_rows_with_the_same_tokens(results):

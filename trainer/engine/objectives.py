@@ -58,23 +58,30 @@ class Objective(ABC):
     #: HF's ``Trainer`` gathers for metrics, which cuts them to the rows there are.
     eval_per_batch: bool = False
 
-    def take_metric_sums(self) -> tuple[tuple[str, ...], torch.Tensor | None]:
-        """(names of what the objective logs besides the loss, their sums over the items trained on
-        since the last call followed by the item count; None when nothing was summed). The Trainer
-        logs their means over all ranks at each logging step; the sums start again."""
-        return (), None
+    #: What the objective logs besides the loss (TRL's metric names); ``record_metrics`` adds to them.
+    metric_names: tuple[str, ...] = ()
 
-    def metric_means(self, device: torch.device) -> dict[str, float]:
+    def record_metrics(self, sums: torch.Tensor, evaluation: bool = False) -> None:
+        """Add ``sums`` (each metric's sum over some items, then the item count) to what the
+        training steps, or the evaluation, have measured since the last ``metric_means``."""
+        buffers = self.__dict__.setdefault("_metric_sums", {})
+        held = buffers.get(evaluation)
+        buffers[evaluation] = sums.detach() if held is None else held + sums.detach()
+
+    def metric_means(self, device: torch.device, evaluation: bool = False) -> dict[str, float]:
         """The means, over the items of every rank since the last call, of what the objective logs
-        besides the loss (a preference objective's rewards). A collective: every rank calls it at
-        each logging step."""
-        names, sums = self.take_metric_sums()
-        if not names:
+        besides the loss (a preference objective's rewards), from the training steps or from an
+        evaluation; {} where nothing was measured (a loss that does not hold the logits). A
+        collective: every rank calls it at each logging step and at the end of each evaluation."""
+        if not self.metric_names:
             return {}
-        if sums is None:  # this rank trained on nothing since the last call
-            sums = torch.zeros(len(names) + 1, device=device)
+        sums = self.__dict__.get("_metric_sums", {}).pop(evaluation, None)
+        if sums is None:  # this rank measured nothing since the last call
+            sums = torch.zeros(len(self.metric_names) + 1, device=device)
         *totals, items = all_reduce_sum(sums.double()).tolist()
-        return {name: total / max(items, 1.0) for name, total in zip(names, totals, strict=True)}
+        if not items:
+            return {}
+        return {name: total / items for name, total in zip(self.metric_names, totals, strict=True)}
 
     def labelled(self, batch: Batch) -> bool:
         """HF's ``has_labels``: the batch carries every label (none named: no loss to compute)."""
@@ -137,8 +144,9 @@ class SFT(CausalLM):
     """TRL's ``SFTTrainer`` loss and metrics: the causal-LM loss (``dft``: each target's NLL weighted
     by its detached probability), and per micro-batch the mean ``entropy`` of the predicted
     distribution and ``mean_token_accuracy`` (the share of targets that are the top prediction)
-    over its targets, logged as the mean over micro-batches, as TRL logs them. The metrics come from
-    a training forward that holds the logits: the tiled loss and sequence parallelism log none."""
+    over its targets, logged as the mean over micro-batches (evaluation: over batches), as TRL logs
+    them. They come from a forward that holds the logits: the tiled loss and sequence parallelism
+    log none."""
 
     metric_names = ("entropy", "mean_token_accuracy")
 
@@ -146,7 +154,6 @@ class SFT(CausalLM):
         super().__init__()
         self.dft = loss_type == "dft"
         self.token_exact_causal = not self.dft  # the tiled, pipelined and SP losses are plain NLL
-        self._sums: torch.Tensor | None = None
 
     def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not self.dft:
@@ -161,25 +168,28 @@ class SFT(CausalLM):
 
     def loss_sum(self, forward: Forward, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
         loss, outputs = super().loss_sum(forward, batch, items)
-        with torch.no_grad():
-            targets = next_token_targets(batch["labels"])
-            valid = targets != IGNORE_INDEX
-            logits = outputs.logits[valid].float()
-            logps = logits.log_softmax(-1)
-            entropy = -(logps.exp() * logps).sum(-1).sum()
-            correct = (logits.argmax(-1) == targets[valid]).sum()
-            tokens = valid.sum().clamp(min=1)
-            sums = torch.stack([entropy / tokens, correct / tokens, torch.ones_like(entropy)])
-        self._sums = sums if self._sums is None else self._sums + sums
+        self.record_metrics(self._token_metrics(outputs.logits, batch))
         return loss, outputs
 
     def eval_sum(self, forward: Forward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        loss, outputs = super().loss_sum(forward, batch, 1.0)  # not a training micro-batch's metrics
-        return loss, (batch["labels"][:, 1:] != IGNORE_INDEX).sum().float(), outputs
+        """TRL's evaluation loss, which is HF's: each batch's token mean, weighted by its rows (HF
+        weighs a padding-free batch, flattened into one row, by the rows it was made of)."""
+        loss, outputs = super().loss_sum(forward, batch, 1.0)
+        self.record_metrics(self._token_metrics(outputs.logits, batch), evaluation=True)
+        rows = float(batch_rows(batch))
+        return loss / max(count_targets(batch), 1) * rows, loss.new_tensor(rows), outputs
 
-    def take_metric_sums(self) -> tuple[tuple[str, ...], torch.Tensor | None]:
-        sums, self._sums = self._sums, None
-        return self.metric_names, sums
+    @torch.no_grad()
+    def _token_metrics(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """[mean entropy, mean top-1 accuracy, 1] over the batch's targets (zeros without any)."""
+        targets = next_token_targets(batch["labels"])
+        valid = targets != IGNORE_INDEX
+        logits = logits[valid].float()
+        logps = logits.log_softmax(-1)
+        entropy = -(logps.exp() * logps).sum()
+        correct = (logits.argmax(-1) == targets[valid]).sum()
+        tokens = valid.sum().clamp(min=1)
+        return torch.stack([entropy / tokens, correct / tokens, torch.ones_like(entropy)])
 
 
 class ModelLoss(Objective):

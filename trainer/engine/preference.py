@@ -97,9 +97,6 @@ class PairObjective(Objective):
     label_names = ("completion_mask",)  # every pair batch has one: the loss needs no other labels
     metric_names: tuple[str, ...] = REWARD_METRICS
 
-    def __init__(self) -> None:
-        self._sums: torch.Tensor | None = None  # the metrics summed over pairs, then the pairs
-
     @abstractmethod
     def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(each pair's loss, each metric's value per pair) from the per-token NLL."""
@@ -108,23 +105,20 @@ class PairObjective(Objective):
         return float(batch["input_ids"].shape[0])
 
     def loss_sum(self, forward: Forward, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
-        nll, outputs = token_nll(forward, batch)
-        loss, metrics = self.pair_terms(batch, nll)
-        values = torch.stack([m.detach().float() for m in metrics]).sum(dim=1)
-        sums = torch.cat([values, values.new_tensor([float(len(loss))])])
-        self._sums = sums if self._sums is None else self._sums + sums
+        loss, outputs = self._pairs(forward, batch, evaluation=False)
         return loss.sum(), outputs
 
     def eval_sum(self, forward: Forward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        nll, outputs = token_nll(forward, batch)
-        loss, _ = self.pair_terms(batch, nll)
+        loss, outputs = self._pairs(forward, batch, evaluation=True)
         return loss.sum(), loss.new_tensor(float(len(loss))), outputs
 
-    def take_metric_sums(self) -> tuple[tuple[str, ...], torch.Tensor | None]:
-        """(metric names, their sums over the pairs trained on since the last call, then the pair
-        count); the sums start again."""
-        sums, self._sums = self._sums, None
-        return self.metric_names, sums
+    def _pairs(self, forward: Forward, batch: Batch, evaluation: bool) -> tuple[torch.Tensor, Any]:
+        """(each pair's loss, the model's outputs); the metrics summed over the pairs are recorded."""
+        nll, outputs = token_nll(forward, batch)
+        loss, metrics = self.pair_terms(batch, nll)
+        values = torch.stack([m.detach().float() for m in metrics]).sum(dim=1)
+        self.record_metrics(torch.cat([values, values.new_tensor([float(len(loss))])]), evaluation)
+        return loss, outputs
 
 
 class DPO(PairObjective):

@@ -188,10 +188,11 @@ def evaluation_loop(
     with collectives():
         loss_sum, count, labelled = all_reduce_sum(totals).tolist()
         rows = store.gather() if predictions is not None and predictions.returned else {}
+        measured = engine.objective.metric_means(engine.device, evaluation=True)  # TRL's eval_rewards/...
     preds, labels = rows.get("predictions"), rows.get("label_ids")
     if predictions is not None and not predictions.per_batch:
         metrics = _set_metrics(predictions, rows)
-    metrics = denumpify_detensorize(metrics or {})
+    metrics = {**denumpify_detensorize(metrics or {}), **measured}
     if labelled:
         metrics["loss"] = loss_sum / max(count, 1.0)
     prefix = f"{metric_key_prefix}_"

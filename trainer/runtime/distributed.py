@@ -130,8 +130,6 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
         torch.cuda.set_device(info.local_rank)
     if not dist.is_initialized():
         set_world_env()
-        if hardware.device == "cpu":
-            _remove_stale_shm_buffer(info.rank)
         backend = "nccl" if hardware.device == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -153,16 +151,16 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
             # A world of one has no peer to meet: an in-process store, so no port is taken (two
             # one-process runs on a machine could pick the same one).
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        if hardware.device == "cpu" and info.world_size == 1:
-            # One process has no peer to share memory with: DeepSpeed's shared-memory collective
-            # op (a minute's compile on a fresh machine) is neither built nor loaded.
+        if hardware.device == "cpu":
+            # DeepSpeed's shared-memory all-reduce op serves inference_all_reduce only, which
+            # training never calls: it is neither built (two minutes' compile on a fresh machine)
+            # nor loaded, and no rank maps a /dev/shm buffer (66 MiB each, never unlinked by
+            # DeepSpeed; one left by a killed rank held its restarted peers on stale flags).
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
         # A script that never leaves the group (any HF-style script) still must not leave gloo's
         # threads to interpreter exit.
         atexit.register(_leave_at_exit)
-        if hardware.device == "cpu":
-            _unlink_own_shm_buffer(info)
     return info
 
 
@@ -188,30 +186,6 @@ def _leave_at_exit() -> None:
 # ---- DeepSpeed's CPU all-reduce buffers ---------------------------------------------------------
 
 SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer_"
-
-
-def _shm_buffer(rank: int) -> Path:
-    """DeepSpeed's CPU all-reduce buffer of one rank: /dev/shm, named by uid, master address, port
-    and rank. About 66 MiB each, and DeepSpeed never unlinks them."""
-    uid, addr, port = os.getuid(), os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-    return Path("/dev/shm", f"{SHM_BUFFER_PREFIX}{uid}_{addr}_{port}_{rank}")
-
-
-def _remove_stale_shm_buffer(rank: int) -> None:
-    """DeepSpeed reuses a buffer a killed process left behind; ranks then wait forever on its
-    stale flags (seen after an elastic restart). Each rank removes its own before the rendezvous,
-    so after it none is stale and peers wait for the fresh one."""
-    _shm_buffer(rank).unlink(missing_ok=True)
-
-
-def _unlink_own_shm_buffer(info: DistInfo) -> None:
-    """Once every rank has mapped every buffer (DeepSpeed's init maps them all before returning,
-    and the barrier waits for the slowest rank), the names are no longer needed: the mappings live
-    on and the memory goes back when the last rank exits, killed or not. Left in place, each run
-    leaked world_size * 66 MiB of RAM-backed /dev/shm for good."""
-    if info.world_size > 1:
-        dist.barrier()
-    _shm_buffer(info.rank).unlink(missing_ok=True)
 
 
 def sweep_orphan_shm_buffers() -> list[str]:
