@@ -6,8 +6,8 @@ SFT-then-DPO recipe (``make sft-dpo``; docs/sft.md).
 Each documented function of the stdlib corpus (the default job's own text) becomes a task: the
 prompt is its ``def`` line and docstring, the completion its body. ``OUT_DIR/sft.jsonl`` holds
 ``prompt``/``completion`` rows; ``OUT_DIR/prefs.jsonl`` holds ``prompt``/``chosen``/``rejected`` pairs
-of other functions, whose chosen answer is the function's own body and whose rejected answer is the
-body of the next function in the shuffled order whose body differs. The two sets share no function. The rows
+of other functions (of two lines or more), whose chosen answer is the function's body and whose
+rejected answer is the same lines in a shuffled order. The two sets share no function. The rows
 depend only on the Python installation and the arguments.
 """
 
@@ -59,14 +59,17 @@ def main() -> int:
     args = parser.parse_args()
     tasks = sorted({t for f in corpus_files() for t in function_tasks(f, args.max_chars)})
     random.Random(args.seed).shuffle(tasks)
-    if len(tasks) < args.sft + args.pairs + 8:
-        print(f"stdlib_tasks: {len(tasks)} functions, fewer than --sft plus --pairs", file=sys.stderr)
-        return 2
     sft, rest = tasks[: args.sft], tasks[args.sft :]
-    pairs = [
-        {"prompt": prompt, "chosen": body, "rejected": next(b for _, b in rest[i + 1 :] if b != body)}
-        for i, (prompt, body) in enumerate(rest[: args.pairs])
+    shuffled = [
+        (prompt, body, scrambled(body, random.Random(args.seed + i))) for i, (prompt, body) in enumerate(rest)
     ]
+    pairs = [{"prompt": p, "chosen": b, "rejected": r} for p, b, r in shuffled if r is not None][: args.pairs]
+    if len(sft) < args.sft or len(pairs) < args.pairs:
+        print(
+            f"stdlib_tasks: {len(tasks)} functions, too few for --sft {args.sft} and --pairs {args.pairs}",
+            file=sys.stderr,
+        )
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out / "sft.jsonl", [{"prompt": p, "completion": c} for p, c in sft])
     write_jsonl(args.out / "prefs.jsonl", pairs)
@@ -74,6 +77,17 @@ def main() -> int:
         f"stdlib_tasks: {len(sft)} rows in {args.out / 'sft.jsonl'}, {len(pairs)} pairs in {args.out / 'prefs.jsonl'}"
     )
     return 0
+
+
+def scrambled(body: str, rng: random.Random) -> str | None:
+    """The body's lines in another order (None for a body whose lines cannot be reordered)."""
+    lines = body.splitlines(keepends=True)
+    if len(set(lines)) < 2:
+        return None
+    order = list(range(len(lines)))
+    while order == sorted(order):
+        rng.shuffle(order)
+    return "".join(lines[i] for i in order)
 
 
 def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:

@@ -42,7 +42,9 @@ def test_the_tasks_are_functions_split_at_their_docstrings(recipe):
         (function,) = ast.parse(row["prompt"] + row["completion"]).body
         assert ast.get_docstring(function) is not None
         assert function.body[0].end_lineno == row["prompt"].count("\n") and len(function.body) > 1
-    assert all(p["chosen"] != p["rejected"] for p in pairs)
+    for pair in pairs:  # the rejected answer is the chosen one's lines, in another order
+        assert pair["rejected"] != pair["chosen"]
+        assert sorted(pair["rejected"].splitlines()) == sorted(pair["chosen"].splitlines())
     assert not {r["prompt"] for r in rows} & {p["prompt"] for p in pairs}  # no function in both sets
 
 
