@@ -6,16 +6,18 @@ The job: a Llama (hidden 256, 4 layers by default) saved with its tokenizer, and
 standard library's source (``trainer.bench.preference prepare``). Each system trains it for
 ``--steps`` steps of ``--pairs_per_rank`` pairs a rank on ``--nproc`` ranks under torchrun, on each
 ZeRO stage asked for, with the same arguments:
-- ``ours``: ``trainer.DPOTrainer``, which scores the reference once before the first step and then
-  holds no reference model;
+- ``ours``: ``trainer.DPOTrainer``, whose training engine scores the reference once before the
+  first step; it then holds no reference model;
+- ``ours_ref_model``: the same with the base given as ``ref_model``: a frozen reference engine of
+  its own (partitioned under ZeRO-3) scores the pass and is let go;
 - ``trl``: ``trl.DPOTrainer`` on DeepSpeed through HF's Trainer, with its default reference: a
   second model, forwarded every step (under ZeRO-3 partitioned too).
 
-Runs take turns, ours then TRL per stage, each alone on the machine. Reported per system and stage:
-the median step time after ``--warmup`` steps (steps/s), the set-up time before the first step (the
-reference pass is ours's part of it), and the peak resident memory of the largest rank, watched from
-outside (``trainer.bench.peak_rss``). The ratios are TRL's over ours. docs/benchmarks.md records the
-figures.
+Runs take turns, in that order per stage (``--systems`` picks), each alone on the machine. Reported
+per system and stage: the median step time after ``--warmup`` steps (steps/s), the set-up time
+before the first step (the reference pass is ours's part of it), and the peak resident memory of
+the largest rank, watched from outside (``trainer.bench.peak_rss``). The ratios are each system's
+over ours. docs/benchmarks.md records the figures.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="bench_preference.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--stages", default="2,3", help="comma-separated ZeRO stages")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated systems, ours first")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace, root: Path) -> list[dict]:
     subprocess.run([sys.executable, "-m", "trainer.bench.preference", "prepare", str(root), *job], check=True)
     results = []
     for stage in [int(s) for s in args.stages.split(",")]:
-        for system in SYSTEMS:
+        for system in args.systems.split(","):
             out = root / f"{system}-zero{stage}"
             out.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
@@ -79,13 +82,13 @@ def run(args: argparse.Namespace, root: Path) -> list[dict]:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| ZeRO | system | steps/s | set-up (s) | peak RSS, largest rank (MiB) | TRL/ours steps/s | TRL/ours memory |",
+    rows = ["| ZeRO | system | steps/s | set-up (s) | peak RSS, largest rank (MiB) | over ours: steps/s | over ours: memory |",
             "|---|---|---|---|---|---|---|"]  # fmt: skip
     by = {(r["zero_stage"], r["system"]): r for r in results}
     for (stage, system), r in by.items():
-        ours = by[(stage, "ours")]
+        ours = by.get((stage, "ours"))
         ratios = ("", "")
-        if system != "ours":
+        if system != "ours" and (stage, "ours") in by:
             ratios = (
                 f"{r['steps_per_s'] / ours['steps_per_s']:.2f}",
                 f"{r['peak_rss_bytes'] / ours['peak_rss_bytes']:.2f}",

@@ -21,10 +21,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from trainer.data.sources import corpus_files  # noqa: E402
+from trainer.data.sources import corpus_files
 
 
 def function_tasks(path: Path, max_chars: int) -> list[tuple[str, str]]:

@@ -4,6 +4,9 @@ step by step against the one-process run of the same global batches, and TRL's:
   each rank's share with the partitioned weights;
 - ORPO under ZeRO-2 (each rank's micro-batch the pairs of one of a process's two accumulated ones);
 - SimPO under ZeRO-3 with two accumulated micro-batches;
+- DPO under ZeRO-3 with a tiled loss (the partitioned head gathered by each tile);
+- DPO under ZeRO-3 with a ref_model unlike the policy: an engine of its own partitions it over the
+  ranks while it scores the pairs (each rank holds half), against TRL's, which forwards it every step;
 - SFTTrainer on packed rows under ZeRO-3 with two accumulated micro-batches (the same launch), against
   one process of tests/helpers/sft_scenarios.py and TRL's SFTTrainer."""
 
@@ -24,7 +27,7 @@ SCRIPT = "tests/helpers/preference_scenarios.py"
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("preference_zero")
     launch([SCRIPT, str(out), "zero_stages"], launcher="torchrun", timeout=900)
-    singles = ("sigmoid_text", "orpo_accumulated", "simpo")
+    singles = ("sigmoid_text", "orpo_accumulated", "simpo", "other_reference")
     launch([SCRIPT, str(out), *singles], launcher="python", timeout=900)
     launch(["tests/helpers/sft_scenarios.py", str(out), "text_packed"], launcher="python", timeout=900)
     return {
@@ -36,7 +39,8 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize(
     "run, one, method",
     [("zero2", "sigmoid_text", "dpo"), ("zero3_accumulated", "sigmoid_text", "dpo"),
-     ("orpo_zero2", "orpo_accumulated", "orpo"), ("simpo_zero3_accumulated", "simpo", "cpo")],
+     ("orpo_zero2", "orpo_accumulated", "orpo"), ("simpo_zero3_accumulated", "simpo", "cpo"),
+     ("ref_model_zero3", "other_reference", "dpo"), ("tiled_zero3", "sigmoid_text", "dpo")],
 )  # fmt: skip
 def test_two_ranks_follow_one_process_and_trl(runs, run, one, method):
     ranks, single = runs["zero_stages"], runs[one]
@@ -59,3 +63,9 @@ def test_sft_on_two_ranks_follows_one_process_and_trl(runs):
     for key in ("loss", "grad_norm"):
         assert ranks[key] == pytest.approx(single["ours"][key], rel=1e-5, abs=1e-6), key
         assert ranks[key] == pytest.approx(single["trl"][key], rel=1e-5, abs=1e-6), key
+
+
+def test_a_ref_model_is_partitioned_under_zero3(runs):
+    """Each of 2 ranks held its half of the reference's weights (rounded up per tensor), never the
+    whole: the reference costs a second model's memory divided over the ranks, as the planner says."""
+    assert 0.45 < runs["zero_stages"]["ref_model_share"] < 0.56

@@ -1,5 +1,5 @@
 """scripts/bench_preference.py scaled down (a tiny Llama, ZeRO-3, 3 steps of 2 ranks): the report holds
-both systems, and they trained the same job: the same losses, step by step. Timings and memory are
+the three systems, and they trained the same job: the same losses, step by step. Timings and memory are
 reported, never asserted."""
 
 from __future__ import annotations
@@ -23,15 +23,19 @@ def test_ours_and_trl_train_the_same_dpo_job_on_zero3(tmp_path):
         launcher="python", timeout=900,
     )  # fmt: skip
     results = json.loads(report.read_text())
-    assert [(r["zero_stage"], r["system"]) for r in results] == [(3, "ours"), (3, "trl")]
-    ours, trl = results
-    assert ours["world_size"] == trl["world_size"] == 2
-    assert ours["engine_zero_stage"] == trl["engine_zero_stage"] == 3
-    assert len(ours["step_s"]) == len(trl["step_s"]) == 3
-    assert ours["losses"][0] == pytest.approx(math.log(2), abs=1e-6)  # the policy is the reference
-    # The same pairs in the same order: the curves agree to rounding (another order differs by 1e-2).
-    assert ours["losses"] == pytest.approx(trl["losses"], rel=1e-4)
-    assert ours["losses"][-1] != pytest.approx(ours["losses"][0], rel=1e-3)  # the steps moved the policy
-    for r in (ours, trl):
+    assert [(r["zero_stage"], r["system"]) for r in results] == [
+        (3, "ours"),
+        (3, "ours_ref_model"),
+        (3, "trl"),
+    ]
+    ours, ref_model, trl = results
+    for r in results:
+        assert r["world_size"] == 2 and r["engine_zero_stage"] == 3 and len(r["step_s"]) == 3
         assert r["peak_rss_bytes"] > 0 and r["steps_per_s"] > 0
-    assert "| 3 | trl |" in proc.stdout and "TRL/ours memory" in proc.stdout
+    assert ours["losses"][0] == pytest.approx(math.log(2), abs=1e-6)  # the policy is the reference
+    # The same pairs in the same order: the curves agree to rounding (another order differs by 1e-2);
+    # the base as a partitioned ref_model scores what the policy's own pass scores.
+    assert ours["losses"] == pytest.approx(trl["losses"], rel=1e-4)
+    assert ref_model["losses"] == pytest.approx(ours["losses"], rel=1e-5)
+    assert ours["losses"][-1] != pytest.approx(ours["losses"][0], rel=1e-3)  # the steps moved the policy
+    assert "| 3 | trl |" in proc.stdout and "over ours: memory" in proc.stdout

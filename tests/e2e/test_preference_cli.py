@@ -4,9 +4,9 @@ LoRA and without) and plain python. (ORPO and SimPO on 2 ranks under torchrun, t
 API: tests/distributed/test_preference_zero.py.)
 
 One launch each, shared by the tests: DPO on one process (the reference run), DPO on 2 ranks under
-ZeRO-3 (the same global batches), DPO with LoRA on 2 ranks under ZeRO-3 with the optimizer offloaded
+ZeRO-3 with a tiled loss of 7 tokens a tile (the same global batches; tiled or not, the same steps), DPO with LoRA on 2 ranks under ZeRO-3 with the optimizer offloaded
 to the CPU, ORPO on one process with
-two accumulated micro-batches, SimPO on one process."""
+two accumulated micro-batches, SimPO on one process in padding-free batches."""
 
 from __future__ import annotations
 
@@ -38,13 +38,15 @@ def runs(tmp_path_factory):
              "--cache_dir", str(root / "cache"), *COMMON]  # fmt: skip
     specs = {
         "dpo_one": ("python", 1, ["--objective", "dpo", "--per_device_train_batch_size", "4"]),
-        "dpo_zero3": ("deepspeed", 2, ["--objective", "dpo", "--zero_stage", "3", "--per_device_train_batch_size", "2"]),
+        "dpo_zero3": ("deepspeed", 2, ["--objective", "dpo", "--zero_stage", "3", "--per_device_train_batch_size", "2",
+                                       "--tiled_loss", "true", "--tile_tokens", "7"]),
         "dpo_lora_zero3": ("deepspeed", 2, ["--objective", "dpo", "--zero_stage", "3", "--per_device_train_batch_size",
                                             "2", "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8",
                                             "--offload_optimizer", "cpu"]),
         "orpo_accumulated": ("python", 1, ["--objective", "orpo", "--beta", "0.5", "--per_device_train_batch_size",
                                            "2", "--gradient_accumulation_steps", "2"]),
-        "simpo_one": ("python", 1, ["--objective", "simpo", "--beta", "2.0", "--per_device_train_batch_size", "4"]),
+        "simpo_one": ("python", 1, ["--objective", "simpo", "--beta", "2.0", "--per_device_train_batch_size", "4",
+                                    "--padding_free", "true"]),
     }  # fmt: skip
     out = {}
     for name, (launcher, nproc, extra) in specs.items():
@@ -61,6 +63,11 @@ def test_dpo_on_two_ranks_under_zero3_follows_one_process(runs):
         first = 1 if key == "rewards/accuracies" else 0  # step 1's margins are 0 up to rounding
         ours = [r[key] for r in three][first:]
         assert ours == pytest.approx([r[key] for r in one][first:], rel=1e-5, abs=1e-6), key
+
+
+def test_the_zero3_run_tiled_its_loss(runs):
+    assert "The loss in tiles of 7 tokens" in runs["dpo_zero3.stdout"]
+    assert "The loss in tiles" not in runs["dpo_one.stdout"]
 
 
 def test_the_first_dpo_step_is_at_the_reference(runs):

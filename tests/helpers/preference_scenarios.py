@@ -19,7 +19,7 @@ from typing import Any
 
 import datasets
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, set_seed
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, set_seed
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from tests.helpers.scaffold import bpe_tokenizer, read_metrics
@@ -50,14 +50,14 @@ def tokenizer():
     return tok
 
 
-def base(out: Path) -> str:
+def base(out: Path, name: str = "base", seed: int = 0) -> str:
     """A tiny Llama and its tokenizer saved once under ``out``: both trainers load it by path (TRL
-    builds its reference model from the path)."""
-    path = out / "base"
+    builds its reference model from the path). ``seed``: its initial weights."""
+    path = out / name
     if not path.is_dir():  # every rank builds the same one; the first rename wins, whole
-        tmp = out / f"base.{os.getpid()}"
+        tmp = out / f"{name}.{os.getpid()}"
         tok = tokenizer()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
@@ -129,6 +129,7 @@ def run_trl(
     peft_config: Any = None,
     method: str = "dpo",
     evaluated: dict | None = None,
+    ref_model: str | None = None,
     **fields: Any,
 ) -> dict[str, list[float]]:
     """TRL's run; ``evaluated``: filled with its evaluation of ``eval_pairs`` after training."""
@@ -138,12 +139,13 @@ def run_trl(
     args = config(output_dir=str(out / "trl"), use_cpu=True, **{**COMMON, **fields})
     model, tok = base(out), None
     if method != "dpo":  # TRL's experimental trainers take a model object and its tokenizer
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         model, tok = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
     eval_dataset = eval_pairs(kind) if evaluated is not None else None
+    reference = {"ref_model": AutoModelForCausalLM.from_pretrained(ref_model)} if ref_model else {}
     trainer = trainer_class(model, args=args, train_dataset=pairs(kind), eval_dataset=eval_dataset,
-                            processing_class=tok, peft_config=peft_config)  # fmt: skip
+                            processing_class=tok, peft_config=peft_config, **reference)  # fmt: skip
     trainer.train()
     if evaluated is not None:
         evaluated.update(trainer.evaluate())
@@ -299,6 +301,46 @@ def ref_model(out: Path) -> dict[str, Any]:
 
 
 @scenario
+def other_reference(out: Path) -> dict[str, Any]:
+    """A ref_model unlike the policy (the base's config, other initial weights), by path: TRL's
+    forwards it at every step, ours scores the pairs once."""
+    return parity(out, "text", setup={"ref_model": base(out, "other", seed=1)})
+
+
+def watch(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Filled as ``model`` trains: ``head_calls``, one entry per call of its output head;
+    ``rows``, the rows of each forward under autograd (a training step's)."""
+    seen: dict[str, list[int]] = {"head_calls": [], "rows": []}
+    model.get_output_embeddings().register_forward_hook(lambda *_: seen["head_calls"].append(1))
+
+    def rows(module, args, kwargs):
+        if torch.is_grad_enabled():
+            seen["rows"].append(kwargs["input_ids"].shape[0])
+
+    model.register_forward_pre_hook(rows, with_kwargs=True)
+    return seen
+
+
+@scenario
+def layouts(out: Path) -> dict[str, Any]:
+    """DPO and ORPO with a tiled loss of 7 tokens a tile, and with padding-free batches: the steps
+    of sigmoid_text's and orpo's padded, untiled runs, with what ``watch`` saw."""
+    results: dict[str, Any] = {}
+    layouts = {"tiled": {"tiled_loss": "true", "tile_tokens": 7}, "padding_free": {"padding_free": True}}
+    for method, fields in (("dpo", {}), ("orpo", {"beta": 0.5})):
+        for layout, options in layouts.items():
+            set_seed(0)
+            config, trainer_class = OURS[method]
+            name = f"{method}_{layout}"
+            args = config(output_dir=str(out / name), **{**COMMON, **fields, **options})
+            trainer = trainer_class(base(out), args=args, train_dataset=pairs("text"))
+            seen = watch(trainer.model)
+            trainer.train()
+            results[name] = {**history(read_metrics(out / name), method), **seen}
+    return results
+
+
+@scenario
 def resume(out: Path) -> dict[str, Any]:
     """Stopped after step 2's checkpoint and resumed in another output_dir that holds only that
     checkpoint: the reference is scored again, from the initial weights (before the checkpoint is
@@ -378,15 +420,15 @@ def reference_resume(out: Path) -> dict[str, Any]:
     dpo.FLUSH_PAIRS = 4
     calls, real = [], dpo.sequence_logps
 
-    def counted(forward, batch, stop_after=None):
+    def counted(forward, batch, tiles, stop_after=None):
         calls.append(1)
         if stop_after is not None and len(calls) > stop_after:
             raise KeyboardInterrupt("stopped in the reference pass")
-        return real(forward, batch)
+        return real(forward, batch, tiles)
 
     fields = dict(precompute_ref_batch_size=4, max_steps=2)
     _, whole = run_ours(out, "text", "whole", **fields)
-    dpo.sequence_logps = lambda forward, batch: counted(forward, batch, stop_after=3)
+    dpo.sequence_logps = lambda forward, batch, tiles: counted(forward, batch, tiles, stop_after=3)
     try:
         run_ours(out, "text", "resumed", **fields)
         stopped = False
@@ -394,7 +436,7 @@ def reference_resume(out: Path) -> dict[str, Any]:
         stopped = True
     chunks = len(list((out / "resumed" / "reference" / "train.partial").glob("*.safetensors")))
     calls.clear()
-    dpo.sequence_logps = lambda forward, batch: counted(forward, batch)
+    dpo.sequence_logps = lambda forward, batch, tiles: counted(forward, batch, tiles)
     _, resumed = run_ours(out, "text", "resumed", **fields)
     dpo.sequence_logps = real
     caches = [
@@ -420,6 +462,7 @@ def zero_stages(out: Path) -> dict[str, Any]:
     under ZeRO-2 in one micro-batch, under ZeRO-3 in two accumulated ones (the reference pass
     scores with the partitioned weights)."""
     per_rank = COMMON["per_device_train_batch_size"] // dist_info().world_size
+    reference = AutoModelForCausalLM.from_pretrained(base(out, "other", seed=1))
     runs = {
         "zero2": run_ours(out, "text", "zero2", zero_stage=2, per_device_train_batch_size=per_rank)[1],
         "zero3_accumulated": run_ours(out, "text", "zero3", zero_stage=3, per_device_train_batch_size=per_rank // 2,
@@ -433,7 +476,17 @@ def zero_stages(out: Path) -> dict[str, Any]:
         # SFTTrainer on packed text (tests/helpers/sft_scenarios.py's text_packed)
         "sft_packed_zero3_accumulated": sft_zero3(out, per_rank // 2),
     }  # fmt: skip
-    return {**runs, "world_size": dist_info().world_size}
+    # The tiled loss under ZeRO-3: the partitioned head is gathered by each tile's call, its
+    # gradient reduced once (sigmoid_text's steps)
+    runs["tiled_zero3"] = run_ours(out, "text", "tiled_zero3", zero_stage=3, per_device_train_batch_size=per_rank,
+                                   tiled_loss="true", tile_tokens=7)[1]  # fmt: skip
+    # other_reference's ref_model (built before any ZeRO-3 run: HF's loading reads that run's
+    # config), partitioned over the ranks by an engine of its own while it scores
+    runs["ref_model_zero3"] = run_ours(out, "text", "ref_zero3", setup={"ref_model": reference}, zero_stage=3,
+                                       per_device_train_batch_size=per_rank)[1]  # fmt: skip
+    held = sum(int(getattr(p, "ds_tensor", p).numel()) for p in reference.parameters())
+    whole = sum(int(getattr(p, "ds_numel", p.numel())) for p in reference.parameters())
+    return {**runs, "world_size": dist_info().world_size, "ref_model_share": held / whole}
 
 
 def sft_zero3(out: Path, per_rank: int) -> dict[str, list[float]]:

@@ -44,3 +44,15 @@ def test_plan_cli_names_the_reference_and_what_the_cache_saves(capsys):
     assert result["recommended"]["reference_gb_per_gpu"] > 0
     assert main(["plan", "--model", "llama-7b", "--objective", "orpo", "--reference", "model"]) == 2
     assert "--reference: --objective orpo has no reference model; only dpo does" in capsys.readouterr().err
+
+
+def test_plan_refuses_sequence_parallel_pairs_and_tiles_them(capsys):
+    """The trainer runs preference objectives with a tiled loss, not with sequence parallelism: the
+    plan says so, and with --tiled-loss it plans pairs (2 sequences a row) in tiles."""
+    argv = ["plan", "--model", "llama-7b", "--objective", "dpo", "--seq-len", "16384"]
+    assert main([*argv, "--sequence-parallel", "2"]) == 2
+    assert (
+        "--sequence-parallel: --objective dpo trains without sequence parallelism" in capsys.readouterr().err
+    )
+    assert main([*argv, "--tiled-loss", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recommended"]["tiled_loss"] is True

@@ -28,7 +28,7 @@ FREE = {"orpo": "orpo", "orpo_accumulated": "orpo", "cpo": "cpo", "simpo": "cpo"
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("preference")
-    names = [*PARITY, *FREE, "reference_cache", "resume", "reference_resume"]
+    names = [*PARITY, *FREE, "reference_cache", "resume", "reference_resume", "layouts"]
     launch([SCRIPT, str(out), *names], launcher="python", timeout=1200)
     return {name: json.loads((out / f"{name}.json").read_text()) for name in names}
 
@@ -83,6 +83,23 @@ def test_a_given_ref_model_scores_both_sets_and_is_let_go(results):
     assert results["ref_model"]["ref_model_kept"] is False
     gaps = results["ref_model"]["other_ref_gaps"]
     assert set(gaps) == {"train", "eval"} and max(gaps.values()) < 1e-4, gaps
+
+
+@pytest.mark.parametrize("layout", ["tiled", "padding_free"])
+@pytest.mark.parametrize("method, padded", [("dpo", "sigmoid_text"), ("orpo", "orpo")])
+def test_tiled_and_padding_free_pairs_train_the_same_steps(results, method, padded, layout):
+    """Every step's loss, grad norm and metrics are those of the padded, untiled run:
+    - tiled, 7 tokens a tile: the head ran per tile, since a micro-batch's 4 pairs x 2 sequences of
+      21-23 targets make over 20 tiles, each called in forward and again in backward, at each of 4
+      steps (untiled: once a forward);
+    - padding-free: a micro-batch's 8 sequences in one row, each attending to itself alone."""
+    run, whole = results["layouts"][f"{method}_{layout}"], results[padded]["ours"]
+    for key in whole:
+        assert run[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
+    if layout == "tiled":
+        assert len(run["head_calls"]) > 4 * 2 * 20
+    else:
+        assert run["rows"] == [1] * 4  # each step's forward: one row
 
 
 def test_the_policy_at_the_reference_has_loss_ln2_and_no_reward(results):
@@ -220,7 +237,7 @@ def test_dpo_config_takes_trls_fields_and_refuses_what_is_not_implemented(tmp_pa
 
     args = DPOConfig(output_dir=str(tmp_path), loss_type="ipo", beta=0.5)
     assert args.loss_type == ["ipo"] and args.learning_rate == 1e-6 and args.gradient_checkpointing
-    for field, value in (("padding_free", True), ("f_divergence_type", "js_divergence"), ("ld_alpha", 0.5)):
+    for field, value in (("use_weighting", True), ("f_divergence_type", "js_divergence"), ("ld_alpha", 0.5)):
         with pytest.raises(ValueError, match=rf"{field}=.*: not supported"):
             DPOConfig(output_dir=str(tmp_path), **{field: value})
     with pytest.raises(ValueError, match="loss_type"):

@@ -39,6 +39,11 @@ class PreferenceConfig(TRLConfig):
     learning_rate: float = Field(1e-6, ge=0, description="Peak learning rate (TRL's default).")
     disable_dropout: bool = Field(True, description="Set every dropout probability of the model to 0.")
     beta: float = Field(0.1, gt=0, description="The preference term's temperature or weight.")
+    padding_free: bool = Field(
+        False,
+        description="Forward a micro-batch's sequences end to end in one row, without padding, each "
+        "attending to itself alone (TRL's DPO field; here for every preference objective).",
+    )
 
 
 class DPOConfig(PreferenceConfig):
@@ -48,7 +53,6 @@ class DPOConfig(PreferenceConfig):
     objective: Literal["dpo"] = Field("dpo", description="dpo: what scripts/train.py runs with these fields.")
 
     REFUSED: ClassVar[Refusals] = {
-        "padding_free": (False, "pairs are padded per batch; padding-free batches are not implemented"),
         "ld_alpha": (None, "length-desensitised DPO (LD-DPO) is not implemented"),
         "f_divergence_type": ("reverse_kl", "only the reverse KL (standard DPO) is implemented"),
         "use_weighting": (False, "WPO weighting is not implemented"),
@@ -74,7 +78,6 @@ class DPOConfig(PreferenceConfig):
     label_smoothing: float = Field(
         0.0, ge=0, lt=0.5, description="The robust loss's assumed rate of flipped preference labels."
     )
-    padding_free: bool = Field(False, description="Refused when true (REFUSED).")
     ld_alpha: float | None = Field(None, description="Refused when set (REFUSED).")
     f_divergence_type: str = Field("reverse_kl", description="Refused unless reverse_kl (REFUSED).")
     f_alpha_divergence_coef: float = Field(0.5, description="Read only with an alpha divergence, refused.")

@@ -4,9 +4,11 @@ and pairs cut from the standard library's source), and the worker each rank of a
     python -m trainer.bench.preference prepare ROOT --hidden_size H --layers L --vocab_size V --pairs N
     torchrun ... -m trainer.bench.preference worker ROOT SYSTEM OUT --zero_stage S --steps N ...
 
-Systems: ``ours`` (``trainer.DPOTrainer``: the reference scored once before the first step, then no
-reference model) and ``trl`` (``trl.DPOTrainer`` on DeepSpeed through HF's Trainer, TRL's default:
-a reference model beside the policy, a forward of it every step, under ZeRO-3 partitioned). The
+Systems: ``ours`` (``trainer.DPOTrainer``: the reference scored once before the first step by the
+training engine, then no reference model), ``ours_ref_model`` (the same with the base given as
+``ref_model``: a frozen reference engine of its own, partitioned under ZeRO-3, scores the pass and is
+let go) and ``trl`` (``trl.DPOTrainer`` on DeepSpeed through HF's Trainer, TRL's default: a
+reference model beside the policy, a forward of it every step, under ZeRO-3 partitioned). The
 worker writes ``OUT/result.json``: every step's wall time, the reference pass's time (ours) and the
 losses. scripts/bench_preference.py runs both and reports the ratios.
 """
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("ours", "trl")
+SYSTEMS = ("ours", "ours_ref_model", "trl")
 
 
 def prepare(root: Path, hidden_size: int, layers: int, vocab_size: int, pairs: int, seed: int) -> None:
@@ -87,12 +89,13 @@ def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None
         max_length=opts.max_length, beta=0.1,
     )  # fmt: skip
     started = time.perf_counter()
-    if system == "ours":
+    if system.startswith("ours"):
         from trainer import DPOConfig, DPOTrainer
 
         args = DPOConfig(**common, zero_stage=opts.zero_stage)
-        trainer = DPOTrainer(str(root / "base"), args=args, train_dataset=rows, processing_class=tokenizer,
-                             callbacks=[Clock()])  # fmt: skip
+        reference = str(root / "base") if system == "ours_ref_model" else None
+        trainer = DPOTrainer(str(root / "base"), reference, args=args, train_dataset=rows,
+                             processing_class=tokenizer, callbacks=[Clock()])  # fmt: skip
     else:
         import trl
 
@@ -112,7 +115,7 @@ def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None
     # The stage DeepSpeed's engine ran: ours's resolved config, TRL's engine itself.
     stage = (
         trainer.ds_config["zero_optimization"]["stage"]
-        if system == "ours"
+        if system.startswith("ours")
         else trainer.model_wrapped.zero_optimization_stage()
     )
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]

@@ -20,6 +20,12 @@ A batch of B pairs holds tensors of shape ``(B, 2, L)``: index 0 along the secon
 sequence, 1 the rejected one (``input_ids``, ``attention_mask``, ``completion_mask``), and
 ``ref_logps`` of shape ``(B, 2)`` once the reference pass has run. A batch's rows are its pairs, so
 the sampler, the epochs and the step's sample count all count pairs.
+
+Padding-free (``padding_free``): the batch's 2B sequences are laid end to end in one row of
+``input_ids`` with ``position_ids`` that restart at each sequence, so no padding is forwarded and
+each sequence attends to itself alone (the model builds its mask from the restarting positions).
+``token_index`` of shape ``(B, 2, L)`` says where each sequence's tokens sit in that row (-1 past its
+end); the masks keep their ``(B, 2, L)`` shape.
 """
 
 from __future__ import annotations
@@ -152,12 +158,13 @@ def pairs_digest(dataset: Any) -> str:
 class PreferenceCollator:
     """Pairs padded on the right to their batch's longest sequence (a multiple of
     ``pad_to_multiple_of`` when set), each sequence cut to ``max_length`` first: its start kept
-    (``keep_start``) or its end (``keep_end``)."""
+    (``keep_start``) or its end (``keep_end``); ``padding_free``: their token ids in one row."""
 
     pad_token_id: int
     max_length: int | None = None
     truncation_mode: str = "keep_start"
     pad_to_multiple_of: int | None = None
+    padding_free: bool = False
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         cut = slice(None)
@@ -188,11 +195,28 @@ class PreferenceCollator:
             "attention_mask": attention.view(shape),
             "completion_mask": completion.view(shape),
         }
+        if self.padding_free:
+            batch.update(packed_pairs(seqs, length))
+            batch["token_index"] = batch["token_index"].view(shape)
         if REFERENCE_COLUMN in rows[0]:
             batch[REFERENCE_COLUMN] = torch.tensor(
                 [row[REFERENCE_COLUMN] for row in rows], dtype=torch.float32
             )
         return batch
+
+
+def packed_pairs(seqs: list[list[int]], length: int) -> dict[str, torch.Tensor]:
+    """``seqs`` end to end in one row: ``input_ids`` and ``position_ids`` of shape (1, total), and
+    ``token_index`` of shape (len(seqs), length), each token's place in that row (-1 past the end)."""
+    starts = torch.tensor([0, *(len(s) for s in seqs)]).cumsum(0)
+    index = torch.full((len(seqs), length), -1, dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        index[i, : len(seq)] = torch.arange(int(starts[i]), int(starts[i]) + len(seq))
+    return {
+        "input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None],
+        "position_ids": torch.tensor([p for s in seqs for p in range(len(s))], dtype=torch.long)[None],
+        "token_index": index,
+    }
 
 
 def load_pairs(data_args: Any, seed: int) -> tuple[Any, Any]:

@@ -63,7 +63,8 @@ def build_engine(
     """The engine for ``ds_config``: a pipeline when it has two or more stages. The pipeline,
     sequence parallelism and the tiled loss compute the token-exact causal-LM loss themselves (no
     stage holds the whole model, no rank a whole row, no step the whole logits), so they refuse
-    any other objective: a model that is not a causal LM, or a ``compute_loss`` override.
+    any other objective: a model that is not a causal LM, or a ``compute_loss`` override. The
+    preference objectives take the tiled loss's per-token NLL.
     ``torch_compile`` compiles the model through DeepSpeed's engine (not under a pipeline)."""
     objective = objective or CausalLM()
     sequence_parallel = int(ds_config.get("sequence_parallel_size") or 1)
@@ -73,13 +74,15 @@ def build_engine(
             "tiled_loss, tiled_mlp and offload_activations run with ZeRO 0-3, not with pipeline stages",
             path="tiled_loss",
         )
+    # (on, what it is, whether this objective computes it): an objective that weighs tiled
+    # per-token NLL itself (``tiles_nll``: the preference losses) runs with a tiled loss too.
     features = [
-        (sequence_parallel > 1, "sequence_parallel_size > 1 (each rank holds a slice of every row)"),
-        (bool(tiling.loss), "a tiled loss (never the whole logits at once)"),
-        (stages > 1, "pipeline_parallel_size > 1 (the last stage computes the loss)"),
+        (sequence_parallel > 1, "sequence_parallel_size > 1 (each rank holds a slice of every row)", False),
+        (bool(tiling.loss), "a tiled loss (never the whole logits at once)", objective.tiles_nll),
+        (stages > 1, "pipeline_parallel_size > 1 (the last stage computes the loss)", False),
     ]
-    for on, feature in features:
-        if on and not objective.token_exact_causal:
+    for on, feature, supported in features:
+        if on and not (objective.token_exact_causal or supported):
             why = " (a model that is not a causal LM, or a Trainer subclass's compute_loss)"
             raise ConfigError(
                 f"{feature} computes the causal-LM loss itself; this run's objective is "

@@ -45,6 +45,8 @@ class DeepSpeedEngine(Engine):
             tile_mlp(model, tiling.mlp)
         if tiling.loss:
             self.head = decoder_and_head(model)[1]
+            if self.objective.tiles_nll:  # it computes its loss from tiled NLL itself
+                self.objective.loss_tiles = (self.head, tiling.loss)
         # Groups and the attention exchange exist before DeepSpeed, which reduces over them.
         self.sp = SequenceParallel(model, sequence_parallel) if sequence_parallel > 1 else None
         if "activation_checkpointing" in ds_config:
@@ -64,6 +66,11 @@ class DeepSpeedEngine(Engine):
         # ZeRO-3's reduce-scatter averages over every rank, sequence-parallel ones too (0.19).
         zero3_sp = self.sp is not None and self.ds.zero_optimization_partition_weights()
         self.grad_divisor = self.ds.seq_dp_world_size if zero3_sp else self.world_size
+
+    @property
+    def _tiles_causal(self) -> bool:
+        """The run tiles a causal-LM loss here (an objective with ``tiles_nll`` tiles its own)."""
+        return bool(self.tiling.loss) and not self.objective.tiles_nll
 
     @property
     def partitions(self) -> int:
@@ -95,7 +102,7 @@ class DeepSpeedEngine(Engine):
     def loss_sum(self, batch: Batch, items: float) -> torch.Tensor:
         """One micro-batch's summed loss; ``items``: the window's normaliser on all ranks."""
         with offload_activations() if self.tiling.offload else nullcontext():
-            if self.sp is not None or self.tiling.loss:  # causal-LM only (build_engine checks)
+            if self.sp is not None or self._tiles_causal:  # causal-LM only (build_engine checks)
                 return self._token_loss(*self._shifted_inputs(batch))
             return self.objective.loss_sum(self.ds, self.to_device(batch), items)[0]
 
@@ -123,7 +130,7 @@ class DeepSpeedEngine(Engine):
                 "predictions (predict, compute_metrics) with sequence_parallel_size > 1: each rank holds a "
                 "slice of every row's logits; evaluate the loss, or predict in a run without it"
             )
-        if self.sp is not None or (self.tiling.loss and not outputs):
+        if self.sp is not None or (self._tiles_causal and not outputs):
             targets, inputs = self._shifted_inputs(batch)
             return self._token_loss(targets, inputs), (targets != IGNORE_INDEX).sum().float(), None
         loss, count, out = self.objective.eval_sum(self.ds, self.to_device(batch))

@@ -36,6 +36,9 @@ import torch.nn.functional as F
 from trainer.args.preference import CPO_LOSS_TYPES, LOSS_TYPES
 from trainer.data.preference import REFERENCE_COLUMN
 from trainer.engine.objectives import Batch, Forward, Objective
+from trainer.engine.tiling import tiled_token_nll
+
+Tiles = tuple[torch.nn.Module, int] | None  # (the output head, tokens per tile): a tiled loss
 
 REWARD_METRICS = (
     "rewards/chosen",
@@ -48,14 +51,31 @@ REWARD_METRICS = (
 MODEL_KEYS = ("input_ids", "attention_mask")
 
 
-def token_nll(forward: Forward, batch: Batch) -> tuple[torch.Tensor, Any]:
+def token_nll(forward: Forward, batch: Batch, tiles: Tiles = None) -> tuple[torch.Tensor, Any]:
     """(the next-token negative log-likelihood at every position of both sequences of every pair,
-    shape (pairs, 2, L - 1), in fp32; the model's outputs)."""
-    pairs, _, length = batch["input_ids"].shape
-    inputs = {k: batch[k].reshape(2 * pairs, length) for k in MODEL_KEYS}
-    outputs = forward(**inputs, use_cache=False)
-    logits = outputs.logits[:, :-1].float()
-    nll = F.cross_entropy(logits.transpose(1, 2), inputs["input_ids"][:, 1:], reduction="none")
+    shape (pairs, 2, L - 1), in fp32; the model's outputs). A padding-free batch forwards its one
+    row, and each sequence's NLL is read from it (``token_index``). ``tiles``: (the model's output
+    head, tokens per tile) to compute it from the last hidden states a tile at a time, never holding
+    the logits whole (the model's own head then computes one position only)."""
+    pairs, _, length = batch["completion_mask"].shape
+    index = batch.get("token_index")
+    if index is None:
+        inputs = {k: batch[k].reshape(2 * pairs, length) for k in MODEL_KEYS}
+    else:
+        inputs = {k: batch[k] for k in ("input_ids", "position_ids")}
+    targets = inputs["input_ids"][:, 1:]
+    if tiles is not None:
+        head, size = tiles
+        outputs = forward(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+        nll = tiled_token_nll(outputs.hidden_states[-1][:, :-1], head, targets, size)
+    else:
+        outputs = forward(**inputs, use_cache=False)
+        nll = F.cross_entropy(outputs.logits[:, :-1].float().transpose(1, 2), targets, reduction="none")
+    if index is not None:
+        # Position j predicts token j + 1 of the same sequence; where j is a sequence's last token
+        # (or past it, -1) the value is the appended 0, or the next sequence's first token's NLL,
+        # which the shifted masks never select.
+        nll = torch.cat([nll.reshape(-1), nll.new_zeros(1)])[index[..., :-1]]
     return nll.view(pairs, 2, length - 1), outputs
 
 
@@ -64,9 +84,9 @@ def answer_mask(batch: Batch) -> torch.Tensor:
     return batch["completion_mask"][..., 1:]
 
 
-def sequence_logps(forward: Forward, batch: Batch) -> tuple[torch.Tensor, Any]:
+def sequence_logps(forward: Forward, batch: Batch, tiles: Tiles = None) -> tuple[torch.Tensor, Any]:
     """(summed answer-token log-probabilities of shape (pairs, 2), the model's outputs)."""
-    nll, outputs = token_nll(forward, batch)
+    nll, outputs = token_nll(forward, batch, tiles)
     return -(nll * answer_mask(batch)).sum(dim=2), outputs
 
 
@@ -96,13 +116,15 @@ class PairObjective(Objective):
 
     label_names = ("completion_mask",)  # every pair batch has one: the loss needs no other labels
     metric_names: tuple[str, ...] = REWARD_METRICS
+    tiles_nll = True
+    sequences_per_row = 2
 
     @abstractmethod
     def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(each pair's loss, each metric's value per pair) from the per-token NLL."""
 
     def count(self, batch: Batch) -> float:
-        return float(batch["input_ids"].shape[0])
+        return float(batch["completion_mask"].shape[0])
 
     def loss_sum(self, forward: Forward, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
         loss, outputs = self._pairs(forward, batch, evaluation=False)
@@ -114,7 +136,7 @@ class PairObjective(Objective):
 
     def _pairs(self, forward: Forward, batch: Batch, evaluation: bool) -> tuple[torch.Tensor, Any]:
         """(each pair's loss, the model's outputs); the metrics summed over the pairs are recorded."""
-        nll, outputs = token_nll(forward, batch)
+        nll, outputs = token_nll(forward, batch, self.loss_tiles)
         loss, metrics = self.pair_terms(batch, nll)
         values = torch.stack([m.detach().float() for m in metrics]).sum(dim=1)
         self.record_metrics(torch.cat([values, values.new_tensor([float(len(loss))])]), evaluation)

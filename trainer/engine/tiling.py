@@ -88,11 +88,15 @@ def _tile_loss(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tenso
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def tiled_loss_sum(
-    hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, tile_tokens: int
-) -> torch.Tensor:
-    """Summed fp32 cross-entropy of ``head(hidden)`` against ``targets`` (already shifted; -100 is
-    ignored), the logits computed ``tile_tokens`` tokens at a time.
+def _tile_nll(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def _over_tiles(
+    tile_fn: Any, hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, tile_tokens: int
+) -> list[torch.Tensor]:
+    """``tile_fn(head, hidden, targets)`` of each tile of ``tile_tokens`` tokens, in order.
 
     Each tile runs under a non-reentrant checkpoint: its logits (and their fp32 copy and
     log-softmax) are dropped as soon as its loss is known and recomputed in backward, where autograd
@@ -107,13 +111,30 @@ def tiled_loss_sum(
     # At least one tile, so that a batch without tokens still returns a loss tied to the head.
     tiles = _agreed_tiles(max(1, math.ceil(count / tile_tokens)), head, hidden.device)
     sizes = [min(tile_tokens, max(count - i * tile_tokens, 0)) for i in range(tiles)]
-    losses = []
+    out = []
     for part, part_targets in zip(rows.split(sizes), flat.split(sizes), strict=True):
         if torch.is_grad_enabled():
-            losses.append(checkpoint(_tile_loss, head, part, part_targets, use_reentrant=False))
+            out.append(checkpoint(tile_fn, head, part, part_targets, use_reentrant=False))
         else:
-            losses.append(_tile_loss(head, part, part_targets))
-    return torch.stack(losses).sum()
+            out.append(tile_fn(head, part, part_targets))
+    return out
+
+
+def tiled_loss_sum(
+    hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, tile_tokens: int
+) -> torch.Tensor:
+    """Summed fp32 cross-entropy of ``head(hidden)`` against ``targets`` (already shifted; -100 is
+    ignored), the logits computed ``tile_tokens`` tokens at a time (``_over_tiles``)."""
+    return torch.stack(_over_tiles(_tile_loss, hidden, head, targets, tile_tokens)).sum()
+
+
+def tiled_token_nll(
+    hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, tile_tokens: int
+) -> torch.Tensor:
+    """Each target's fp32 cross-entropy under ``head(hidden)``, in ``targets``' shape (0 where it is
+    -100), the logits computed ``tile_tokens`` tokens at a time: for objectives that weigh tokens
+    themselves (a preference loss sums each answer's)."""
+    return torch.cat(_over_tiles(_tile_nll, hidden, head, targets, tile_tokens)).view(targets.shape)
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:

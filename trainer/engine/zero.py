@@ -21,6 +21,7 @@ import torch
 from deepspeed.checkpoint import ds_to_universal
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+from trainer.config.files import precision_of
 from trainer.planner import GB
 
 if TYPE_CHECKING:
@@ -54,6 +55,38 @@ def gathered(
         return
     with deepspeed.zero.GatheredParameters(list(params), modifier_rank=modifier_rank):
         yield
+
+
+# What a frozen model's engine keeps of the training run's DeepSpeed config: the batch and
+# precision settings and ZeRO's partitioning (with its parameter offload); no optimizer, scheduler
+# or training-only features.
+FROZEN_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+               "bf16", "fp16", "zero_optimization")  # fmt: skip
+
+
+@contextlib.contextmanager
+def frozen_forward(model: torch.nn.Module, ds_config: dict[str, Any], device: torch.device) -> Iterator[Any]:
+    """A frozen model's forward (a reference that scores pairs), let go on exit.
+
+    Under ZeRO-3 the model is a DeepSpeed engine with no optimizer whose weights are partitioned
+    over the ranks as the training engine's are (and offloaded where those are, ``offload_param``):
+    no rank holds it whole, and every rank must forward in step, since each forward gathers. Under
+    ZeRO 0-2 it is whole on ``device``, in the run's precision. Either way it is in eval mode."""
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    if stage != 3:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_of(ds_config))
+        yield model.to(device=device, dtype=dtype).eval()
+        return
+    config = {k: ds_config[k] for k in FROZEN_KEYS if k in ds_config}
+    config["zero_optimization"] = {
+        k: v for k, v in config["zero_optimization"].items() if k != "offload_optimizer"
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    try:
+        yield engine
+    finally:
+        engine.destroy()
 
 
 def state_bytes(module: torch.nn.Module, optimizer: Any) -> dict[str, int]:

@@ -7,7 +7,9 @@ any update) scores every pair of the set, each rank its share; the log-probabili
 set's ``ref_logps`` column. Training then holds no reference model at all. The reference is:
 - the initial policy (the model given), by default;
 - the policy with its adapters turned off, for a PEFT model (the base model, as in TRL);
-- ``ref_model`` when one is given: it scores the pairs once, on this rank's device, and is let go.
+- ``ref_model`` when one is given: it scores the pairs once and is let go. Under ZeRO-3 it is a
+  DeepSpeed engine of its own, partitioned over the ranks like the policy (and offloaded with it), so
+  no rank holds a second model whole; under ZeRO 0-2, it is whole on each rank's device while it scores.
 
 The pass is written to ``output_dir/reference/<set>.safetensors`` with a fingerprint of the
 reference (its class, config and weights, and which of the three it is) and of the tokenised pairs.
@@ -33,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from trainer.args.preference import DPOConfig
 from trainer.data.preference import REFERENCE_COLUMN, pairs_digest
 from trainer.engine.preference import DPO, sequence_logps
-from trainer.engine.zero import gathered
+from trainer.engine.zero import frozen_forward, gathered
 from trainer.loop.evaluation import eval_batches
 from trainer.loop.preference import PreferenceTrainer, disable_dropout, is_peft, load_model
 from trainer.runtime.distributed import all_gather_object, barrier, host_all_reduce, print_main
@@ -70,6 +72,7 @@ class DPOTrainer(PreferenceTrainer):
         # (drawn afresh by each run) are no part of it, so a rerun or a resume still matches.
         frozen_only = self._reference_source == "adapters_off"
         self._can_score = True  # the reference is at hand until training starts
+        self._frozen, self._frozen_forward = contextlib.ExitStack(), None  # ref_model's, once built
         self._reference_digest = _weights_digest(
             ref_model if ref_model is not None else self.model, frozen_only
         )
@@ -86,7 +89,8 @@ class DPOTrainer(PreferenceTrainer):
         self.eval_dataset = self._with_reference(self.eval_dataset, "eval")  # evaluated after updates
         # From here the policy moves (or a checkpoint's weights replace it), and a given ref_model is
         # let go: only the frozen base of a PEFT model can still score a new set.
-        self.ref_model = None  # training holds no reference model
+        self._frozen.close()
+        self.ref_model = self._frozen_forward = None  # training holds no reference model
         self._can_score = self._reference_source == "adapters_off"
         return sampler
 
@@ -162,12 +166,14 @@ class DPOTrainer(PreferenceTrainer):
         resumed = bool(scored)
         engine.train(False)
         try:
+            # The policy's own head in tiles where the run tiles its loss; a ref_model whole.
+            tiles = None if self.ref_model is not None else engine.objective.loss_tiles
             with self._reference_forward() as forward:
                 for batch, indices in eval_batches(dataset, self.data_collator, size, rank, world):
                     needed = any(i >= 0 and i not in scored for i in indices)
                     if resumed and not host_all_reduce([float(needed)])[0]:
                         continue  # no rank needs this batch: every rank skips its forward
-                    logps, _ = sequence_logps(forward, engine.to_device(batch))
+                    logps, _ = sequence_logps(forward, engine.to_device(batch), tiles)
                     fresh.update((i, row) for i, row in zip(indices, logps.tolist(), strict=True) if i >= 0)
                     if len(fresh) >= FLUSH_PAIRS:
                         _write_chunk(partial, rank, fresh)
@@ -183,10 +189,14 @@ class DPOTrainer(PreferenceTrainer):
 
     @contextlib.contextmanager
     def _reference_forward(self) -> Iterator[Callable]:
-        """The forward that scores the reference: ``ref_model``'s on this rank's device, or the
-        engine's (with the adapters off for a PEFT model)."""
+        """The forward that scores the reference: ``ref_model``'s (built once: under ZeRO-3 an
+        engine of its own that partitions it like the policy, else whole on this rank's device), or
+        the training engine's (with the adapters off for a PEFT model)."""
         if self.ref_model is not None:
-            yield self.ref_model.to(self.engine.device).eval()
+            if self._frozen_forward is None:
+                frozen = frozen_forward(self.ref_model, self.ds_config, self.engine.device)
+                self._frozen_forward = self._frozen.enter_context(frozen)
+            yield self._frozen_forward
         elif is_peft(self.model):
             with self.engine.module.disable_adapter():
                 yield self.engine.forward

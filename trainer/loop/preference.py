@@ -70,7 +70,9 @@ class PreferenceTrainer(Trainer):
             train_dataset=self.pairs(train_dataset, "train", args, processing_class),
             eval_dataset=self.pairs(eval_dataset, "eval", args, processing_class),
             data_collator=data_collator
-            or PreferenceCollator(pad, args.max_length, args.truncation_mode, args.pad_to_multiple_of),
+            or PreferenceCollator(
+                pad, args.max_length, args.truncation_mode, args.pad_to_multiple_of, args.padding_free
+            ),
             processing_class=processing_class,
             compute_metrics=compute_metrics,
             callbacks=callbacks,

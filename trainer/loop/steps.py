@@ -15,7 +15,7 @@ from transformers import get_scheduler
 
 from trainer import checkpoint as ckpt
 from trainer.args import TrainingArguments
-from trainer.engine import Tiling, TorchCompile, plan_tiling
+from trainer.engine import Objective, Tiling, TorchCompile, plan_tiling
 from trainer.runtime.distributed import print_main
 from trainer.runtime.layout import ParallelLayout
 
@@ -50,19 +50,26 @@ def kept_accumulation(args: TrainingArguments, checkpoint: Path, data_parallel: 
 
 
 def tiling_for(
-    args: TrainingArguments, model: Any, run_config: Any, causal_objective: bool, layout: ParallelLayout
+    args: TrainingArguments, model: Any, run_config: Any, objective: Objective, layout: ParallelLayout
 ) -> Tiling:
-    """The run's tiling. ``tiled_loss: auto`` judges the largest micro-batch: its rows times the
-    block size (the model's longest context without a run config), split over the ``layout``'s
-    sequence-parallel group; it stays off where the objective is not the token-exact causal LM (a
-    model's own loss, a ``compute_loss`` override), the pipeline computes the loss, or the loss is
-    label-smoothed (the tiles compute plain cross-entropy)."""
+    """The run's tiling. ``tiled_loss: auto`` judges the largest micro-batch: its rows (a pair's two
+    sequences each) times the block size (TRL's ``max_length`` in a TRL trainer, else the model's
+    longest context without a run config), split over the ``layout``'s sequence-parallel group;
+    it stays off where the objective computes neither the token-exact causal LM nor tiled per-token
+    NLL (a model's own loss, a ``compute_loss`` override), the pipeline computes the loss, or the
+    loss is label-smoothed (the tiles compute plain cross-entropy)."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    block = run_config.data.block_size if run_config else getattr(text, "max_position_embeddings", 0)
-    auto_off = not causal_objective or layout.pipeline > 1 or args.label_smoothing_factor > 0
+    block = (
+        run_config.data.block_size
+        if run_config
+        else getattr(args, "max_length", None) or getattr(text, "max_position_embeddings", 0)
+    )
+    tileable = objective.token_exact_causal or objective.tiles_nll
+    auto_off = not tileable or layout.pipeline > 1 or args.label_smoothing_factor > 0
     mode = "false" if auto_off and args.tiled_loss == "auto" else args.tiled_loss
-    tokens = args.per_device_train_batch_size * (block or 0) // layout.sequence
+    rows = args.per_device_train_batch_size * objective.sequences_per_row
+    tokens = rows * (block or 0) // layout.sequence
     vocab = getattr(text, "vocab_size", None) or 1
     return plan_tiling(mode, args.tiled_mlp, args.offload_activations, args.tile_tokens, vocab, tokens)
 

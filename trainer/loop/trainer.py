@@ -467,6 +467,11 @@ class Trainer(HFMethods, ResultsAPI):
             apply_liger_kernel(self.model, self.args.liger_kernel_config)
         if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             enable_gradient_checkpointing(self.model)
+        tiling = tiling_for(self.args, self.model, self.run_config, objective, self.layout)
+        if tiling.loss:
+            print_main(
+                f"The loss in tiles of {tiling.loss:,} tokens: no micro-batch's logits are held whole."
+            )
         with self.watchdog.phase("init"):
             self.engine = build_engine(
                 self.model,
@@ -477,9 +482,7 @@ class Trainer(HFMethods, ResultsAPI):
                 weight_decay=self.args.weight_decay,
                 gradient_checkpointing=self.args.gradient_checkpointing,
                 objective=objective,
-                tiling=tiling_for(
-                    self.args, self.model, self.run_config, objective.token_exact_causal, self.layout
-                ),
+                tiling=tiling,
                 torch_compile=torch_compile_for(self.args),
             )
         if self.dist.is_main:

@@ -132,14 +132,15 @@ class LongContext:
     offload_activations: bool = False
 
 
-def candidate_setups(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int,
+def candidate_setups(spec: ModelSpec, cluster: Cluster, seq_len: int, sequences: int,
                      options: LongContext = LongContext()) -> list[Setup]:  # fmt: skip
     """Every setup the options allow, in the order the recommendation tries them.
 
     Optimizer offload decides first (as in ``setups``), then the fewest features that cost compute or
     transfers (checkpointing, a tiled MLP, activation offload, preferred in that order), then the
     smallest sequence-parallel size, then the lowest ZeRO stage. The loss tiling is no choice: it
-    follows the flag, or the trainer's auto rule for the tokens a rank holds. Without long-context
+    follows the flag, or the trainer's auto rule for the tokens a rank holds (``sequences`` of a
+    micro-batch: its rows, a pair's two for a preference objective). Without long-context
     options this is ``setups()`` in its own order.
     """
     out = []
@@ -147,7 +148,7 @@ def candidate_setups(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batc
         for sp in sequence_parallel_sizes(spec, cluster, seq_len, options.sequence_parallel):
             tiled_loss = options.tiled_loss
             if tiled_loss is None:
-                tiled_loss = tiled_loss_auto(spec.vocab_size, micro_batch * seq_len // sp)
+                tiled_loss = tiled_loss_auto(spec.vocab_size, sequences * seq_len // sp)
             for tiled_mlp in sorted({False, options.tiled_mlp}):
                 for offload in sorted({False, options.offload_activations and base.activation_checkpointing}):
                     out.append(replace(base, sequence_parallel=sp, tiled_loss=tiled_loss,
@@ -190,7 +191,8 @@ def plan(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int, prec
     run's real bucket sizes; without it DeepSpeed's defaults are assumed.
     """
     rows = []
-    for setup in candidate_setups(spec, cluster, seq_len, micro_batch, long_context):
+    sequences = micro_batch * objective.sequences_per_row  # what the loss's auto tiling judges
+    for setup in candidate_setups(spec, cluster, seq_len, sequences, long_context):
         ds_config = config_for(setup) if config_for else None
         rows.append(
             estimate(
