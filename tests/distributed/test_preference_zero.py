@@ -5,6 +5,8 @@ step by step against the one-process run of the same global batches, and TRL's:
 - ORPO under ZeRO-2 (each rank's micro-batch the pairs of one of a process's two accumulated ones);
 - SimPO under ZeRO-3 with two accumulated micro-batches;
 - DPO under ZeRO-3 with a tiled loss (the partitioned head gathered by each tile);
+- sequence parallelism (SP=2, both ranks every pair, each half of every sequence): DPO with ZeRO-3
+  and a tiled loss, ORPO padding-free (its packed sequences kept apart) with two micro-batches;
 - DPO under ZeRO-3 with a ref_model unlike the policy: an engine of its own partitions it over the
   ranks while it scores the pairs (each rank holds half), against TRL's, which forwards it every step;
 - SFTTrainer on packed rows under ZeRO-3 with two accumulated micro-batches (the same launch), against
@@ -40,7 +42,8 @@ def runs(tmp_path_factory):
     "run, one, method",
     [("zero2", "sigmoid_text", "dpo"), ("zero3_accumulated", "sigmoid_text", "dpo"),
      ("orpo_zero2", "orpo_accumulated", "orpo"), ("simpo_zero3_accumulated", "simpo", "cpo"),
-     ("ref_model_zero3", "other_reference", "dpo"), ("tiled_zero3", "sigmoid_text", "dpo")],
+     ("ref_model_zero3", "other_reference", "dpo"), ("tiled_zero3", "sigmoid_text", "dpo"),
+     ("sp2_tiled_zero3", "sigmoid_text", "dpo"), ("orpo_sp2_padding_free", "orpo_accumulated", "orpo")],
 )  # fmt: skip
 def test_two_ranks_follow_one_process_and_trl(runs, run, one, method):
     ranks, single = runs["zero_stages"], runs[one]
@@ -63,6 +66,13 @@ def test_sft_on_two_ranks_follows_one_process_and_trl(runs):
     for key in ("loss", "grad_norm"):
         assert ranks[key] == pytest.approx(single["ours"][key], rel=1e-5, abs=1e-6), key
         assert ranks[key] == pytest.approx(single["trl"][key], rel=1e-5, abs=1e-6), key
+
+
+def test_sequence_parallel_ranks_forward_half_of_each_sequence(runs):
+    """The SP=2 run's training forwards on a rank are at most 12 tokens wide: half of the batches'
+    padded widths of 20-24."""
+    widths = runs["zero_stages"]["sp_widths"]
+    assert len(widths) == 4 and all(w <= 12 for w in widths), widths
 
 
 def test_a_ref_model_is_partitioned_under_zero3(runs):

@@ -75,10 +75,12 @@ TEST_NODES = {
             "--model_name_or_path BASE --dataset prefs.jsonl",
             "python scripts/train.py --objective simpo --beta 2.0 --model_name_or_path BASE --dataset prefs.jsonl",
         ],
-        "tests/e2e/test_preference_cli.py::test_dpo_on_two_ranks_under_zero3_follows_one_process",
+        "tests/e2e/test_preference_cli.py::test_dpo_on_two_ranks_follows_one_process",
     ),
     "deepspeed --num_gpus 2 scripts/train.py --objective dpo --zero_stage 3 --tiled_loss true --tile_tokens 7 "
     "--model_name_or_path BASE --dataset prefs.jsonl": "tests/e2e/test_preference_cli.py::test_the_zero3_run_tiled_its_loss",
+    "deepspeed --num_gpus 2 scripts/train.py --objective dpo --sequence_parallel_size 2 --model_name_or_path BASE "
+    "--dataset prefs.jsonl": "tests/e2e/test_preference_cli.py::test_dpo_on_two_ranks_follows_one_process",
 }
 # make targets: who runs each (a test node, CI, a prerequisite), or why nothing does.
 MAKE_TARGETS = {

@@ -4,7 +4,8 @@ LoRA and without) and plain python. (ORPO and SimPO on 2 ranks under torchrun, t
 API: tests/distributed/test_preference_zero.py.)
 
 One launch each, shared by the tests: DPO on one process (the reference run), DPO on 2 ranks under
-ZeRO-3 with a tiled loss of 7 tokens a tile (the same global batches; tiled or not, the same steps), DPO with LoRA on 2 ranks under ZeRO-3 with the optimizer offloaded
+ZeRO-3 with a tiled loss of 7 tokens a tile (the same global batches; tiled or not, the same steps),
+DPO on 2 ranks with sequence parallelism (both ranks every pair, each half of every sequence), DPO with LoRA on 2 ranks under ZeRO-3 with the optimizer offloaded
 to the CPU, ORPO on one process with
 two accumulated micro-batches, SimPO on one process in padding-free batches."""
 
@@ -40,6 +41,8 @@ def runs(tmp_path_factory):
         "dpo_one": ("python", 1, ["--objective", "dpo", "--per_device_train_batch_size", "4"]),
         "dpo_zero3": ("deepspeed", 2, ["--objective", "dpo", "--zero_stage", "3", "--per_device_train_batch_size", "2",
                                        "--tiled_loss", "true", "--tile_tokens", "7"]),
+        "dpo_sp2": ("deepspeed", 2, ["--objective", "dpo", "--sequence_parallel_size", "2",
+                                     "--per_device_train_batch_size", "4"]),
         "dpo_lora_zero3": ("deepspeed", 2, ["--objective", "dpo", "--zero_stage", "3", "--per_device_train_batch_size",
                                             "2", "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8",
                                             "--offload_optimizer", "cpu"]),
@@ -56,8 +59,11 @@ def runs(tmp_path_factory):
     return out
 
 
-def test_dpo_on_two_ranks_under_zero3_follows_one_process(runs):
-    one, three = train_rows(runs["dpo_one"]), train_rows(runs["dpo_zero3"])
+@pytest.mark.parametrize("name", ["dpo_zero3", "dpo_sp2"])
+def test_dpo_on_two_ranks_follows_one_process(runs, name):
+    """Under ZeRO-3 with a tiled loss (each rank 2 of the 4 pairs), and with sequence parallelism
+    (both ranks the 4 pairs, each half of every sequence)."""
+    one, three = train_rows(runs["dpo_one"]), train_rows(runs[name])
     assert [r["step"] for r in one] == [r["step"] for r in three] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", *METRICS[2:]):
         first = 1 if key == "rewards/accuracies" else 0  # step 1's margins are 0 up to rounding
@@ -71,7 +77,7 @@ def test_the_zero3_run_tiled_its_loss(runs):
 
 
 def test_the_first_dpo_step_is_at_the_reference(runs):
-    for name in ("dpo_one", "dpo_zero3", "dpo_lora_zero3"):
+    for name in ("dpo_one", "dpo_zero3", "dpo_sp2", "dpo_lora_zero3"):
         first = train_rows(runs[name])[0]
         assert first["loss"] == pytest.approx(math.log(2), abs=1e-6), name
         assert [first["rewards/chosen"], first["rewards/rejected"]] == pytest.approx([0, 0], abs=1e-6), name

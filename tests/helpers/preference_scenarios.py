@@ -164,13 +164,17 @@ def run_ours(
     data: datasets.Dataset | None = None,
     setup: dict | None = None,
     method: str = "dpo",
+    watched: dict | None = None,
     **fields: Any,
 ):
-    """Our run; ``setup``: the trainer's own arguments (``ref_model``, ``peft_config``)."""
+    """Our run; ``setup``: the trainer's own arguments (``ref_model``, ``peft_config``);
+    ``watched``: filled with what ``watch`` saw."""
     set_seed(0)
     config, trainer_class = OURS[method]
     args = config(output_dir=str(out / name), **{**COMMON, **fields})
     trainer = trainer_class(base(out), args=args, train_dataset=data or pairs(kind), **(setup or {}))
+    if watched is not None:
+        watched.update(watch(trainer.model))
     trainer.train()
     return trainer, history(read_metrics(out / name), method)
 
@@ -308,14 +312,15 @@ def other_reference(out: Path) -> dict[str, Any]:
 
 
 def watch(model: torch.nn.Module) -> dict[str, list[int]]:
-    """Filled as ``model`` trains: ``head_calls``, one entry per call of its output head;
-    ``rows``, the rows of each forward under autograd (a training step's)."""
-    seen: dict[str, list[int]] = {"head_calls": [], "rows": []}
+    """Filled as ``model`` trains: ``head_calls``, one entry per call of its output head; ``rows``
+    and ``widths``, the shape of each forward's input ids under autograd (a training step's)."""
+    seen: dict[str, list[int]] = {"head_calls": [], "rows": [], "widths": []}
     model.get_output_embeddings().register_forward_hook(lambda *_: seen["head_calls"].append(1))
 
     def rows(module, args, kwargs):
         if torch.is_grad_enabled():
             seen["rows"].append(kwargs["input_ids"].shape[0])
+            seen["widths"].append(kwargs["input_ids"].shape[1])
 
     model.register_forward_pre_hook(rows, with_kwargs=True)
     return seen
@@ -420,15 +425,15 @@ def reference_resume(out: Path) -> dict[str, Any]:
     dpo.FLUSH_PAIRS = 4
     calls, real = [], dpo.sequence_logps
 
-    def counted(forward, batch, tiles, stop_after=None):
+    def counted(forward, batch, tiles, sp, stop_after=None):
         calls.append(1)
         if stop_after is not None and len(calls) > stop_after:
             raise KeyboardInterrupt("stopped in the reference pass")
-        return real(forward, batch, tiles)
+        return real(forward, batch, tiles, sp)
 
     fields = dict(precompute_ref_batch_size=4, max_steps=2)
     _, whole = run_ours(out, "text", "whole", **fields)
-    dpo.sequence_logps = lambda forward, batch, tiles: counted(forward, batch, tiles, stop_after=3)
+    dpo.sequence_logps = lambda forward, batch, tiles, sp: counted(forward, batch, tiles, sp, stop_after=3)
     try:
         run_ours(out, "text", "resumed", **fields)
         stopped = False
@@ -436,7 +441,7 @@ def reference_resume(out: Path) -> dict[str, Any]:
         stopped = True
     chunks = len(list((out / "resumed" / "reference" / "train.partial").glob("*.safetensors")))
     calls.clear()
-    dpo.sequence_logps = lambda forward, batch, tiles: counted(forward, batch, tiles)
+    dpo.sequence_logps = lambda forward, batch, tiles, sp: counted(forward, batch, tiles, sp)
     _, resumed = run_ours(out, "text", "resumed", **fields)
     dpo.sequence_logps = real
     caches = [
@@ -484,9 +489,25 @@ def zero_stages(out: Path) -> dict[str, Any]:
     # config), partitioned over the ranks by an engine of its own while it scores
     runs["ref_model_zero3"] = run_ours(out, "text", "ref_zero3", setup={"ref_model": reference}, zero_stage=3,
                                        per_device_train_batch_size=per_rank)[1]  # fmt: skip
+    # Sequence parallelism, last: its groups and attention are set up once per process. SP=2: both
+    # ranks hold every pair, each its half of every sequence, the NLL summed over the two. DPO with
+    # ZeRO-3 and tiles (sigmoid_text's steps); ORPO padding-free, its packed sequences kept apart
+    # (orpo_accumulated's)
+    sp = dict(sequence_parallel_size=2, per_device_train_batch_size=COMMON["per_device_train_batch_size"])
+    split: dict[str, list[int]] = {}
+    runs["sp2_tiled_zero3"] = run_ours(out, "text", "sp2_tiled", zero_stage=3, tiled_loss="true", tile_tokens=7,
+                                       watched=split, **sp)[1]  # fmt: skip
+    runs["orpo_sp2_padding_free"] = run_ours(out, "text", "orpo_sp2", method="orpo", beta=0.5, zero_stage=2,
+                                             padding_free=True, **{**sp, "per_device_train_batch_size": 2},
+                                             gradient_accumulation_steps=2)[1]  # fmt: skip
     held = sum(int(getattr(p, "ds_tensor", p).numel()) for p in reference.parameters())
     whole = sum(int(getattr(p, "ds_numel", p.numel())) for p in reference.parameters())
-    return {**runs, "world_size": dist_info().world_size, "ref_model_share": held / whole}
+    return {
+        **runs,
+        "world_size": dist_info().world_size,
+        "ref_model_share": held / whole,
+        "sp_widths": split["widths"],
+    }
 
 
 def sft_zero3(out: Path, per_rank: int) -> dict[str, list[float]]:

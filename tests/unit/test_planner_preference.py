@@ -4,6 +4,8 @@ under ZeRO 0-2, a share under ZeRO-3), and nothing under LoRA; `trainer plan --o
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -46,13 +48,16 @@ def test_plan_cli_names_the_reference_and_what_the_cache_saves(capsys):
     assert "--reference: --objective orpo has no reference model; only dpo does" in capsys.readouterr().err
 
 
-def test_plan_refuses_sequence_parallel_pairs_and_tiles_them(capsys):
-    """The trainer runs preference objectives with a tiled loss, not with sequence parallelism: the
-    plan says so, and with --tiled-loss it plans pairs (2 sequences a row) in tiles."""
-    argv = ["plan", "--model", "llama-7b", "--objective", "dpo", "--seq-len", "16384"]
-    assert main([*argv, "--sequence-parallel", "2"]) == 2
-    assert (
-        "--sequence-parallel: --objective dpo trains without sequence parallelism" in capsys.readouterr().err
-    )
-    assert main([*argv, "--tiled-loss", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["recommended"]["tiled_loss"] is True
+def test_plan_counts_a_pairs_two_sequences_for_the_auto_tiling_and_splits_them():
+    """1536 tokens a sequence, one row a GPU: a causal row's fp32 logits (1536 x 32000) fit one
+    256 MiB tile, a pair's two do not, so the auto rule tiles the pair's loss alone; sequence
+    parallelism is planned for pairs as for rows."""
+    argv = ["plan", "--model", "llama-7b", "--seq-len", "1536", "--micro-batch", "1", "--json"]
+    tiled = {}
+    for objective in ("causal_lm", "dpo"):
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert main([*argv, "--objective", objective]) == 0
+        tiled[objective] = json.loads(out.getvalue())["recommended"]["tiled_loss"]
+    assert tiled == {"causal_lm": False, "dpo": True}
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([*argv, "--objective", "dpo", "--sequence-parallel", "2"]) == 0

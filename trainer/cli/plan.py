@@ -172,12 +172,6 @@ def run(args: argparse.Namespace) -> int:
         _check_positive(args)
         if args.qlora and not args.lora_r:
             raise ConfigError("QLoRA trains LoRA adapters: give --lora-r too", "--qlora")
-        if args.sequence_parallel > 1 and args.objective != "causal_lm":
-            raise ConfigError(
-                f"--objective {args.objective} trains without sequence parallelism (a pair's loss needs "
-                "whole answers on one rank); plan long pairs with --tiled-loss",
-                "--sequence-parallel",
-            )
         if args.reference == "model" and args.objective != "dpo":
             raise ConfigError(
                 f"--objective {args.objective} has no reference model; only dpo does", "--reference"

@@ -64,7 +64,7 @@ def build_engine(
     sequence parallelism and the tiled loss compute the token-exact causal-LM loss themselves (no
     stage holds the whole model, no rank a whole row, no step the whole logits), so they refuse
     any other objective: a model that is not a causal LM, or a ``compute_loss`` override. The
-    preference objectives take the tiled loss's per-token NLL.
+    preference objectives take per-token NLL from the tiles and from the ranks of a split sequence.
     ``torch_compile`` compiles the model through DeepSpeed's engine (not under a pipeline)."""
     objective = objective or CausalLM()
     sequence_parallel = int(ds_config.get("sequence_parallel_size") or 1)
@@ -74,11 +74,16 @@ def build_engine(
             "tiled_loss, tiled_mlp and offload_activations run with ZeRO 0-3, not with pipeline stages",
             path="tiled_loss",
         )
-    # (on, what it is, whether this objective computes it): an objective that weighs tiled
-    # per-token NLL itself (``tiles_nll``: the preference losses) runs with a tiled loss too.
+    # (on, what it is, whether this objective computes it): an objective that weighs per-token NLL
+    # itself (``per_token_nll``: the preference losses) runs with a tiled loss and split sequences.
+    per_token = objective.per_token_nll
     features = [
-        (sequence_parallel > 1, "sequence_parallel_size > 1 (each rank holds a slice of every row)", False),
-        (bool(tiling.loss), "a tiled loss (never the whole logits at once)", objective.tiles_nll),
+        (
+            sequence_parallel > 1,
+            "sequence_parallel_size > 1 (each rank holds a slice of every row)",
+            per_token,
+        ),
+        (bool(tiling.loss), "a tiled loss (never the whole logits at once)", per_token),
         (stages > 1, "pipeline_parallel_size > 1 (the last stage computes the loss)", False),
     ]
     for on, feature, supported in features:

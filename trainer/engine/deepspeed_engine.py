@@ -45,10 +45,12 @@ class DeepSpeedEngine(Engine):
             tile_mlp(model, tiling.mlp)
         if tiling.loss:
             self.head = decoder_and_head(model)[1]
-            if self.objective.tiles_nll:  # it computes its loss from tiled NLL itself
+            if self.objective.per_token_nll:  # it computes its loss from tiled NLL itself
                 self.objective.loss_tiles = (self.head, tiling.loss)
         # Groups and the attention exchange exist before DeepSpeed, which reduces over them.
         self.sp = SequenceParallel(model, sequence_parallel) if sequence_parallel > 1 else None
+        if self.sp is not None and self.objective.per_token_nll:
+            self.objective.sequence_parallel = self.sp  # it splits and gathers its sequences itself
         if "activation_checkpointing" in ds_config:
             # Custom models that call deepspeed.checkpointing.checkpoint read these settings.
             deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
@@ -68,9 +70,10 @@ class DeepSpeedEngine(Engine):
         self.grad_divisor = self.ds.seq_dp_world_size if zero3_sp else self.world_size
 
     @property
-    def _tiles_causal(self) -> bool:
-        """The run tiles a causal-LM loss here (an objective with ``tiles_nll`` tiles its own)."""
-        return bool(self.tiling.loss) and not self.objective.tiles_nll
+    def _causal_pieces(self) -> bool:
+        """The engine computes a causal-LM loss from pieces (split sequences, loss tiles) itself; an
+        objective with ``per_token_nll`` is handed them instead."""
+        return (self.sp is not None or bool(self.tiling.loss)) and not self.objective.per_token_nll
 
     @property
     def partitions(self) -> int:
@@ -95,14 +98,14 @@ class DeepSpeedEngine(Engine):
         return loss_sum
 
     def local_targets(self, window: list[Batch]) -> float:
-        if self.sp is not None:
+        if self._causal_pieces and self.sp is not None:
             window = [self.sp.shard(b) for b in window]
         return super().local_targets(window)
 
     def loss_sum(self, batch: Batch, items: float) -> torch.Tensor:
         """One micro-batch's summed loss; ``items``: the window's normaliser on all ranks."""
         with offload_activations() if self.tiling.offload else nullcontext():
-            if self.sp is not None or self._tiles_causal:  # causal-LM only (build_engine checks)
+            if self._causal_pieces:  # causal-LM only (build_engine checks)
                 return self._token_loss(*self._shifted_inputs(batch))
             return self.objective.loss_sum(self.ds, self.to_device(batch), items)[0]
 
@@ -130,7 +133,7 @@ class DeepSpeedEngine(Engine):
                 "predictions (predict, compute_metrics) with sequence_parallel_size > 1: each rank holds a "
                 "slice of every row's logits; evaluate the loss, or predict in a run without it"
             )
-        if self.sp is not None or (self._tiles_causal and not outputs):
+        if self._causal_pieces and (self.sp is not None or not outputs):
             targets, inputs = self._shifted_inputs(batch)
             return self._token_loss(targets, inputs), (targets != IGNORE_INDEX).sum().float(), None
         loss, count, out = self.objective.eval_sum(self.ds, self.to_device(batch))

@@ -58,11 +58,13 @@ class Objective(ABC):
     #: HF's ``Trainer`` gathers for metrics, which cuts them to the rows there are.
     eval_per_batch: bool = False
 
-    #: The objective weighs each token's NLL itself (a preference loss sums each answer's), from
-    #: ``token_nll``: a run that tiles its loss sets ``loss_tiles`` (the head, tokens per tile), so
-    #: no micro-batch's logits are held whole. Sequences a row holds: a pair's two.
-    tiles_nll: bool = False
+    #: The objective weighs each token's NLL itself (a preference loss sums each answer's), so the
+    #: engine hands it the pieces long sequences need: ``loss_tiles`` (the head, tokens per tile)
+    #: when the run tiles its loss, ``sequence_parallel`` (the group's ``SequenceParallel``) when
+    #: sequences are split over ranks. Sequences a row holds: a pair's two.
+    per_token_nll: bool = False
     loss_tiles: tuple[torch.nn.Module, int] | None = None
+    sequence_parallel: Any = None
     sequences_per_row: int = 1
 
     #: What the objective logs besides the loss (TRL's metric names); ``record_metrics`` adds to them.

@@ -32,10 +32,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.nn.functional import all_reduce
 
 from trainer.args.preference import CPO_LOSS_TYPES, LOSS_TYPES
+from trainer.data import IGNORE_INDEX
 from trainer.data.preference import REFERENCE_COLUMN
 from trainer.engine.objectives import Batch, Forward, Objective
+from trainer.engine.sequence_parallel import SequenceParallel
 from trainer.engine.tiling import tiled_token_nll
 
 Tiles = tuple[torch.nn.Module, int] | None  # (the output head, tokens per tile): a tiled loss
@@ -51,26 +54,20 @@ REWARD_METRICS = (
 MODEL_KEYS = ("input_ids", "attention_mask")
 
 
-def token_nll(forward: Forward, batch: Batch, tiles: Tiles = None) -> tuple[torch.Tensor, Any]:
+def token_nll(
+    forward: Forward, batch: Batch, tiles: Tiles = None, sp: SequenceParallel | None = None
+) -> tuple[torch.Tensor, Any]:
     """(the next-token negative log-likelihood at every position of both sequences of every pair,
     shape (pairs, 2, L - 1), in fp32; the model's outputs). A padding-free batch forwards its one
-    row, and each sequence's NLL is read from it (``token_index``). ``tiles``: (the model's output
-    head, tokens per tile) to compute it from the last hidden states a tile at a time, never holding
-    the logits whole (the model's own head then computes one position only)."""
+    row, and each sequence's NLL is read from it (``token_index``). ``tiles`` and ``sp``: as
+    ``row_nll``."""
     pairs, _, length = batch["completion_mask"].shape
     index = batch.get("token_index")
     if index is None:
         inputs = {k: batch[k].reshape(2 * pairs, length) for k in MODEL_KEYS}
     else:
         inputs = {k: batch[k] for k in ("input_ids", "position_ids")}
-    targets = inputs["input_ids"][:, 1:]
-    if tiles is not None:
-        head, size = tiles
-        outputs = forward(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
-        nll = tiled_token_nll(outputs.hidden_states[-1][:, :-1], head, targets, size)
-    else:
-        outputs = forward(**inputs, use_cache=False)
-        nll = F.cross_entropy(outputs.logits[:, :-1].float().transpose(1, 2), targets, reduction="none")
+    nll, outputs = row_nll(forward, inputs, tiles, sp)
     if index is not None:
         # Position j predicts token j + 1 of the same sequence; where j is a sequence's last token
         # (or past it, -1) the value is the appended 0, or the next sequence's first token's NLL,
@@ -79,14 +76,52 @@ def token_nll(forward: Forward, batch: Batch, tiles: Tiles = None) -> tuple[torc
     return nll.view(pairs, 2, length - 1), outputs
 
 
+def row_nll(
+    forward: Forward, inputs: Batch, tiles: Tiles = None, sp: SequenceParallel | None = None
+) -> tuple[torch.Tensor, Any]:
+    """(each row's next-token NLL, shape (rows, width - 1); the model's outputs).
+
+    ``tiles``: (the model's output head, tokens per tile) to compute it from the last hidden states
+    a tile at a time, never holding the logits whole (the model's own head computes one position).
+    ``sp``: each rank of the sequence-parallel group forwards its slice of every row, and the
+    slices' NLL are summed over the group into whole rows (a differentiable all-reduce, whose
+    backward sums the ranks' gradients), so every rank holds every token's; its outputs are its
+    slice's."""
+    width = inputs["input_ids"].shape[1]
+    if sp is None:
+        inputs, targets = {**inputs, "use_cache": False}, inputs["input_ids"][:, 1:]
+    else:
+        piece = sp.shard({**inputs, "labels": inputs["input_ids"]})
+        targets = piece.pop("shift_labels")
+        inputs = {**piece, "use_cache": False}
+    if tiles is not None:
+        head, size = tiles
+        outputs = forward(**inputs, output_hidden_states=True, logits_to_keep=1)
+        hidden = outputs.hidden_states[-1]
+        nll = tiled_token_nll(hidden if sp else hidden[:, :-1], head, targets, size)
+    else:
+        outputs = forward(**inputs)
+        logits = outputs.logits if sp else outputs.logits[:, :-1]
+        nll = F.cross_entropy(
+            logits.float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
+        )
+    if sp is not None:
+        before = sp.rank * nll.shape[1]
+        nll = F.pad(nll, (before, (sp.size - 1 - sp.rank) * nll.shape[1]))
+        nll = all_reduce(nll, group=sp.mpu.get_sequence_parallel_group())[:, : width - 1]
+    return nll, outputs
+
+
 def answer_mask(batch: Batch) -> torch.Tensor:
     """Which shifted targets are answer tokens, shape (pairs, 2, L - 1)."""
     return batch["completion_mask"][..., 1:]
 
 
-def sequence_logps(forward: Forward, batch: Batch, tiles: Tiles = None) -> tuple[torch.Tensor, Any]:
+def sequence_logps(
+    forward: Forward, batch: Batch, tiles: Tiles = None, sp: SequenceParallel | None = None
+) -> tuple[torch.Tensor, Any]:
     """(summed answer-token log-probabilities of shape (pairs, 2), the model's outputs)."""
-    nll, outputs = token_nll(forward, batch, tiles)
+    nll, outputs = token_nll(forward, batch, tiles, sp)
     return -(nll * answer_mask(batch)).sum(dim=2), outputs
 
 
@@ -116,30 +151,38 @@ class PairObjective(Objective):
 
     label_names = ("completion_mask",)  # every pair batch has one: the loss needs no other labels
     metric_names: tuple[str, ...] = REWARD_METRICS
-    tiles_nll = True
+    per_token_nll = True
     sequences_per_row = 2
 
     @abstractmethod
     def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(each pair's loss, each metric's value per pair) from the per-token NLL."""
 
+    @property
+    def share(self) -> float:
+        """What one rank carries of a pair: every rank of a sequence-parallel group computes the
+        same pairs' losses (from NLL gathered over the group), so each counts 1/N of them, and the
+        group's sums count each pair once."""
+        return 1.0 / self.sequence_parallel.size if self.sequence_parallel is not None else 1.0
+
     def count(self, batch: Batch) -> float:
-        return float(batch["completion_mask"].shape[0])
+        return float(batch["completion_mask"].shape[0]) * self.share
 
     def loss_sum(self, forward: Forward, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
         loss, outputs = self._pairs(forward, batch, evaluation=False)
-        return loss.sum(), outputs
+        return loss.sum() * self.share, outputs
 
     def eval_sum(self, forward: Forward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
         loss, outputs = self._pairs(forward, batch, evaluation=True)
-        return loss.sum(), loss.new_tensor(float(len(loss))), outputs
+        return loss.sum() * self.share, loss.new_tensor(len(loss) * self.share), outputs
 
     def _pairs(self, forward: Forward, batch: Batch, evaluation: bool) -> tuple[torch.Tensor, Any]:
         """(each pair's loss, the model's outputs); the metrics summed over the pairs are recorded."""
-        nll, outputs = token_nll(forward, batch, self.loss_tiles)
+        nll, outputs = token_nll(forward, batch, self.loss_tiles, self.sequence_parallel)
         loss, metrics = self.pair_terms(batch, nll)
         values = torch.stack([m.detach().float() for m in metrics]).sum(dim=1)
-        self.record_metrics(torch.cat([values, values.new_tensor([float(len(loss))])]), evaluation)
+        sums = torch.cat([values, values.new_tensor([float(len(loss))])])
+        self.record_metrics(sums * self.share, evaluation)
         return loss, outputs
 
 

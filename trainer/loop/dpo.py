@@ -166,14 +166,18 @@ class DPOTrainer(PreferenceTrainer):
         resumed = bool(scored)
         engine.train(False)
         try:
-            # The policy's own head in tiles where the run tiles its loss; a ref_model whole.
-            tiles = None if self.ref_model is not None else engine.objective.loss_tiles
+            # The policy as it trains: its head in tiles, its sequences split over a group's ranks,
+            # where the run does so; a ref_model whole on each rank.
+            own = self.ref_model is None
+            tiles, sp = (
+                (engine.objective.loss_tiles, engine.objective.sequence_parallel) if own else (None, None)
+            )
             with self._reference_forward() as forward:
                 for batch, indices in eval_batches(dataset, self.data_collator, size, rank, world):
                     needed = any(i >= 0 and i not in scored for i in indices)
                     if resumed and not host_all_reduce([float(needed)])[0]:
                         continue  # no rank needs this batch: every rank skips its forward
-                    logps, _ = sequence_logps(forward, engine.to_device(batch), tiles)
+                    logps, _ = sequence_logps(forward, engine.to_device(batch), tiles, sp)
                     fresh.update((i, row) for i, row in zip(indices, logps.tolist(), strict=True) if i >= 0)
                     if len(fresh) >= FLUSH_PAIRS:
                         _write_chunk(partial, rank, fresh)

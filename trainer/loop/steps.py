@@ -65,7 +65,7 @@ def tiling_for(
         if run_config
         else getattr(args, "max_length", None) or getattr(text, "max_position_embeddings", 0)
     )
-    tileable = objective.token_exact_causal or objective.tiles_nll
+    tileable = objective.token_exact_causal or objective.per_token_nll
     auto_off = not tileable or layout.pipeline > 1 or args.label_smoothing_factor > 0
     mode = "false" if auto_off and args.tiled_loss == "auto" else args.tiled_loss
     rows = args.per_device_train_batch_size * objective.sequences_per_row
