@@ -1,6 +1,7 @@
 """Benchmark: DPO through ours and through TRL on the same job, side by side in one run.
 
     python scripts/bench_preference.py [--stages 2,3] [--steps 12] [--warmup 3] [--json FILE]
+    python scripts/bench_preference.py --longest CAP_MIB [--lengths 1024,2048,4096,8192] [--json FILE]
 
 The job: a Llama (hidden 256, 4 layers by default) saved with its tokenizer, and pairs cut from the
 standard library's source (``trainer.bench.preference prepare``). Each system trains it for
@@ -18,6 +19,14 @@ per system and stage: the median step time after ``--warmup`` steps (steps/s), t
 before the first step (the reference pass is ours's part of it), and the peak resident memory of
 the largest rank, watched from outside (``trainer.bench.peak_rss``). The ratios are each system's
 over ours. docs/benchmarks.md records the figures.
+
+``--longest CAP_MIB`` searches instead for each system's longest pair under a cap on the largest
+rank's peak resident memory: long pairs (a short prompt, answers cut from source files), a model
+whose logits are ``--model_vocab`` wide, one pair a rank (in the reference pass too), 2 steps on
+ZeRO-3 with activation checkpointing, at each of ``--lengths`` tokens a sequence in turn until a
+run passes the cap:
+ours untiled (the whole logits), with the tiled loss, with the tiled loss and SP=2 (each rank half
+of every sequence), and TRL (its DPOTrainer computes the log-probabilities in chunks of its own).
 """
 
 from __future__ import annotations
@@ -53,24 +62,54 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pairs", type=int, default=256, help="pairs in the data set")
     p.add_argument("--root", type=Path, help="where the job and the runs go (default: a temporary directory)")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument(
+        "--longest",
+        type=int,
+        metavar="CAP_MIB",
+        help="search each system's longest pair under this peak RSS of the largest rank instead",
+    )
+    p.add_argument(
+        "--lengths",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[1024, 2048, 4096, 8192],
+        help="the longest-pair search's sequence lengths, in order",
+    )
+    p.add_argument(
+        "--model_vocab",
+        type=int,
+        default=32000,
+        help="the longest-pair search's model vocabulary (the width of its logits)",
+    )
     return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace, root: Path) -> list[dict]:
+def prepare(args: argparse.Namespace, root: Path, *extra: str) -> None:
     job = ["--hidden_size", str(args.hidden_size), "--layers", str(args.layers), "--pairs", str(args.pairs)]
-    subprocess.run([sys.executable, "-m", "trainer.bench.preference", "prepare", str(root), *job], check=True)
+    cmd = [sys.executable, "-m", "trainer.bench.preference", "prepare", str(root), *job, *extra]
+    subprocess.run(cmd, check=True)
+
+
+def worker(args: argparse.Namespace, root: Path, system: str, out: Path, options: list[str],
+           cap_mib: int | None = None) -> dict:  # fmt: skip
+    """One system's run under torchrun, watched from outside; ``cap_mib``: stopped past that peak."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+           f"--master_port={free_port()}", "-m", "trainer.bench.preference", "worker", str(root), system, str(out),
+           "--learning_rate", str(args.learning_rate), *options]  # fmt: skip
+    with (out / "log.txt").open("w") as log:
+        cap = cap_mib * 2**20 if cap_mib else None
+        return watch(cmd, cap_bytes=cap, stdout=log, cwd=str(ROOT), only=sys.executable)
+
+
+def run(args: argparse.Namespace, root: Path) -> list[dict]:
+    prepare(args, root)
     results = []
     for stage in [int(s) for s in args.stages.split(",")]:
         for system in args.systems.split(","):
             out = root / f"{system}-zero{stage}"
-            out.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-                   f"--master_port={free_port()}", "-m", "trainer.bench.preference", "worker", str(root), system, str(out),
-                   "--zero_stage", str(stage), "--steps", str(args.steps), "--pairs_per_rank",
-                   str(args.pairs_per_rank), "--max_length", str(args.max_length),
-                   "--learning_rate", str(args.learning_rate)]  # fmt: skip
-            with (out / "log.txt").open("w") as log:
-                rss = watch(cmd, stdout=log, cwd=str(ROOT), only=sys.executable)
+            options = ["--zero_stage", str(stage), "--steps", str(args.steps), "--pairs_per_rank",
+                       str(args.pairs_per_rank), "--max_length", str(args.max_length)]  # fmt: skip
+            rss = worker(args, root, system, out, options)
             if rss["returncode"] != 0:
                 tail = (out / "log.txt").read_text(errors="replace")[-3000:]
                 raise SystemExit(f"bench: {system} on ZeRO-{stage} failed ({rss['returncode']}):\n{tail}")
@@ -79,6 +118,58 @@ def run(args: argparse.Namespace, root: Path) -> list[dict]:
                 {**result, **summary(result, args.warmup), "peak_rss_bytes": rss["peak_rss_bytes"]}
             )
     return results
+
+
+# The longest-pair search's systems: (name, worker system, its options); all with activation
+# checkpointing, one pair a rank, on ZeRO-3.
+LONG_SYSTEMS = (
+    ("ours, untiled", "ours", []),
+    ("ours, tiled loss", "ours", ["--tiled"]),
+    ("ours, tiled loss, SP=2", "ours", ["--tiled", "--sequence_parallel_size", "2"]),
+    ("trl", "trl", []),
+)
+
+
+def longest(args: argparse.Namespace, root: Path) -> list[dict]:
+    """Each system's longest pair under the cap: sequences of each length of ``--lengths`` in turn
+    (both answers long enough to be cut there), 2 steps of one pair a rank, until a run passes the
+    cap or fails; the last length that trained is the system's."""
+    # As many pairs as the 2 steps train; the reference pass forwards one pair at a time, as training.
+    pairs = str(2 * args.nproc)
+    prepare(args, root, "--answer_chars", str(8 * max(args.lengths)), "--model_vocab", str(args.model_vocab),
+            "--pairs", pairs)  # fmt: skip
+    results = []
+    for index, (name, system, extra) in enumerate(LONG_SYSTEMS):
+        row: dict = {"system": name, "cap_mib": args.longest, "longest": None, "probes": []}
+        for length in args.lengths:
+            out = root / f"long{index}-{length}"
+            options = ["--zero_stage", "3", "--steps", "2", "--pairs_per_rank", "1", "--eval_batch_size", "1",
+                       "--max_length", str(length), "--gradient_checkpointing", *extra]  # fmt: skip
+            rss = worker(args, root, system, out, options, cap_mib=args.longest)
+            trained = rss["returncode"] == 0 and rss["stopped"] is None
+            probe = {"length": length, "trained": trained, "peak_rss_bytes": rss["peak_rss_bytes"],
+                     "stopped": rss["stopped"], "returncode": rss["returncode"]}  # fmt: skip
+            if trained:
+                probe["step_s"] = json.loads((out / "result.json").read_text())["step_s"]
+                row.update(longest=length, peak_rss_bytes=rss["peak_rss_bytes"], step_s=probe["step_s"][-1])
+            row["probes"].append(probe)
+            if not trained:
+                break
+        results.append(row)
+    return results
+
+
+def longest_table(results: list[dict]) -> str:
+    rows = [f"| system | longest pair under {results[0]['cap_mib']} MiB (tokens a sequence) | peak RSS there, "
+            "largest rank (MiB) | step there (s) | first length over the cap |", "|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        over = next(
+            (f"{p['length']} ({p['stopped'] or 'failed'})" for p in r["probes"] if not p["trained"]), "none"
+        )
+        peak = f"{r['peak_rss_bytes'] / 2**20:.0f}" if r["longest"] else ""
+        step = f"{r['step_s']:.1f}" if r["longest"] else ""
+        rows.append(f"| {r['system']} | {r['longest'] or 'none'} | {peak} | {step} | {over} |")
+    return "\n".join(rows)
 
 
 def table(results: list[dict]) -> str:
@@ -101,8 +192,8 @@ def table(results: list[dict]) -> str:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench_preference_") as tmp:
-        results = run(args, args.root or Path(tmp))
-    print(table(results))
+        results = (longest if args.longest else run)(args, args.root or Path(tmp))
+    print((longest_table if args.longest else table)(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -39,3 +39,24 @@ def test_ours_and_trl_train_the_same_dpo_job_on_zero3(tmp_path):
     assert ref_model["losses"] == pytest.approx(ours["losses"], rel=1e-5)
     assert ours["losses"][-1] != pytest.approx(ours["losses"][0], rel=1e-3)  # the steps moved the policy
     assert "| 3 | trl |" in proc.stdout and "over ours: memory" in proc.stdout
+
+
+def test_the_longest_pair_search_stops_each_system_at_the_cap(tmp_path):
+    """``--longest`` scaled down (a 2-layer model, 2 heads, sequences of 96 tokens): under a cap no run
+    reaches, each system trains there; under a cap below any Python process's size, each is stopped
+    at its first length and has no longest pair."""
+    start = ["scripts/bench_preference.py", "--hidden_size", "128", "--layers", "2", "--pairs", "8",
+             "--model_vocab", "4096", "--lengths", "96"]  # fmt: skip
+    found = {}
+    for cap in (100_000, 50):
+        report = tmp_path / f"longest-{cap}.json"
+        proc = launch([*start, "--longest", str(cap), "--root", str(tmp_path / f"job-{cap}"), "--json", str(report)],
+                      launcher="python", timeout=900)  # fmt: skip
+        found[cap] = json.loads(report.read_text())
+        assert f"longest pair under {cap} MiB" in proc.stdout
+    names = ["ours, untiled", "ours, tiled loss", "ours, tiled loss, SP=2", "trl"]
+    assert [r["system"] for r in found[100_000]] == [r["system"] for r in found[50]] == names
+    for r in found[100_000]:
+        assert r["longest"] == 96 and r["peak_rss_bytes"] > 0 and r["step_s"] > 0, r
+    for r in found[50]:
+        assert r["longest"] is None and [(p["length"], p["stopped"]) for p in r["probes"]] == [(96, "cap")], r

@@ -26,10 +26,14 @@ from typing import Any
 SYSTEMS = ("ours", "ours_ref_model", "trl")
 
 
-def prepare(root: Path, hidden_size: int, layers: int, vocab_size: int, pairs: int, seed: int) -> None:
+def prepare(root: Path, hidden_size: int, layers: int, vocab_size: int, pairs: int, seed: int,
+            answer_chars: int = 0, model_vocab: int = 0) -> None:  # fmt: skip
     """``root/base`` (the model and its tokenizer) and ``root/pairs.jsonl``: prompts are lines of
     the standard library's source, chosen answers the line that follows, rejected ones a line drawn
-    from elsewhere."""
+    from elsewhere. ``answer_chars``: long pairs instead (for the longest-pair search), each answer
+    that many characters of a source file, the chosen one the prompt's own file, the rejected one
+    another's. ``model_vocab``: the model's vocabulary, when larger than the tokenizer's (logits as
+    wide as a real model's)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trainer.args import DataArguments, ModelArguments
@@ -45,15 +49,22 @@ def prepare(root: Path, hidden_size: int, layers: int, vocab_size: int, pairs: i
     ]
     rng = random.Random(seed)
     rows = []
-    for _ in range(pairs):
+    if answer_chars:
+        texts = [t for t in (p.read_text(encoding="utf-8", errors="replace") for p in corpus_files())
+                 if len(t) > 2 * answer_chars]  # fmt: skip
+        for _ in range(pairs):
+            text, other = rng.sample(texts, 2)
+            prompt, chosen = text[:80], text[80 : 80 + answer_chars]
+            rows.append({"prompt": prompt, "chosen": chosen, "rejected": other[:answer_chars]})
+    for _ in range(pairs if not answer_chars else 0):
         i = rng.randrange(len(lines) - 1)
         rows.append({"prompt": lines[i], "chosen": " " + lines[i + 1], "rejected": " " + rng.choice(lines)})
     root.mkdir(parents=True, exist_ok=True)
     (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+        vocab_size=max(len(tokenizer), model_vocab), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
         num_hidden_layers=layers, num_attention_heads=max(hidden_size // 64, 1),
-        num_key_value_heads=max(hidden_size // 64, 1), max_position_embeddings=1024,
+        num_key_value_heads=max(hidden_size // 64, 1), max_position_embeddings=65536 if answer_chars else 1024,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(root / "base")
@@ -85,14 +96,18 @@ def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None
     common = dict(
         output_dir=str(out), max_steps=opts.steps, per_device_train_batch_size=opts.pairs_per_rank,
         learning_rate=opts.learning_rate, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-        report_to="none", disable_tqdm=True, seed=0, gradient_checkpointing=False, bf16=False,
-        max_length=opts.max_length, beta=0.1,
+        report_to="none", disable_tqdm=True, seed=0, gradient_checkpointing=opts.gradient_checkpointing,
+        bf16=False, max_length=opts.max_length, beta=0.1, per_device_eval_batch_size=opts.eval_batch_size,
     )  # fmt: skip
     started = time.perf_counter()
     if system.startswith("ours"):
         from trainer import DPOConfig, DPOTrainer
 
-        args = DPOConfig(**common, zero_stage=opts.zero_stage)
+        long = {
+            "tiled_loss": "true" if opts.tiled else "false",
+            "sequence_parallel_size": opts.sequence_parallel_size,
+        }
+        args = DPOConfig(**common, zero_stage=opts.zero_stage, **long)
         reference = str(root / "base") if system == "ours_ref_model" else None
         trainer = DPOTrainer(str(root / "base"), reference, args=args, train_dataset=rows,
                              processing_class=tokenizer, callbacks=[Clock()])  # fmt: skip
@@ -139,6 +154,8 @@ def main(argv: list[str]) -> int:
         ("vocab_size", 4096),
         ("pairs", 256),
         ("seed", 0),
+        ("answer_chars", 0),
+        ("model_vocab", 0),
     ):
         prep.add_argument(f"--{name}", type=int, default=default)
     work = sub.add_parser("worker")
@@ -148,9 +165,16 @@ def main(argv: list[str]) -> int:
     for name, default in (("zero_stage", 2), ("steps", 12), ("pairs_per_rank", 4), ("max_length", 128)):
         work.add_argument(f"--{name}", type=int, default=default)
     work.add_argument("--learning_rate", type=float, default=1e-5)
+    work.add_argument("--gradient_checkpointing", action="store_true")
+    work.add_argument(
+        "--eval_batch_size", type=int, default=8, help="pairs a forward of ours's reference pass"
+    )
+    work.add_argument("--tiled", action="store_true", help="ours: the tiled loss")
+    work.add_argument("--sequence_parallel_size", type=int, default=1, help="ours: Ulysses SP")
     opts = p.parse_args(argv)
     if opts.command == "prepare":
-        prepare(opts.root, opts.hidden_size, opts.layers, opts.vocab_size, opts.pairs, opts.seed)
+        prepare(opts.root, opts.hidden_size, opts.layers, opts.vocab_size, opts.pairs, opts.seed,
+                opts.answer_chars, opts.model_vocab)  # fmt: skip
     else:
         worker(opts.root, opts.system, opts.out, opts)
     return 0
