@@ -17,6 +17,7 @@ import torch
 from tests.helpers.launch import launch
 from tests.helpers.preference_scenarios import EXTRA_METRICS, METRICS, tokenizer
 from trainer.data.preference import PreferenceCollator, split_prompt, tokenize_pair, tokenize_preferences
+from trainer.engine.objectives import batch_rows
 
 SCRIPT = "tests/helpers/preference_scenarios.py"
 PARITY = ["sigmoid_text", "sigmoid_implicit", "sigmoid_conversation", "ipo", "hinge", "robust", "lora_adapters_off",
@@ -227,6 +228,12 @@ def test_the_collator_batches_pairs_and_cuts_as_asked():
     assert kept_end["input_ids"][0].tolist() == [[7, 8, 9, 0], [6, 7, 10, 0]]
     assert kept_end["completion_mask"][0].tolist() == [[0, 1, 1, 0], [0, 0, 1, 0]]
     assert torch.equal(kept_end["attention_mask"].sum(-1), torch.tensor([[3, 3], [2, 3]]))
+    free = PreferenceCollator(pad_token_id=0, padding_free=True)(rows)
+    assert free["input_ids"].tolist() == [[5, 6, 7, 8, 9, 5, 6, 7, 10, 5, 11, 5, 12, 13, 14]]
+    assert free["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 0, 1, 2, 3]]
+    assert free["token_index"][1].tolist() == [[9, 10, -1, -1, -1], [11, 12, 13, 14, -1]]
+    assert torch.equal(free["completion_mask"], batch["completion_mask"])
+    assert batch_rows(free) == 2  # still counted in pairs (the step's samples)
 
 
 # ---- the arguments -------------------------------------------------------------------------------

@@ -195,9 +195,15 @@ class PreferenceCollator:
             "attention_mask": attention.view(shape),
             "completion_mask": completion.view(shape),
         }
-        if self.padding_free:
-            batch.update(packed_pairs(seqs, length))
-            batch["token_index"] = batch["token_index"].view(shape)
+        if self.padding_free:  # the one row replaces the padded ids; the masks lead, so that a
+            # batch's rows (its first tensor's first dimension) are still its pairs
+            packed = packed_pairs(seqs, length)
+            packed["token_index"] = packed["token_index"].view(shape)
+            batch = {
+                "completion_mask": batch["completion_mask"],
+                "attention_mask": batch["attention_mask"],
+                **packed,
+            }
         if REFERENCE_COLUMN in rows[0]:
             batch[REFERENCE_COLUMN] = torch.tensor(
                 [row[REFERENCE_COLUMN] for row in rows], dtype=torch.float32
