@@ -111,3 +111,12 @@ def test_watcher_leaves_out_processes_of_another_program():
     assert report["stopped"] is None and report["returncode"] == 0  # the cap holds the counted ones only
     assert report["peak_rss_bytes"] < 100 * 2**20 <= 300 * 2**20 <= report["excluded_peak_rss_bytes"]
     assert [row["counted"] for row in report["processes"]] == [False, True]
+
+
+def test_a_watcher_of_several_commands_reports_each_ones_own_peak():
+    """ru_maxrss of the children is a maximum over every command this process has waited for: a small
+    command watched after a large one must not report the large one's peak."""
+    large = watch([sys.executable, "-c", ALLOCATE], interval=0.05)
+    small = watch([sys.executable, "-c", "import time; time.sleep(0.5)"], interval=0.05)
+    assert large["peak_rss_bytes"] >= 300 * 2**20
+    assert small["peak_rss_bytes"] < 100 * 2**20

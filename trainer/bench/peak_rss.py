@@ -11,7 +11,9 @@ A launcher's ranks are grandchildren of this process, so their memory is not our
   as one process passes the cap, instead of waiting for a run that is already over it to finish;
 - after the command has exited, ``getrusage(RUSAGE_CHILDREN).ru_maxrss``: the peak of the largest
   single descendant that was waited for (the launchers wait for their ranks), which also covers a
-  peak reached after the last poll.
+  peak reached after the last poll. It is a maximum over every child this process has ever waited
+  for, so a process that watches several commands in turn (a benchmark's runs) counts it only when
+  it grew during this command: otherwise it may be an earlier command's peak.
 
 ``--only PROGRAM`` measures only the processes started as ``PROGRAM`` (``argv[0]``): DeepSpeed
 may compile an op just in time under a rank, and a compiler's peak is not the run's. When it
@@ -112,6 +114,7 @@ def watch(
     interpreter of a training run and its ranks; others (a compiler DeepSpeed runs to build an op
     just in time) are listed with ``counted: false`` and neither measured nor held to the cap."""
     start = time.monotonic()
+    earlier = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * PAGE_KIB  # earlier commands' peak
     # A SIGTERM or SIGINT to this process stops the command's tree too: it runs in a session of
     # its own, so a signal to our process group (a timeout, ^C) would not reach it.
     signalled: list[int] = []
@@ -158,7 +161,8 @@ def watch(
     # ru_maxrss is the largest of all descendants, excluded ones too: with any process left out it
     # may be that one's (its last peak after the last look), so only the polled figures count.
     left_out = any(not row["counted"] for row in processes)
-    peak = polled if left_out else max(children_peak, polled)
+    ours = children_peak if children_peak > earlier else 0  # a larger maximum came from this command
+    peak = polled if left_out else max(ours, polled)
     if stopped is None and cap_bytes is not None and peak > cap_bytes:
         stopped = "over_cap_at_exit"  # the peak came after the last poll; the run itself finished
     return {
