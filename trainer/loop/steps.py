@@ -71,7 +71,10 @@ def tiling_for(
     rows = args.per_device_train_batch_size * objective.sequences_per_row
     tokens = rows * (block or 0) // layout.sequence
     vocab = getattr(text, "vocab_size", None) or 1
-    return plan_tiling(mode, args.tiled_mlp, args.offload_activations, args.tile_tokens, vocab, tokens)
+    tiling = plan_tiling(mode, args.tiled_mlp, args.offload_activations, args.tile_tokens, vocab, tokens)
+    if tiling.loss:
+        print_main(f"The loss in tiles of {tiling.loss:,} tokens: no micro-batch's logits are held whole.")
+    return tiling
 
 
 def torch_compile_for(args: TrainingArguments) -> TorchCompile | None:

@@ -468,10 +468,6 @@ class Trainer(HFMethods, ResultsAPI):
         if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             enable_gradient_checkpointing(self.model)
         tiling = tiling_for(self.args, self.model, self.run_config, objective, self.layout)
-        if tiling.loss:
-            print_main(
-                f"The loss in tiles of {tiling.loss:,} tokens: no micro-batch's logits are held whole."
-            )
         with self.watchdog.phase("init"):
             self.engine = build_engine(
                 self.model,
