@@ -33,7 +33,7 @@ from transformers import (
 )
 
 from trainer import Trainer, TrainingArguments
-from trainer.runtime.resilience import quick_exit
+from trainer.cli.main import exit_now
 
 VOCAB, ROWS = 48, 16
 
@@ -169,10 +169,10 @@ def run(out: Path, name: str, grad_acc: int, stage: int) -> None:
 
 
 if __name__ == "__main__":
-    quick_exit()
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     out, grad_acc = Path(argv[0]), int(argv[1])
     for spec in argv[2:]:
         stage, names = spec.split(":")
         for name in names.split(","):
             run(out, name, grad_acc, int(stage))  # its Trainer, arguments and ZeRO-3 registration go here
+    exit_now(0)

@@ -24,9 +24,9 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from tests.helpers.scaffold import bpe_tokenizer, read_metrics
 from trainer import CPOConfig, CPOTrainer, DPOConfig, DPOTrainer, ORPOConfig, ORPOTrainer
+from trainer.cli.main import exit_now
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
 from trainer.runtime.distributed import dist_info
-from trainer.runtime.resilience import quick_exit
 
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {}
 METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -530,5 +530,4 @@ def main(scenarios: dict[str, Callable[[Path], dict[str, Any]]] = SCENARIOS) -> 
 
 
 if __name__ == "__main__":
-    quick_exit()
-    sys.exit(main())
+    exit_now(main())

@@ -26,6 +26,7 @@ from tests.helpers.trainer_scenarios import (
 )
 from trainer import Trainer, TrainingArguments
 from trainer.checkpoint import CheckpointError
+from trainer.cli.main import exit_now
 from trainer.data import CausalLMCollator
 from trainer.loop.callbacks import TrainerCallback
 from trainer.runtime.distributed import (
@@ -35,7 +36,6 @@ from trainer.runtime.distributed import (
     dist_info,
     init_distributed,
 )
-from trainer.runtime.resilience import quick_exit
 
 STEPS, SAVE_AT = 10, 5
 # 48 samples: the 10 steps cross an epoch boundary after the save (6 or 8 steps per epoch).
@@ -308,5 +308,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    quick_exit()
-    sys.exit(main())
+    exit_now(main())

@@ -8,7 +8,6 @@ Usage: ``python tests/helpers/sft_scenarios.py OUT SCENARIO [SCENARIO...]``; eac
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from tests.helpers.preference_scenarios import COLOURS, SUBJECTS, base, lora, main
 from tests.helpers.scaffold import read_metrics
 from trainer import SFTConfig, SFTTrainer
-from trainer.runtime.resilience import quick_exit
+from trainer.cli.main import exit_now
 
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {}
 METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy")
@@ -178,5 +177,4 @@ def lora_adapters(out: Path) -> dict:
 
 
 if __name__ == "__main__":
-    quick_exit()
-    sys.exit(main(SCENARIOS))
+    exit_now(main(SCENARIOS))

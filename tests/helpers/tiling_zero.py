@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from deepspeed.utils import safe_get_full_grad
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from trainer.cli.main import exit_now
 from trainer.data import IGNORE_INDEX
 from trainer.engine.tiling import decoder_and_head, tile_mlp, tiled_loss_sum
 from trainer.runtime.distributed import detect_hardware, dist_info, init_distributed
-from trainer.runtime.resilience import quick_exit
 
 VOCAB, TILE = 512, 8
 RUNS = (("untiled", False), ("tiled", True))
@@ -84,5 +84,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    quick_exit()
-    sys.exit(main())
+    exit_now(main())

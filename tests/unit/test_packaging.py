@@ -40,11 +40,11 @@ def floor(req: Requirement) -> Version:
 
 def test_distribution_is_not_named_like_the_pypi_trainer_package():
     assert PROJECT["name"] == "ds-llm-trainer"
-    assert PROJECT["scripts"] == {"trainer": "trainer.cli.main:main"}  # the command keeps its name
+    assert PROJECT["scripts"] == {"trainer": "trainer.cli.main:entry"}  # the command keeps its name
     dist = importlib.metadata.distribution("ds-llm-trainer")
     assert dist.version == trainer.__version__ == PROJECT["version"]
     assert [(ep.name, ep.value) for ep in dist.entry_points if ep.group == "console_scripts"] == [
-        ("trainer", "trainer.cli.main:main")
+        ("trainer", "trainer.cli.main:entry")
     ]
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -94,3 +96,18 @@ def test_a_refused_hf_field_is_refused_at_the_door_before_anything_loads(tmp_pat
         "to push with huggingface_hub",
     ]
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_a_command_ends_after_its_exit_handlers_with_its_code():
+    """exit_now skips the interpreter's finalization, not the exit handlers (the group's leaving,
+    the integrations' flushes) nor what was printed but not yet flushed."""
+    script = (
+        "import atexit, sys\n"
+        "from trainer.cli.main import exit_now\n"
+        "atexit.register(lambda: print('handler ran'))\n"
+        "print('unflushed', end=''); sys.stderr.write('to stderr')\n"
+        "exit_now(3)\n"
+        "print('never')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "unflushedhandler ran\n", "to stderr")

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from trainer.bench.job import BlockDataset, Job, collate
+from trainer.cli.main import exit_now
 from trainer.loop.callbacks import TrainerCallback
 from trainer.runtime.distributed import host_all_reduce
-from trainer.runtime.resilience import quick_exit
 
 
 def count_only(engine: Any, window: list[dict[str, Any]]) -> float:
@@ -130,5 +130,4 @@ def report(rank: int, what: str, wall: float, cpu: float, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    quick_exit()
-    main()
+    exit_now(main())

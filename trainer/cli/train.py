@@ -38,7 +38,6 @@ from trainer.runtime.distributed import (
     print_main,
 )
 from trainer.runtime.ownership import claim_output_dir
-from trainer.runtime.resilience import quick_exit
 from trainer.runtime.run_files import FINAL
 
 RAW_ARGV = True
@@ -171,7 +170,6 @@ def _sample(model_dir: Path, device, prompt: str = "class Parser:\n    def __ini
 
 def main(argv: list[str] | None = None, prog: str = "trainer train") -> int:
     argv = sys.argv[1:] if argv is None else argv
-    quick_exit()
     configure_logging()
     if any(a in HELP_FLAGS for a in argv):
         if dist_info().is_main:

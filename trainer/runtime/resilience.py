@@ -1,5 +1,5 @@
 """What a run does when something goes wrong, and how it ends: its exit codes, the preemption flag,
-the hang watchdog and a quick exit.
+the hang watchdog.
 
 Kept apart from ``trainer.runtime.distributed`` so that module stays about joining and using the process
 group. This one builds on it (rank facts, named barriers) and never the other way round.
@@ -7,9 +7,7 @@ group. This one builds on it (rank facts, named barriers) and never the other wa
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
-import gc
 import os
 import signal
 import sys
@@ -24,21 +22,6 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer.runtime.distributed import barrier, dist_info, print_main
-
-# ---- ending the process ----------------------------------------------------------------------
-
-
-def quick_exit() -> None:
-    """Skip the collections the interpreter runs over every object as it shuts down.
-
-    With torch, transformers and DeepSpeed loaded they walk millions of module-level objects and
-    take seconds (3-4 s on 2 cores) that every launch of a command pays. Registered as the command
-    starts, ``gc.freeze`` runs after the exit handlers the run registers later (the reporting
-    integrations' ones), and what a run writes is closed or flushed by then. Only the command-line entry points call
-    this: a user's own script keeps Python's usual shutdown.
-    """
-    atexit.register(gc.freeze)
-
 
 # ---- exit codes ---------------------------------------------------------------------------------
 # Distinct codes, so a supervisor (SLURM requeue, torchrun restarts) can tell a stop to resume from
