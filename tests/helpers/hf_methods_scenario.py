@@ -20,10 +20,10 @@ from transformers.trainer_utils import EvalPrediction
 
 from tests.helpers.trainer_scenarios import VOCAB, tiny_config
 from trainer import Trainer, TrainingArguments
+from trainer.cli.main import exit_now
 from trainer.data import CausalLMCollator
 from trainer.loop.callbacks import MetricsCallback, ProgressCallback, TrainerCallback
 from trainer.runtime.distributed import barrier
-from trainer.runtime.resilience import quick_exit
 
 KEYS = ("input_ids", "attention_mask", "labels")
 
@@ -249,5 +249,4 @@ def _json(value):
 
 
 if __name__ == "__main__":
-    quick_exit()
-    main()
+    exit_now(main())

@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from tests.helpers.trainer_scenarios import StepsRun, build_tiny_run, grad_norms
 from trainer import Trainer, TrainingArguments
+from trainer.cli.main import exit_now
 from trainer.data import CausalLMCollator
 from trainer.engine import causal_lm_loss_sum
 from trainer.runtime.distributed import barrier, detect_hardware, dist_info, init_distributed
-from trainer.runtime.resilience import quick_exit
 
 VOCAB = 256
 LLAMA = dict(
@@ -213,5 +213,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    quick_exit()
-    main()
+    exit_now(main())

@@ -25,6 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, set_seed
 from trainer import Trainer, TrainingArguments
 from trainer.args import RunConfig
 from trainer.checkpoint.writer import FileWriter
+from trainer.cli.main import exit_now
 from trainer.data import CausalLMCollator, ResumableDistributedSampler
 from trainer.engine import DeepSpeedEngine, causal_lm_loss_sum, count_targets
 from trainer.loop.build import build_run
@@ -39,7 +40,7 @@ from trainer.runtime.distributed import (
     dist_info,
     init_distributed,
 )
-from trainer.runtime.resilience import EXIT_NONFINITE, quick_exit
+from trainer.runtime.resilience import EXIT_NONFINITE
 
 VOCAB = 256
 TINY = dict(
@@ -573,5 +574,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    quick_exit()
-    sys.exit(main())
+    exit_now(main())
