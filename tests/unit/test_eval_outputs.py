@@ -104,6 +104,7 @@ class ModelEngine:
     ``eval_sum`` on the model, as ``DeepSpeedEngine.eval_step`` runs it on DeepSpeed's engine."""
 
     device = torch.device("cpu")
+    counts_rows = True  # no tensor-parallel group
 
     def __init__(self, model: torch.nn.Module, label_names: list[str] | None = None) -> None:
         self.module, self.objective = model, objective_for(model, label_names=label_names)

@@ -180,6 +180,7 @@ class TinyEngine:
 
     device = torch.device("cpu")
     objective = CausalLM()
+    counts_rows = True  # no tensor-parallel group
 
     def __init__(self) -> None:
         torch.manual_seed(0)

@@ -38,9 +38,9 @@ def test_layout_refuses_a_rank_outside_the_world():
 
 def test_sizes_come_from_an_explicit_argument_else_the_deepspeed_file():
     stated = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2, "pipeline": {"stages": 2}}
-    assert parallel_sizes(TrainingArguments(output_dir="o", deepspeed=stated)) == (2, 2)
-    assert parallel_sizes(TrainingArguments(output_dir="o")) == (1, 1)
-    assert parallel_sizes(TrainingArguments(output_dir="o", sequence_parallel_size=4)) == (1, 4)
+    assert parallel_sizes(TrainingArguments(output_dir="o", deepspeed=stated)) == (2, 2, 1)
+    assert parallel_sizes(TrainingArguments(output_dir="o")) == (1, 1, 1)
+    assert parallel_sizes(TrainingArguments(output_dir="o", sequence_parallel_size=4)) == (1, 4, 1)
     layout = layout_of(TrainingArguments(output_dir="o", deepspeed=stated), DistInfo(3, 3, 8))
     assert (layout.data, layout.pipeline, layout.sequence, layout.rank) == (2, 2, 2, 3)
 

@@ -285,6 +285,12 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
         ge=1,
         description="Ulysses sequence parallelism: ranks that split each sequence (world = this × data parallel).",
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="AutoTP tensor parallelism: ranks that split each layer's matrices and read the same rows "
+        "(world = this × data parallel).",
+    )
     tiled_loss: Literal["auto", "true", "false"] = Field(
         "auto",
         description="The LM loss in token tiles, never the whole logits tensor: auto (when one micro-batch's fp32 "

@@ -20,9 +20,10 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from trainer import checkpoint as ckpt
 from trainer.args import RunConfig
 from trainer.args.recipe import HELP_FLAGS, parse_run_config, run_help
-from trainer.config import Hardware, check, parallel_sizes
+from trainer.config import Hardware, check, custom_tensor_plan, parallel_sizes
 from trainer.config.errors import ConfigError
 from trainer.engine.sequence_parallel import check_layout
+from trainer.engine.tensor_parallel import check_tensor_layout
 from trainer.loop.build import build_run
 from trainer.loop.evaluation import safe_exp
 from trainer.loop.faults import FaultInjection, fault_plan
@@ -100,9 +101,11 @@ def _check_inputs(run_config: RunConfig, hardware: Hardware) -> None:
     is_local = model_path and (model_path.startswith((".", "/")) or Path(model_path).exists())
     if is_local and not (Path(model_path) / "config.json").is_file():
         raise ConfigError([("model_name_or_path", f"{model_path}: no config.json there")])
-    sp = parallel_sizes(run_config)[1]  # the argument's, else the DeepSpeed file's (as the layout's)
-    if sp > 1:  # the model's heads against the split, from its config alone (the run's one check)
-        check_layout(model_config(model, None, run_config.data.block_size), sp, dist_info().world_size)
+    _, sp, tp = parallel_sizes(run_config)  # the argument's, else the DeepSpeed file's (as the layout's)
+    if sp > 1 or tp > 1:  # the model's sizes against the splits, from its config alone (the run's one check)
+        config = model_config(model, None, run_config.data.block_size)
+        check_layout(config, sp, dist_info().world_size)
+        check_tensor_layout(config, tp, custom_tensor_plan(run_config))
     dataset = run_config.data.dataset
     if (
         dataset != "stdlib"

@@ -21,7 +21,14 @@ from trainer.config.errors import ConfigError
 from trainer.config.files import load_deepspeed_json
 from trainer.config.hardware import Hardware
 from trainer.config.presets import PRECISIONS, PRESETS, preset_config, write_presets
-from trainer.config.resolution import check, deepspeed_schedules, generate, parallel_sizes, resolve
+from trainer.config.resolution import (
+    check,
+    custom_tensor_plan,
+    deepspeed_schedules,
+    generate,
+    parallel_sizes,
+    resolve,
+)
 from trainer.config.schema import DSConfig, batch_problems, validate
 
 __all__ = [
@@ -35,6 +42,7 @@ __all__ = [
     "deepspeed_schedules",
     "generate",
     "load_deepspeed_json",
+    "custom_tensor_plan",
     "parallel_sizes",
     "preset_config",
     "resolve",

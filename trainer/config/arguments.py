@@ -23,6 +23,7 @@ class TrainingArgs(Protocol):
     max_grad_norm: float
     pipeline_parallel_size: int
     sequence_parallel_size: int
+    tensor_parallel_size: int
     zero_stage: int
     offload_optimizer: str
     offload_param: str
@@ -76,6 +77,7 @@ class Shortcuts(BaseModel):
     deepspeed: None = None  # the ZeRO section comes from the shortcuts
     pipeline_parallel_size: int = 1  # a generated config has no pipeline section
     sequence_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1)
 
     @property
     def requested_precision(self) -> str:

@@ -72,6 +72,7 @@ STATED_ARGUMENTS = {
     "offload_param": "zero_optimization.offload_param.device",
     "pipeline_parallel_size": "pipeline.stages",
     "sequence_parallel_size": "sequence_parallel_size",
+    "tensor_parallel_size": "tensor_parallel.autotp_size",
     "learning_rate": "optimizer.params.lr",
     "weight_decay": "optimizer.params.weight_decay",
 }

@@ -170,19 +170,29 @@ class _Resolver:
     # --- the steps -------------------------------------------------------------------------
 
     def parallelism(self) -> int:
-        """Pipeline stages, sequence-parallel groups, and the data-parallel size the batch keys are
-        computed for (a sequence-parallel group reads one set of rows)."""
+        """Pipeline stages, sequence- and tensor-parallel groups, and the data-parallel size the batch
+        keys are computed for (a sequence- or tensor-parallel group reads one set of rows)."""
         pp, sp = self.args.pipeline_parallel_size, self.args.sequence_parallel_size
+        tp = getattr(self.args, "tensor_parallel_size", 1)
         if pp > 1 or self.explicit("pipeline_parallel_size"):
             self.settle_arg("pipeline.stages", "pipeline_parallel_size")
         if sp > 1 or self.explicit("sequence_parallel_size"):
             # Also read by zero.Init, whose config has no other way to learn the data-parallel size.
             self.settle_arg("sequence_parallel_size", "sequence_parallel_size")
+        if tp > 1 or self.explicit("tensor_parallel_size"):
+            self.settle_arg("tensor_parallel.autotp_size", "tensor_parallel_size")
+        if (_positive_int(get_path(self.data, "tensor_parallel.autotp_size")) or 1) > 1:
+            # Left unset, AutoTP splits a tied head by vocabulary, and every loss here reads whole rows.
+            self.settle(
+                "tensor_parallel.vocab_parallel_lm_head", False, "the trainer's losses read whole logits"
+            )
         if self.data_parallel is not None:  # the run's ParallelLayout computed it
             return self.data_parallel
         # Checking a config with no run behind it (``trainer ds-config``, ``check``): the file's sizes.
         stages, groups = get_path(self.data, "pipeline.stages"), get_path(self.data, "sequence_parallel_size")
+        tensor = get_path(self.data, "tensor_parallel.autotp_size")
         split = (stages if _positive_int(stages) else pp) * (groups if _positive_int(groups) else 1)
+        split *= tensor if _positive_int(tensor) else 1
         # A world size the stages or groups do not divide is reported by the schema's batch check.
         return self.world_size // split if self.world_size % split == 0 else 1
 
@@ -462,8 +472,8 @@ def resolve(
     return _pool_stages(_run(r, client_optimizer, client_scheduler))
 
 
-def parallel_sizes(run: RunArgs | TrainingArgs) -> tuple[int, int]:
-    """(pipeline stages, sequence-parallel size) as ``resolve`` settles them: an argument set
+def parallel_sizes(run: RunArgs | TrainingArgs) -> tuple[int, int, int]:
+    """(pipeline stages, sequence-parallel size, tensor-parallel size) as ``resolve`` settles them: an argument set
     explicitly (or above 1), else the DeepSpeed file's value, else the argument's default. What a
     run's ``ParallelLayout`` is built from, so the layout and the DeepSpeed dict agree."""
     args = run.training if hasattr(run, "training") else run
@@ -475,11 +485,26 @@ def parallel_sizes(run: RunArgs | TrainingArgs) -> tuple[int, int]:
     for arg, path in (
         ("pipeline_parallel_size", "pipeline.stages"),
         ("sequence_parallel_size", "sequence_parallel_size"),
+        ("tensor_parallel_size", "tensor_parallel.autotp_size"),
     ):
         value = getattr(args, arg)
         from_file = _positive_int(get_path(data, path))
         sizes.append(value if value > 1 or arg in args.model_fields_set or from_file is None else from_file)
-    return sizes[0], sizes[1]
+    return sizes[0], sizes[1], sizes[2]
+
+
+def custom_tensor_plan(run: RunArgs | TrainingArgs) -> bool:
+    """Whether the DeepSpeed config gives AutoTP its own sharding rules (``tensor_parallel``'s
+    ``partition_config`` or ``preset_model``), for a model it has no plan for."""
+    args = run.training if hasattr(run, "training") else run
+    try:
+        data = _base(args)[0]
+    except ConfigError:
+        return False
+    return any(
+        get_path(data, f"tensor_parallel.{key}") not in (MISSING, None)
+        for key in ("partition_config", "preset_model")
+    )
 
 
 def check(run: RunArgs | TrainingArgs, world_size: int, hardware: Hardware) -> None:

@@ -23,6 +23,7 @@ from trainer.config.sections import (
     FlopsProfilerConfig,
     PipelineConfig,
     TensorBoardConfig,
+    TensorParallelConfig,
     WandbConfig,
 )
 from trainer.config.zero import ZeroConfig
@@ -111,6 +112,9 @@ class DSConfig(ConfigModel):
     sequence_parallel_size: int | None = Field(
         None, ge=1, description="Ulysses sequence parallelism: ranks that split each sequence."
     )
+    tensor_parallel: TensorParallelConfig | None = Field(
+        None, description="AutoTP tensor parallelism: ranks that split each layer's matrices."
+    )
 
     @field_validator("steps_per_print", mode="before")
     @classmethod
@@ -175,11 +179,25 @@ class DSConfig(ConfigModel):
                     "leave reduce_scatter true",
                 )
             )
-        if sequence_split and self.pipeline is not None and (self.pipeline.stages or 1) > 1:
+        staged = self.pipeline is not None and (self.pipeline.stages or 1) > 1
+        if sequence_split and staged:
             problems.append(
                 (
                     "pipeline.stages, sequence_parallel_size",
                     "sequence parallelism does not run with pipeline stages",
+                )
+            )
+        if tensor_size(self) > 1 and (staged or sequence_split):
+            other = "pipeline.stages" if staged else "sequence_parallel_size"
+            problems.append(
+                (
+                    f"tensor_parallel.autotp_size, {other}",
+                    "AutoTP tensor parallelism runs with ZeRO 0-3 and data parallelism, not with "
+                    + (
+                        "pipeline stages"
+                        if staged
+                        else "Ulysses sequence parallelism (both split consecutive ranks)"
+                    ),
                 )
             )
         optimizer = self.optimizer
@@ -223,22 +241,30 @@ def batch_problems(config: DSConfig, world_size: int) -> list[Problem]:
         stages,
         world_size,
         config.sequence_parallel_size or 1,
+        tensor_size(config),
     )
 
 
+def tensor_size(config: DSConfig) -> int:
+    """The ranks AutoTP splits each layer over (1: off; DeepSpeed reads 0 as off too)."""
+    return max(config.tensor_parallel.autotp_size, 1) if config.tensor_parallel else 1
+
+
 def _batch_arithmetic(
-    tbs: int | None, mbs: int | None, gas: int | None, stages: int, world_size: int, sp: int = 1
+    tbs: int | None, mbs: int | None, gas: int | None, stages: int, world_size: int, sp: int = 1, tp: int = 1
 ) -> list[Problem]:
     """Given only two of the three, DeepSpeed infers the third with integer division and then fails
     its own assertion: 8 = 2 × g × 3 has no integer g. We report that case as such. The ranks of a
-    sequence-parallel group share their rows, so they count once in the data-parallel size."""
+    sequence- or tensor-parallel group share their rows, so they count once in the data-parallel size."""
     if world_size < 1:
         return [("world_size", f"must be at least 1, got {world_size}")]
     if world_size % stages:
         return [("pipeline.stages", f"world size {world_size} is not divisible by {stages} pipeline stages")]
     if world_size % sp:
         return [("sequence_parallel_size", f"world size {world_size} is not divisible by {sp}")]
-    dp = world_size // stages // sp
+    if world_size % (sp * tp):
+        return [("tensor_parallel.autotp_size", f"world size {world_size} is not divisible by {tp}")]
+    dp = world_size // stages // sp // tp
     where = f"at data-parallel world size {dp}"
     if tbs is None and mbs is None:
         return [
@@ -296,7 +322,9 @@ def _raw_batch_problems(data: dict[str, Any], world_size: int) -> list[Problem]:
     stages = positive_int(pipeline.get("stages")) if isinstance(pipeline, dict) else None
     tbs, mbs, gas = (positive_int(v) for v in values)
     sp = positive_int(data.get("sequence_parallel_size"))
-    return _batch_arithmetic(tbs, mbs, gas, stages or 1, world_size, sp or 1)
+    tensor = data.get("tensor_parallel")
+    tp = positive_int(tensor.get("autotp_size")) if isinstance(tensor, dict) else None
+    return _batch_arithmetic(tbs, mbs, gas, stages or 1, world_size, sp or 1, tp or 1)
 
 
 def validate(data: Any, world_size: int | None = None) -> DSConfig:

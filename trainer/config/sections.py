@@ -143,3 +143,26 @@ class PipelineConfig(ConfigModel):
     )
     pipe_partitioned: bool = Field(True, description="Partition activations sent between stages.")
     grad_partitioned: bool = Field(True, description="Partition gradients sent between stages.")
+
+
+class TensorParallelConfig(ConfigModel):
+    """DeepSpeed's AutoTP training: each layer's matrices split over ``autotp_size`` consecutive
+    ranks, which read the same rows. Runs with ZeRO 0-3, not with pipeline stages or Ulysses."""
+
+    autotp_size: int = Field(
+        0, ge=0, description="Ranks each layer's matrices are split over; 0 or 1 is off."
+    )
+    tp_overlap_comm: bool = Field(False, description="Overlap the row-parallel all-reduce with computation.")
+    vocab_parallel_lm_head: Literal[False] | None = Field(
+        None,
+        description="false: the output head gives whole-vocabulary logits (what the trainer's token-exact "
+        "loss reads; a run fills it in); a vocabulary-split head is refused.",
+    )
+    preset_model: str | None = Field(
+        None,
+        description="A built-in sharding plan (llama, bloom, chatglm, mixtral, deepseek_v2, qwen2, phi3).",
+    )
+    partition_config: dict[str, Any] | None = Field(
+        None,
+        description="Custom sharding rules (use_default_specs, layer_specs) for a model AutoTP does not know.",
+    )

@@ -21,6 +21,7 @@ import deepspeed
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.utils import clip_grad_norm_
+from deepspeed.utils import groups
 
 from trainer.engine import zero
 from trainer.engine.objectives import Batch, Objective
@@ -124,6 +125,10 @@ class Engine(ABC):
     optimizer: Any  # what deepspeed.initialize returned: the (ZeRO-wrapped) optimizer that steps
     lr_scheduler: Any  # and its scheduler (None when the config has none)
     objective: Objective
+    # The ranks AutoTP splits each layer over; they hold the same rows, and only the first of them
+    # counts those rows in a sum over all ranks (losses, tokens, predictions).
+    tensor_parallel: int = 1
+    counts_rows: bool = True
 
     def _initialize(
         self,
@@ -145,6 +150,8 @@ class Engine(ABC):
         self.world_size: int = (
             self.ds.dp_world_size or self.ds.seq_dp_world_size // self.ds.sequence_parallel_size
         )
+        self.tensor_parallel = max(self.ds.autotp_size(), 1)
+        self.counts_rows = self.tensor_parallel == 1 or groups.get_tensor_model_parallel_rank() == 0
         self.lr_scale = 1.0
         self.step_lr: float | None = None
 

@@ -21,6 +21,7 @@ from trainer.engine.core import Batch, Engine, TorchCompile, weight_decay_groups
 from trainer.engine.loss import next_token_targets
 from trainer.engine.objectives import CausalLM, Objective, causal_inputs
 from trainer.engine.sequence_parallel import SequenceParallel
+from trainer.engine.tensor_parallel import tensor_groups, warn_whole_head
 from trainer.engine.tiling import Tiling, decoder_and_head, offload_activations, tile_mlp, tiled_loss_sum
 
 
@@ -43,10 +44,6 @@ class DeepSpeedEngine(Engine):
         self.tiling = tiling
         if tiling.mlp is not None:
             tile_mlp(model, tiling.mlp)
-        if tiling.loss:
-            self.head = decoder_and_head(model)[1]
-            if self.objective.per_token_nll:  # it computes its loss from tiled NLL itself
-                self.objective.loss_tiles = (self.head, tiling.loss)
         # Groups and the attention exchange exist before DeepSpeed, which reduces over them.
         self.sp = SequenceParallel(model, sequence_parallel) if sequence_parallel > 1 else None
         if self.sp is not None and self.objective.per_token_nll:
@@ -55,19 +52,26 @@ class DeepSpeedEngine(Engine):
             # Custom models that call deepspeed.checkpointing.checkpoint read these settings.
             deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
         params = optimizer.param_groups if optimizer is not None else weight_decay_groups(model, weight_decay)
+        tensor = max(int((ds_config.get("tensor_parallel") or {}).get("autotp_size") or 1), 1)
         self._initialize(
             model,
             ds_config,
             model_parameters=None if optimizer is not None else params,
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
-            mpu=self.sp.mpu if self.sp else None,
+            mpu=self.sp.mpu if self.sp else tensor_groups(tensor) if tensor > 1 else None,
             torch_compile=torch_compile,
         )
         # What DeepSpeed divides the summed gradients by: the data-parallel size, except that
         # ZeRO-3's reduce-scatter averages over every rank, sequence-parallel ones too (0.19).
         zero3_sp = self.sp is not None and self.ds.zero_optimization_partition_weights()
         self.grad_divisor = self.ds.seq_dp_world_size if zero3_sp else self.world_size
+        if tiling.loss:  # the head as the engine left it (AutoTP replaces the layers it splits)
+            self.head = decoder_and_head(self.module)[1]
+            if self.objective.per_token_nll:  # it computes its loss from tiled NLL itself
+                self.objective.loss_tiles = (self.head, tiling.loss)
+        if self.tensor_parallel > 1:
+            warn_whole_head(self.module, self.tensor_parallel)
 
     @property
     def _causal_pieces(self) -> bool:
@@ -161,8 +165,8 @@ class DeepSpeedEngine(Engine):
                     with zero.gathered([param], enabled=partitioned):
                         state[name] = param.detach().cpu().clone()
             return state if self.ds.global_rank == 0 else None
-        if partitioned:
-            state = self.ds._zero3_consolidated_16bit_state_dict()
+        if partitioned or self.tensor_parallel > 1:  # DeepSpeed gathers ZeRO-3's and AutoTP's pieces
+            state = self.ds._consolidated_16bit_state_dict()
             return state if self.ds.global_rank == 0 else None
         if self.ds.global_rank != 0:
             return None

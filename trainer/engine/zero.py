@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import deepspeed
 import torch
 from deepspeed.checkpoint import ds_to_universal
+from deepspeed.module_inject.layers import DS_TENSOR_MODEL_PARALLEL
+from deepspeed.utils import groups
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from trainer.config.files import precision_of
@@ -29,8 +31,14 @@ if TYPE_CHECKING:
 
 
 def numel(param: torch.Tensor) -> int:
-    """A parameter's full number of elements; under ZeRO-3 a partitioned stub's real size."""
-    return int(getattr(param, "ds_numel", param.numel()))
+    """A parameter's full number of elements: under ZeRO-3 a partitioned stub's real size, and under
+    AutoTP (which tags the weights it splits) its slices' on all ranks of the group."""
+    split = (
+        groups.get_tensor_model_parallel_world_size()
+        if getattr(param, DS_TENSOR_MODEL_PARALLEL, False)
+        else 1
+    )
+    return int(getattr(param, "ds_numel", param.numel())) * split
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:

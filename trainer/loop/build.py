@@ -19,11 +19,12 @@ from torch.utils.data import Dataset
 from transformers import set_seed
 
 from trainer.args import RunConfig
-from trainer.config import Hardware
+from trainer.config import Hardware, custom_tensor_plan
 from trainer.data import build_datasets, get_tokenizer
 from trainer.data.preference import load_pairs
 from trainer.data.sources import DataError
 from trainer.engine.sequence_parallel import check_layout
+from trainer.engine.tensor_parallel import check_tensor_layout
 from trainer.loop.callbacks import TrainerCallback
 from trainer.loop.dpo import DPOTrainer
 from trainer.loop.plan import layout_of, plan_run
@@ -76,6 +77,7 @@ def build_run(
     if not layout_checked:
         layout = layout_of(run_config, dist)
         check_layout(config, layout.sequence, layout.world)  # before any data loads
+        check_tensor_layout(config, layout.tensor, custom_tensor_plan(run_config))
     trainer_class = TRAINERS[args.objective]
     if not given_data:
         if issubclass(trainer_class, PreferenceTrainer):

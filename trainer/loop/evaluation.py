@@ -211,12 +211,15 @@ def _forward(
         batch = {**batch, "labels": torch.full_like(batch["input_ids"], IGNORE_INDEX)}
     batch, rows = without_padding_rows(batch, indices, objective.token_exact_causal)
     loss, count, outputs = engine.eval_step(batch, outputs=predictions is not None)
-    weight = 1.0 if any(i >= 0 for i in rows) else 0.0  # a batch of padding alone counts nothing
+    # A batch of padding alone counts nothing, nor do a tensor-parallel group's ranks but its first
+    # (they hold the same rows).
+    counted = [i >= 0 and engine.counts_rows for i in rows]
+    weight = 1.0 if any(counted) else 0.0
     # In the loss's own fp32, summed batch by batch as training sums its windows.
     sums = torch.stack([loss.float(), count.float(), count.new_tensor(float(labelled)).float()]) * weight
     if predictions is None:
         return {}, sums
-    keep = torch.tensor([i >= 0 for i in rows])
+    keep = torch.tensor(counted)
     targets = _labels(batch, objective.label_names, engine.device) if labelled else None
     if predictions.generate is not None:
         logits, padded = predictions.generate(batch)

@@ -49,10 +49,10 @@ class RunPlan:
 
 
 def layout_of(args: TrainingArguments | RunConfig, dist: DistInfo) -> ParallelLayout:
-    """This process's layout: the world and rank from the process group, the pipeline and sequence
-    sizes as the DeepSpeed dict will have them."""
-    pipeline, sequence = parallel_sizes(args)
-    return ParallelLayout(dist.world_size, dist.rank, pipeline=pipeline, sequence=sequence)
+    """This process's layout: the world and rank from the process group, the pipeline, sequence and
+    tensor sizes as the DeepSpeed dict will have them."""
+    pipeline, sequence, tensor = parallel_sizes(args)
+    return ParallelLayout(dist.world_size, dist.rank, tensor=tensor, pipeline=pipeline, sequence=sequence)
 
 
 def plan_run(

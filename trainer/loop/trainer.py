@@ -283,10 +283,10 @@ class Trainer(HFMethods, ResultsAPI):
         Returns the window's target tokens on all ranks, and its (samples, input tokens) on this one."""
         counts = WindowCounts(window, self.engine, self.args.include_num_input_tokens_seen == "all")
         poll([*self.checkpoints.participants, self._preemption, counts])
-        sp = self.layout.sequence  # a group's ranks count the same rows
-        self.state.num_input_tokens_seen += int(counts.input_tokens) // sp
-        self._run.samples += counts.samples / sp
-        return max(counts.tokens, 1.0), counts.local
+        shared = self.layout.sharing  # a group's ranks count the same rows
+        self.state.num_input_tokens_seen += int(counts.input_tokens) // shared
+        self._run.samples += counts.samples / shared
+        return max(counts.tokens / self.layout.tensor, 1.0), counts.local  # (SP ranks count slices)
 
     def _accumulate(self, loss: torch.Tensor, tokens: float, counts: tuple[int, int]) -> None:
         """Add a step to the logging window's sums (on the device until a logging step reads them)
@@ -298,8 +298,8 @@ class Trainer(HFMethods, ResultsAPI):
 
     def _advance(self, samples: int, input_tokens: int) -> None:
         """One step more in the state and the step timer (this rank's samples and input tokens)."""
-        sp = self.layout.sequence  # a group's ranks count the same rows
-        self.timer.step_end(tokens=input_tokens / sp, samples=samples / sp)
+        shared = self.layout.sharing  # a group's ranks count the same rows
+        self.timer.step_end(tokens=input_tokens / shared, samples=samples / shared)
         state = self.state
         state.global_step += 1
         self._run.steps += 1
@@ -525,7 +525,7 @@ class Trainer(HFMethods, ResultsAPI):
         """The logging window's summed loss and target tokens on all ranks (the window's one
         host-device sync; the token count is already global), added to the call's totals; the
         window starts again."""
-        loss_sum, tokens = all_reduce_sum(self._loss_sum.clone()).item(), self._token_sum
+        loss_sum, tokens = all_reduce_sum(self._loss_sum * self.layout.counts_rows).item(), self._token_sum
         self._run.add_window(loss_sum, tokens)
         self._loss_sum.zero_()
         self._token_sum = 0.0

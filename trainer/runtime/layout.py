@@ -12,9 +12,9 @@ from trainer.config import ConfigError
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """``world = data × tensor × pipeline × sequence``; ``data`` is derived. Ranks are ordered
-    sequence-fastest, as DeepSpeed's Ulysses groups them (a sequence-parallel group is consecutive
-    ranks)."""
+    """``world = data × tensor × pipeline × sequence``; ``data`` is derived. A sequence-parallel
+    group is consecutive ranks, as DeepSpeed's Ulysses groups them, and so is a tensor-parallel one,
+    as AutoTP's (data, tensor) mesh groups them; the two do not run together."""
 
     world: int
     rank: int = 0
@@ -48,15 +48,27 @@ class ParallelLayout:
         return self.world // (self.tensor * self.pipeline * self.sequence)
 
     @property
+    def sharing(self) -> int:
+        """The consecutive ranks that read the same rows: a sequence- or tensor-parallel group."""
+        return self.sequence * self.tensor
+
+    @property
     def readers(self) -> int:
-        """How many ranks read rows of their own: all but a sequence-parallel group's (its ranks
-        share rows). A pipeline's stages each read their own micro-batches and pool them."""
-        return self.world // self.sequence
+        """How many ranks read rows of their own: one per sequence- or tensor-parallel group (its
+        ranks share rows). A pipeline's stages each read their own micro-batches and pool them."""
+        return self.world // self.sharing
 
     @property
     def reader_rank(self) -> int:
         """This rank's index among the readers."""
-        return self.rank // self.sequence
+        return self.rank // self.sharing
+
+    @property
+    def counts_rows(self) -> bool:
+        """Whether this rank's rows count in a sum over all ranks: a tensor-parallel group's ranks
+        hold the same rows, and only its first counts them (a sequence-parallel group's ranks hold
+        slices of them, and each counts its own)."""
+        return self.rank % self.tensor == 0
 
     @property
     def sequence_rank(self) -> int:
