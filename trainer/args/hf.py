@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, get_args, get_origin
 
 from trainer.args import hf_fields
-from trainer.config import ConfigError, resolve
+from trainer.config import ConfigError, for_zero_init, resolve
 from trainer.config.files import load_source
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ def zero3_init(args: Any) -> Any:
         join_process_group()
     else:
         set_world_env()
-    return HfDeepSpeedConfig(config)
+    return HfDeepSpeedConfig(for_zero_init(config))
 
 
 _ABSENT = object()

@@ -207,13 +207,16 @@ def accumulation_for(path: Path, data_parallel: int, micro_batch: int) -> int | 
     return total // (micro_batch * data_parallel)
 
 
-def needs_universal(path: Path, partitions: int) -> bool:
-    """Optimizer states sharded over another number of ranks must go through the universal form.
-    Unsharded ones (ZeRO-0 in fp32) load on any number of ranks as they are."""
+def needs_universal(path: Path, partitions: int, tensor_parallel: int = 1) -> bool:
+    """Optimizer states sharded over another number of ranks, or weights split over another
+    tensor-parallel size, must go through the universal form. Unsharded ones (ZeRO-0 in fp32, no
+    tensor parallelism) load on any number of ranks as they are."""
     manifest = read_manifest(path)
     saved = manifest.get(
         "optimizer_partitions", manifest.get("data_parallel_size", manifest.get("world_size"))
     )
+    if manifest.get("tensor_parallel_size", 1) != tensor_parallel:
+        return True
     return saved != partitions and any(_OPTIM_SHARD.match(name) for name in manifest["files"])
 
 
@@ -262,7 +265,7 @@ def load(engine: Engine, path: Path, dist: DistInfo, restore_rng: bool = True) -
             refuse_model_only(path)
         engine.load_weights(load_file(str(path / WEIGHTS)))
         return TrainerState.load_from_json(path / "trainer_state.json")
-    if needs_universal(path, engine.partitions):
+    if needs_universal(path, engine.partitions, engine.tensor_parallel):
         engine.load_universal(str(universal_copy(path, dist)), DS_TAG)
     else:
         engine.load(str(path), DS_TAG, load_optimizer_states=True)

@@ -159,6 +159,7 @@ class Saver:
             "world_size": dist.world_size,
             "data_parallel_size": engine.world_size,
             "optimizer_partitions": engine.partitions,
+            "tensor_parallel_size": engine.tensor_parallel,
             "zero_stage": self.ds_config.get("zero_optimization", {}).get("stage", 0),
             "train_batch_size": self.ds_config.get("train_batch_size"),
             "micro_batch_size": self.ds_config.get("train_micro_batch_size_per_gpu"),

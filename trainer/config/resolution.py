@@ -493,6 +493,16 @@ def parallel_sizes(run: RunArgs | TrainingArgs) -> tuple[int, int, int]:
     return sizes[0], sizes[1], sizes[2]
 
 
+def for_zero_init(config: dict[str, Any]) -> dict[str, Any]:
+    """The dict ``zero.Init`` builds a ZeRO-3 model with. Its DeepSpeed config check counts every
+    rank as data-parallel (it is handed no tensor-parallel groups), so under AutoTP the batch total
+    is left out of it: the engine checks that against the real data-parallel size. ``config``
+    itself otherwise."""
+    if (_positive_int(get_path(config, "tensor_parallel.autotp_size")) or 1) == 1:
+        return config
+    return {key: value for key, value in config.items() if key != "train_batch_size"}
+
+
 def custom_tensor_plan(run: RunArgs | TrainingArgs) -> bool:
     """Whether the DeepSpeed config gives AutoTP its own sharding rules (``tensor_parallel``'s
     ``partition_config`` or ``preset_model``), for a model it has no plan for."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import deepspeed
 import torch
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.utils import clip_grad_norm_
 from deepspeed.utils import groups
@@ -278,8 +279,10 @@ class Engine(ABC):
     def save(self, directory: str, tag: str, client_state: dict[str, Any], writer: FileWriter) -> None:
         """DeepSpeed's shards of this rank, every file through ``writer`` (which may copy to host
         memory and write in the background)."""
-        # universal_checkpoint_info lets ds_to_universal convert this save for another world size.
-        state = {"universal_checkpoint_info": {}, **client_state}
+        # universal_checkpoint_info lets ds_to_universal convert this save for another world size;
+        # AutoTP's says how its split weights join (empty otherwise, as DeepSpeed leaves it out).
+        info = getattr(self.module, UNIVERSAL_CHECKPOINT_INFO, None) or {}
+        state = {UNIVERSAL_CHECKPOINT_INFO: dict(info), **client_state}
         own = self.ds.checkpoint_engine
         self.ds.checkpoint_engine = _ThroughWriter(writer, getattr(own, "zipfile_serialization", False))
         try:

@@ -23,6 +23,7 @@ from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from trainer.args import ModelArguments
+from trainer.config import for_zero_init
 from trainer.engine import zero
 
 # A small Llama that trains visibly on two CPU cores in a few minutes.
@@ -90,7 +91,7 @@ def build_model(
     # Held by the model: transformers consults it (through a weak reference) while building.
     # A stage below 3 clears any earlier one, or this model would be partitioned too.
     unset_hf_deepspeed_config()
-    hf_ds = HfDeepSpeedConfig(ds_config) if zero3 else None
+    hf_ds = HfDeepSpeedConfig(for_zero_init(ds_config)) if zero3 else None
     if model_args.model_name_or_path:
         model = AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path,
