@@ -1,0 +1,102 @@
+"""AutoTP tensor parallelism through the user's command.
+
+One process trains four steps (a checkpoint at step 2). Two ranks under the deepspeed launcher with
+``--tensor_parallel_size 2`` train the same four steps under ZeRO 1, 2 and 3: one TP group, each rank
+holding half of every projection and reading the same rows. A ZeRO-2 run killed after step 3 is
+started again by the same command; the ZeRO-1 run's checkpoint-2 resumes on one process. The runs
+are shared by the tests below.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.e2e.test_sequence_parallel import _curves, assert_same_curves
+from tests.helpers.launch import launch, run_env
+from tests.helpers.scaffold import assert_same_weights, load_weights, tiny_flags, train_rows
+
+pytestmark = pytest.mark.distributed
+
+COMMON = ["scripts/train.py", *tiny_flags(save_steps=2, vocab_size=4096)]
+TP = ["--tensor_parallel_size", "2"]
+STAGES = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    out = {"one": root / "one"}
+    launch([*COMMON, "--output_dir", str(out["one"]), "--zero_stage", "1"], launcher="python")
+    for stage in STAGES:
+        out[stage] = root / f"tp_zero{stage}"
+        launch([*COMMON, "--output_dir", str(out[stage]), "--zero_stage", str(stage), *TP], launcher="deepspeed")
+    killed = out["killed"] = root / "killed"
+    cmd = [*COMMON, "--output_dir", str(killed), "--zero_stage", "2", *TP]
+    first = launch(cmd, launcher="deepspeed", check=False, env=run_env(TRAINER_FAULT="crash:rank=1:step=3"))
+    out["killed_rc"] = first.returncode
+    out["killed_steps"] = [row["step"] for row in train_rows(killed)]
+    launch(cmd, launcher="deepspeed")
+    elsewhere = out["elsewhere"] = root / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copytree(out[1] / "checkpoint-2", elsewhere / "checkpoint-2")
+    launch([*COMMON, "--output_dir", str(elsewhere), "--zero_stage", "1"], launcher="python")
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_group_of_two_follows_one_process(runs, stage):
+    one = _curves(runs["one"])
+    assert len(one) == 9  # four steps' losses and grad norms, and the evaluation
+    assert_same_curves(_curves(runs[stage]), one)
+    for a, b in zip(train_rows(runs["one"]), train_rows(runs[stage]), strict=True):
+        assert (b["epoch"], b["total_tokens"]) == (a["epoch"], a["total_tokens"]), a["step"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_export_gathers_the_whole_model(runs, stage):
+    got, want = load_weights(runs[stage] / "final"), load_weights(runs["one"] / "final")
+    assert_same_weights(got, want, rtol=1e-5, atol=1e-6, what=f"zero {stage}")
+    assert got["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)  # whole, not a (32, 64) slice
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_rank_holds_half_of_every_projection(runs, stage):
+    """The checkpoint's two model-state files are the two slices: q_proj is (32, 64) in each."""
+    ds = runs[stage] / "checkpoint-2" / "ds"
+    if stage == 3:
+        names = sorted(p.name for p in ds.glob("zero_pp_rank_0_mp_rank_0*_model_states.pt"))
+        assert names == ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_01_model_states.pt"]
+        return
+    shapes = []
+    for rank in (0, 1):
+        module = torch.load(ds / f"mp_rank_0{rank}_model_states.pt", weights_only=False)["module"]
+        shapes.append(tuple(module["model.layers.0.self_attn.q_proj.weight"].shape))
+    assert shapes == [(32, 64), (32, 64)]
+
+
+def test_the_manifest_records_the_layout(runs):
+    manifest = json.loads((runs[2] / "checkpoint-2" / "manifest.json").read_text())
+    assert (manifest["world_size"], manifest["tensor_parallel_size"], manifest["data_parallel_size"]) == (2, 2, 1)
+
+
+def test_a_killed_run_started_again_resumes_bitwise(runs):
+    """Rank 1 is killed after step 3; the same command resumes checkpoint-2 and trains steps 3 and 4
+    again: the same losses, grad norms and final weights as the run never killed, bit for bit."""
+    assert runs["killed_rc"] != 0 and runs["killed_steps"][:2] == [1, 2] and max(runs["killed_steps"]) <= 3
+    names = ("loss", "grad_norm")
+    again = {(r["step"], k): r[k] for r in train_rows(runs["killed"])[-2:] for k in names}
+    whole = {(r["step"], k): r[k] for r in train_rows(runs[2]) for k in names if r["step"] >= 3}
+    assert again == whole
+    assert_same_weights(runs["killed"] / "final", runs[2] / "final")
+
+
+def test_a_tensor_parallel_checkpoint_resumes_on_one_process(runs):
+    resumed = _curves(runs["elsewhere"])
+    assert sorted(resumed) == [(3, "grad_norm"), (3, "loss"), (4, "eval_loss"), (4, "grad_norm"), (4, "loss")]
+    assert_same_curves(resumed, {key: value for key, value in _curves(runs[1]).items() if key in resumed})
+    assert (runs["elsewhere"] / "checkpoint-2" / "universal" / "COMPLETE").exists()
+    assert_same_weights(runs["elsewhere"] / "final", runs[1] / "final", rtol=1e-5, atol=1e-6)
