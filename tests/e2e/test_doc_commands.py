@@ -62,6 +62,9 @@ TEST_NODES = {
     "deepspeed --num_gpus 2 scripts/train.py --sequence_parallel_size 2": (
         "tests/e2e/test_sequence_parallel.py::test_two_ranks_follow_the_one_rank_losses_and_grad_norms"
     ),
+    "deepspeed --num_gpus 2 scripts/train.py --tensor_parallel_size 2 --zero_stage 2": (
+        "tests/e2e/test_tensor_parallel.py::test_a_group_of_two_follows_one_process"
+    ),
     "python scripts/train.py --report_to wandb mlflow tensorboard --run_name demo": (
         "tests/e2e/test_report_to.py::test_wandb_offline_run_holds_the_metrics"
     ),

@@ -2,7 +2,8 @@
 
 One process trains four steps (a checkpoint at step 2). Two ranks under the deepspeed launcher with
 ``--tensor_parallel_size 2`` train the same four steps under ZeRO 1, 2 and 3: one TP group, each rank
-holding half of every projection and reading the same rows. A ZeRO-2 run killed after step 3 is
+holding half of every projection and reading the same rows; at ZeRO-2 once more with two micro-batches
+a step, the tiled loss and activation checkpointing. A ZeRO-2 run killed after step 3 is
 started again by the same command; the ZeRO-1 run's checkpoint-2 resumes on one process. The runs
 are shared by the tests below.
 """
@@ -24,6 +25,8 @@ pytestmark = pytest.mark.distributed
 COMMON = ["scripts/train.py", *tiny_flags(save_steps=2, vocab_size=4096)]
 TP = ["--tensor_parallel_size", "2"]
 STAGES = (1, 2, 3)
+COMPOSED = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--tiled_loss", "true",
+            "--tile_tokens", "16", "--gradient_checkpointing", "true"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,14 @@ def runs(tmp_path_factory):
     launch([*COMMON, "--output_dir", str(out["one"]), "--zero_stage", "1"], launcher="python")
     for stage in STAGES:
         out[stage] = root / f"tp_zero{stage}"
-        launch([*COMMON, "--output_dir", str(out[stage]), "--zero_stage", str(stage), *TP], launcher="deepspeed")
+        launch(
+            [*COMMON, "--output_dir", str(out[stage]), "--zero_stage", str(stage), *TP], launcher="deepspeed"
+        )
+    out["composed"] = root / "composed"  # the same global batch in two micro-batches, tiled, recomputed
+    launch(
+        [*COMMON, "--output_dir", str(out["composed"]), "--zero_stage", "2", *TP, *COMPOSED],
+        launcher="deepspeed",
+    )
     killed = out["killed"] = root / "killed"
     cmd = [*COMMON, "--output_dir", str(killed), "--zero_stage", "2", *TP]
     first = launch(cmd, launcher="deepspeed", check=False, env=run_env(TRAINER_FAULT="crash:rank=1:step=3"))
@@ -56,6 +66,11 @@ def test_a_group_of_two_follows_one_process(runs, stage):
         assert (b["epoch"], b["total_tokens"]) == (a["epoch"], a["total_tokens"]), a["step"]
 
 
+def test_accumulation_the_tiled_loss_and_recomputation_compose_with_it(runs):
+    assert_same_curves(_curves(runs["composed"]), _curves(runs["one"]))
+    assert_same_weights(runs["composed"] / "final", runs["one"] / "final", rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_the_export_gathers_the_whole_model(runs, stage):
     got, want = load_weights(runs[stage] / "final"), load_weights(runs["one"] / "final")
@@ -69,7 +84,10 @@ def test_each_rank_holds_half_of_every_projection(runs, stage):
     ds = runs[stage] / "checkpoint-2" / "ds"
     if stage == 3:
         names = sorted(p.name for p in ds.glob("zero_pp_rank_0_mp_rank_0*_model_states.pt"))
-        assert names == ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_01_model_states.pt"]
+        assert names == [
+            "zero_pp_rank_0_mp_rank_00_model_states.pt",
+            "zero_pp_rank_0_mp_rank_01_model_states.pt",
+        ]
         return
     shapes = []
     for rank in (0, 1):
@@ -80,7 +98,11 @@ def test_each_rank_holds_half_of_every_projection(runs, stage):
 
 def test_the_manifest_records_the_layout(runs):
     manifest = json.loads((runs[2] / "checkpoint-2" / "manifest.json").read_text())
-    assert (manifest["world_size"], manifest["tensor_parallel_size"], manifest["data_parallel_size"]) == (2, 2, 1)
+    assert (manifest["world_size"], manifest["tensor_parallel_size"], manifest["data_parallel_size"]) == (
+        2,
+        2,
+        1,
+    )
 
 
 def test_a_killed_run_started_again_resumes_bitwise(runs):
@@ -100,3 +122,13 @@ def test_a_tensor_parallel_checkpoint_resumes_on_one_process(runs):
     assert_same_curves(resumed, {key: value for key, value in _curves(runs[1]).items() if key in resumed})
     assert (runs["elsewhere"] / "checkpoint-2" / "universal" / "COMPLETE").exists()
     assert_same_weights(runs["elsewhere"] / "final", runs[1] / "final", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", (1, 3))
+def test_trainer_export_of_a_tensor_parallel_checkpoint_is_the_final_model(runs, stage, tmp_path):
+    """Offline, from the checkpoint's slices alone: the universal conversion joins them."""
+    launch(
+        ["-m", "trainer.cli.main", "export", str(runs[stage] / "checkpoint-4"), str(tmp_path)],
+        launcher="python",
+    )
+    assert_same_weights(tmp_path, runs[stage] / "final", rtol=0, atol=1e-7)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import GPT2Config, LlamaConfig
 
-from trainer.args import TrainingArguments
+from trainer.args import RunConfig, TrainingArguments
 from trainer.config import ConfigError, Hardware, parallel_sizes, resolve, validate
 from trainer.engine.tensor_parallel import check_tensor_layout
 from trainer.runtime.layout import ParallelLayout
@@ -93,3 +93,9 @@ def test_a_model_autotp_has_no_plan_for_is_refused_unless_the_config_gives_one()
     with pytest.raises(ConfigError, match="model_type gpt2: AutoTP has no sharding plan"):
         check_tensor_layout(GPT2Config(n_embd=64, n_head=4), 2)
     check_tensor_layout(GPT2Config(n_embd=64, n_head=4), 2, custom_plan=True)
+
+
+def test_lora_with_tensor_parallelism_is_refused_naming_both():
+    flat = {"use_peft": True, "model_name_or_path": "base", "tensor_parallel_size": 2}
+    with pytest.raises(ConfigError, match="use_peft, tensor_parallel_size: LoRA runs with ZeRO 0-3"):
+        RunConfig.from_flat(flat)

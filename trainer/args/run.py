@@ -54,11 +54,16 @@ class RunConfig(BaseModel):
     data: DataArguments = Field(default_factory=DataArguments)
 
     @model_validator(mode="after")
-    def _lora_without_the_pipeline(self) -> RunConfig:
+    def _lora_without_model_parallelism(self) -> RunConfig:
         if self.model.use_peft and self.training.pipeline_parallel_size > 1:
             raise ValueError(
                 "use_peft: LoRA runs with ZeRO 0-3 and data parallelism, not with pipeline_parallel_size > 1 "
                 "(the pipeline rebuilds the model from its layers, without peft's wrappers)"
+            )
+        if self.model.use_peft and self.training.tensor_parallel_size > 1:
+            raise ValueError(
+                "use_peft, tensor_parallel_size: LoRA runs with ZeRO 0-3 and data parallelism, not with "
+                "tensor parallelism (AutoTP does not split peft's wrapped layers)"
             )
         return self
 

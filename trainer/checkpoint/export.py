@@ -5,7 +5,8 @@ Two sources, one writer. ``export_hf`` writes the live weights a run holds (``Tr
 carries the model's HF config and the tokenizer (or, if written without them, a run config they are
 rebuilt from), so nothing but the checkpoint is needed. Its weights come from DeepSpeed's shards
 (consolidated to fp32 by DeepSpeed's own ``zero_to_fp32``, through ``trainer.engine.zero``, for ZeRO 1-3, read from the model-states
-file for ZeRO-0; a ``save_only_model`` checkpoint's from its safetensors). Files are checked against
+file for ZeRO-0, joined by the universal conversion where tensor parallelism split them; a
+``save_only_model`` checkpoint's from its safetensors). Files are checked against
 the manifest first: DeepSpeed's shards are pickles, and only verified files are unpickled.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from trainer.args import RunConfig
 from trainer.checkpoint import layout
 from trainer.data import get_tokenizer
-from trainer.engine.zero import fp32_state_dict
+from trainer.engine.zero import convert_to_universal, fp32_state_dict, universal_state_dict
 from trainer.model.modeling import model_config
 from trainer.runtime.run_files import RUN_CONFIG
 
@@ -134,6 +136,10 @@ def _model_and_tokenizer(path: Path) -> tuple[Any, Any]:
 def _consolidated_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
     if manifest.get("model_only"):  # save_only_model: the whole model's weights in one file
         return {k: v.float() for k, v in load_file(str(path / layout.WEIGHTS)).items()}
+    if manifest.get("tensor_parallel_size", 1) > 1:  # split weights: joined by the universal conversion
+        with tempfile.TemporaryDirectory() as tmp:
+            convert_to_universal(path / layout.DS_TAG, Path(tmp) / layout.DS_TAG)
+            return universal_state_dict(Path(tmp) / layout.DS_TAG)
     if manifest.get("zero_stage", 0) == 0:
         saved = torch.load(
             path / layout.DS_TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False

@@ -160,6 +160,17 @@ def fp32_state_dict(checkpoint_dir: str | Path, tag: str) -> dict[str, torch.Ten
     return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
 
 
+def universal_state_dict(universal_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The whole model's fp32 weights from a universal checkpoint (a ``convert_to_universal`` target):
+    one ``zero/<name>/fp32.pt`` per parameter, tensor-parallel slices already joined."""
+    params = Path(universal_dir) / "zero"
+    return {
+        d.name: torch.load(d / "fp32.pt", map_location="cpu", weights_only=False)["param"]
+        for d in sorted(params.iterdir())
+        if (d / "fp32.pt").is_file()
+    }
+
+
 def convert_to_universal(source: str | Path, target: str | Path) -> None:
     """DeepSpeed's ``ds_to_universal`` of the checkpoint ``source`` (a tag directory) into ``target``,
     in this process (no worker processes forked from a training rank); it writes ``latest_universal``
