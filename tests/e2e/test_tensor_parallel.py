@@ -124,11 +124,20 @@ def test_a_tensor_parallel_checkpoint_resumes_on_one_process(runs):
     assert_same_weights(runs["elsewhere"] / "final", runs[1] / "final", rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("stage", (1, 3))
-def test_trainer_export_of_a_tensor_parallel_checkpoint_is_the_final_model(runs, stage, tmp_path):
+def test_trainer_export_of_a_tensor_parallel_checkpoint_is_the_final_model(runs, tmp_path):
     """Offline, from the checkpoint's slices alone: the universal conversion joins them."""
     launch(
-        ["-m", "trainer.cli.main", "export", str(runs[stage] / "checkpoint-4"), str(tmp_path)],
-        launcher="python",
+        ["-m", "trainer.cli.main", "export", str(runs[1] / "checkpoint-4"), str(tmp_path)], launcher="python"
     )
-    assert_same_weights(tmp_path, runs[stage] / "final", rtol=0, atol=1e-7)
+    assert_same_weights(tmp_path, runs[1] / "final", rtol=0, atol=1e-7)
+
+
+def test_a_zero3_tensor_parallel_checkpoint_the_conversion_cannot_join_is_refused_by_name(runs, tmp_path):
+    checkpoint = runs[3] / "checkpoint-4"
+    proc = launch(
+        ["-m", "trainer.cli.main", "export", str(checkpoint), str(tmp_path)], launcher="python", check=False
+    )
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert (
+        f"{checkpoint}: ZeRO-3 with tensor_parallel_size 2: DeepSpeed's universal conversion" in proc.stderr
+    )

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from trainer.args import RunConfig
 from trainer.checkpoint import layout
+from trainer.checkpoint.resume import refuse_unconvertible
 from trainer.data import get_tokenizer
 from trainer.engine.zero import convert_to_universal, fp32_state_dict, universal_state_dict
 from trainer.model.modeling import model_config
@@ -137,6 +138,7 @@ def _consolidated_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch
     if manifest.get("model_only"):  # save_only_model: the whole model's weights in one file
         return {k: v.float() for k, v in load_file(str(path / layout.WEIGHTS)).items()}
     if manifest.get("tensor_parallel_size", 1) > 1:  # split weights: joined by the universal conversion
+        refuse_unconvertible(path)
         with tempfile.TemporaryDirectory() as tmp:
             convert_to_universal(path / layout.DS_TAG, Path(tmp) / layout.DS_TAG)
             return universal_state_dict(Path(tmp) / layout.DS_TAG)

@@ -220,6 +220,20 @@ def needs_universal(path: Path, partitions: int, tensor_parallel: int = 1) -> bo
     return saved != partitions and any(_OPTIM_SHARD.match(name) for name in manifest["files"])
 
 
+def refuse_unconvertible(path: Path) -> None:
+    """DeepSpeed 0.19's universal conversion joins tensor-parallel slices of ZeRO 1-2 checkpoints
+    only (ZeRO-3's fails inside the tool, ZeRO-0 has no shards it reads): any other TP checkpoint is
+    refused here, by name, before the tool starts."""
+    manifest = read_manifest(path)
+    tp, stage = manifest.get("tensor_parallel_size", 1), manifest.get("zero_stage", 0)
+    if tp > 1 and stage not in (1, 2):
+        raise CheckpointError(
+            f"{path}: ZeRO-{stage} with tensor_parallel_size {tp}: DeepSpeed's universal conversion joins "
+            "tensor-parallel slices of ZeRO 1-2 checkpoints only; resume it with the same "
+            "tensor_parallel_size and world size, and take the whole model from the run's final/"
+        )
+
+
 def _convert_to_universal(source: Path, target: Path) -> None:
     """DeepSpeed's universal conversion (``trainer.engine.zero``) into a staging dir, committed like
     a checkpoint."""
@@ -240,6 +254,7 @@ def _convert_to_universal(source: Path, target: Path) -> None:
 def universal_copy(path: Path, dist: DistInfo) -> Path:
     """``path/universal``: converted once by rank 0 (reused while it verifies), then verified by all."""
     target = path / UNIVERSAL
+    refuse_unconvertible(path)  # the same on every rank: each raises alike
     error = ""
     if dist.is_main and not (is_complete(target) and not verify(target)):
         print(f"{path}: converting to a universal checkpoint for {dist.world_size} ranks", flush=True)

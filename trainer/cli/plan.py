@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
 from trainer.config import generate
@@ -26,6 +27,7 @@ from trainer.planner import (
     reference_bytes,
     sequence_parallel_problems,
     spec_from_counts,
+    tensor_parallel_problems,
 )
 from trainer.planner import plan as make_plan
 
@@ -66,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--reference", choices=["cached", "model"], default="cached",
         help="DPO's reference: the cached pass (no model held in training; the default) or a reference "
         "model beside the policy, as TRL holds one",
+    )  # fmt: skip
+    run.add_argument(
+        "--tensor-parallel", type=int, default=1, metavar="N",
+        help="AutoTP tensor parallelism up to N ranks a layer, within a node (sizes dividing N are tried; "
+        "default 1)",
     )  # fmt: skip
     long = parser.add_argument_group(
         "long context (the plan picks the fewest features and smallest size that fit)"
@@ -114,6 +121,7 @@ def _check_positive(args: argparse.Namespace) -> None:
         "gpu_memory_gb",
         "cpu_memory_gb",
         "sequence_parallel",
+        "tensor_parallel",
         *SIZE_FLAGS,
     ]
     problems = [
@@ -135,11 +143,27 @@ def _check_sequence_parallel(args: argparse.Namespace, spec: ModelSpec, cluster:
         )
 
 
+def _check_tensor_parallel(args: argparse.Namespace, spec: ModelSpec, cluster: Cluster) -> None:
+    """The largest tensor-parallel size must itself be one AutoTP can use, and not with what it does
+    not run with."""
+    if args.tensor_parallel == 1:
+        return
+    problems = tensor_parallel_problems(spec, cluster, args.tensor_parallel)
+    if args.lora_r:
+        problems.append("LoRA does not run with tensor parallelism")
+    if args.sequence_parallel > 1:
+        problems.append("sequence parallelism does not run with tensor parallelism")
+    if problems:
+        raise ConfigError(
+            f"{args.tensor_parallel} cannot be used: {'; '.join(problems)}", "--tensor-parallel"
+        )
+
+
 def deepspeed_config(
     setup: Setup, precision: str, micro_batch: int, world_size: int, hidden: int
 ) -> dict[str, Any]:
-    """The DeepSpeed config a setup runs with, built through the schema. Sequence-parallel ranks share
-    their sequences, so the batch counts the data-parallel width, world_size / N."""
+    """The DeepSpeed config a setup runs with, built through the schema. Sequence- and tensor-parallel
+    ranks share their rows, so the batch counts the data-parallel width, world_size / N."""
     return generate(
         zero_stage=setup.zero_stage,
         precision=precision,
@@ -150,6 +174,7 @@ def deepspeed_config(
         world_size=world_size,
         hidden_size=hidden,
         sequence_parallel_size=setup.sequence_parallel,
+        tensor_parallel_size=setup.tensor_parallel,
     )
 
 
@@ -160,6 +185,8 @@ def training_flags(row: dict[str, Any], tiled_loss_given: bool) -> list[str]:
     flags = ["--gradient_checkpointing true"] if row["activation_checkpointing"] else []
     if row["sequence_parallel"] > 1:
         flags.append(f"--sequence_parallel_size {row['sequence_parallel']}")
+    if row["tensor_parallel"] > 1:
+        flags.append(f"--tensor_parallel_size {row['tensor_parallel']}")
     if tiled_loss_given:
         flags.append(f"--tiled_loss {str(row['tiled_loss']).lower()}")
     flags += ["--tiled_mlp true"] if row["tiled_mlp"] else []
@@ -179,10 +206,17 @@ def run(args: argparse.Namespace) -> int:
         spec = _spec(args)
         cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_memory_gb, args.cpu_memory_gb)
         _check_sequence_parallel(args, spec, cluster)
+        _check_tensor_parallel(args, spec, cluster)
     except ConfigError as err:
         print(f"trainer plan: {err}", file=sys.stderr)
         return 2
-    options = LongContext(args.sequence_parallel, args.tiled_loss, args.tiled_mlp, args.offload_activations)
+    options = LongContext(
+        args.sequence_parallel,
+        args.tiled_loss,
+        args.tiled_mlp,
+        args.offload_activations,
+        args.tensor_parallel,
+    )
 
     def config_for(setup: Setup) -> dict[str, Any]:
         return deepspeed_config(setup, args.precision, args.micro_batch, cluster.world_size, spec.hidden_size)
@@ -197,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(_report(result, options != LongContext()))
+        print(_report(result, replace(options, tensor_parallel=1) != LongContext()))
     if best is None:
         print(f"trainer plan: {no_fit_message(result)}", file=sys.stderr)
         return 1

@@ -596,6 +596,7 @@ def generate(
     gradient_clipping: float = 1.0,
     hidden_size: int | None = None,
     sequence_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
     """One config for a target cluster (``trainer ds-config generate``): no optimizer or scheduler,
     which the training script supplies. With a world size it includes train_batch_size (counting a
@@ -613,6 +614,7 @@ def generate(
             precision=precision,
             max_grad_norm=gradient_clipping,
             **({"sequence_parallel_size": sequence_parallel_size} if sequence_parallel_size > 1 else {}),
+            **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}),
         ),
     )
     data, _ = _base(args)

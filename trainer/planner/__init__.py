@@ -67,6 +67,7 @@ from trainer.planner.search import (
     sequence_parallel_problems,
     sequence_parallel_sizes,
     setups,
+    tensor_parallel_problems,
 )
 from trainer.planner.spec import (
     GB,
@@ -121,6 +122,7 @@ __all__ = [
     "plan",
     "reference_bytes",
     "sequence_parallel_problems",
+    "tensor_parallel_problems",
     "sequence_parallel_sizes",
     "setups",
     "spec_from_counts",

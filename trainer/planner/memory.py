@@ -124,19 +124,21 @@ def mlp_tile_tokens(spec: ModelSpec, tokens: int) -> int:
     return -(-tokens // tiles)
 
 
-def _widths(spec: ModelSpec, sp: int) -> tuple[int, int, int]:
+def _widths(spec: ModelSpec, sp: int, tp: int = 1) -> tuple[float, float, float]:
     """(query features, key/value features, MLP width) per token a rank holds. Ulysses gives each rank
     heads/N of the whole sequence, the same bytes as all heads of its own tokens; with fewer kv heads than
-    N, DeepSpeed replicates them so that each rank gets one."""
+    N, DeepSpeed replicates them so that each rank gets one. Tensor parallelism gives each rank heads/T
+    and an MLP T times narrower, of every token."""
     head_dim = spec.head_dim or spec.hidden_size // spec.n_heads
     kv_heads = spec.n_kv_heads or spec.n_heads
     if sp > 1:
         kv_heads = max(kv_heads, sp)
-    return spec.n_heads * head_dim, kv_heads * head_dim, spec.intermediate_size or 4 * spec.hidden_size
+    ffn = spec.intermediate_size or 4 * spec.hidden_size
+    return spec.n_heads * head_dim / tp, kv_heads * head_dim / tp, ffn / tp
 
 
 def layer_saved_bytes(spec: ModelSpec, precision: str, seq_len: int, sp: int = 1,
-                      tiled_mlp: bool = False) -> dict[str, float]:  # fmt: skip
+                      tiled_mlp: bool = False, tp: int = 1) -> dict[str, float]:  # fmt: skip
     """What one decoder layer keeps for backward, per token this rank holds, by part.
 
     Llama-style (counted on HF's LlamaDecoderLayer with SDPA; tests/unit/test_planner_long_context.py
@@ -145,17 +147,18 @@ def layer_saved_bytes(spec: ModelSpec, precision: str, seq_len: int, sp: int = 1
     (which is also o_proj's input) and a log-sum-exp per head, never the s x s scores; the gated MLP keeps
     the gate and up projections, the activation and their product. Under Ulysses, o_proj's input is the
     all-to-all's output, a tensor of its own. A tiled MLP keeps only its input (the norm's output).
-    GPT-2 keeps Korthikanti et al.'s count (34·h + 5·a·s per token in 16-bit), scores included.
+    GPT-2 keeps Korthikanti et al.'s count (34·h + 5·a·s per token in 16-bit), scores included. Under
+    tensor parallelism attention and the MLP keep a 1/T slice; the norms, on the whole residual, do not.
     """
     p, h = param_bytes(precision), spec.hidden_size
-    q, kv, ffn = _widths(spec, sp)
+    q, kv, ffn = _widths(spec, sp, tp)
     if spec.arch == "gpt2":
         scale = p / 2  # the paper counts 2-byte elements
         mlp = 0.0 if tiled_mlp else 16 * h * scale  # the GeLU's input and output, 4h wide each
         return {"norms": 4 * h * scale, "attention": 11 * h * scale,
                 "scores": 5 * spec.n_heads * seq_len * scale, "mlp": mlp + 3 * h * scale}  # fmt: skip
     norm = 4 * h + 2 * p * h + 4  # fp32 input, normalised input, output; an fp32 rsqrt per token
-    attention = p * (2 * q + 2 * kv) + 4 * spec.n_heads + (p * q if sp > 1 else 0)
+    attention = p * (2 * q + 2 * kv) + 4 * spec.n_heads / tp + (p * q if sp > 1 else 0)
     return {
         "norms": 2 * norm,
         "attention": attention,
@@ -165,7 +168,7 @@ def layer_saved_bytes(spec: ModelSpec, precision: str, seq_len: int, sp: int = 1
 
 
 def layer_working_bytes(spec: ModelSpec, precision: str, tokens: int, sp: int = 1,
-                        tiled_mlp: bool = False) -> float:  # fmt: skip
+                        tiled_mlp: bool = False, tp: int = 1) -> float:  # fmt: skip
     """Bytes per token live beyond a layer's saved tensors while it is back-propagated (or recomputed).
 
     The MLP's backward holds the gradient of the product and of both its factors while the product is
@@ -176,7 +179,7 @@ def layer_working_bytes(spec: ModelSpec, precision: str, tokens: int, sp: int = 
     is live throughout.
     """
     p, h = param_bytes(precision), spec.hidden_size
-    q, kv, ffn = _widths(spec, sp)
+    q, kv, ffn = _widths(spec, sp, tp)
     mlp = p * h + 6 * p * ffn * mlp_tile_tokens(spec, tokens) / tokens if tiled_mlp else 2 * p * ffn
     attention = p * (2 * q + 2 * kv) + (2 * p * q if sp > 1 else 0)
     return max(mlp, attention) + 2 * p * h
@@ -211,11 +214,11 @@ def activation_bytes(spec: ModelSpec, seq_len: int, micro_batch: int, precision:
     (recomputed first under checkpointing). Activation offload keeps the checkpointed inputs on the host
     and one on the GPU, fetched back for its layer's recompute.
     """
-    sp = setup.sequence_parallel
+    sp, tp = setup.sequence_parallel, setup.tensor_parallel
     tokens = micro_batch * seq_len / sp
     p, h = param_bytes(precision), spec.hidden_size
-    saved = sum(layer_saved_bytes(spec, precision, seq_len, sp, setup.tiled_mlp).values())
-    working = layer_working_bytes(spec, precision, int(tokens), sp, setup.tiled_mlp)
+    saved = sum(layer_saved_bytes(spec, precision, seq_len, sp, setup.tiled_mlp, tp).values())
+    working = layer_working_bytes(spec, precision, int(tokens), sp, setup.tiled_mlp, tp)
     # Rotary cos/sin tables, computed once per forward for the rank's tokens and shared by every layer.
     rope = 0.0 if spec.arch == "gpt2" else 2 * p * (spec.head_dim or h // spec.n_heads) * tokens
     head = head_bytes(spec, precision, int(tokens), setup.tiled_loss, tile_bytes)
@@ -262,6 +265,22 @@ def lora_state_bytes(spec: ModelSpec, r: int, qlora: bool, stage: int, dp: int, 
     base /= dp if stage == 3 else 1
     states["cpu" if offload_param == "cpu" else "params"] += base
     return states
+
+
+def tensor_parallel_params(spec: ModelSpec, tp: int) -> float:
+    """The parameters one rank of a tensor-parallel group holds: a 1/T slice of the projections, the
+    rest whole."""
+    split = spec.tensor_split_params
+    return split / tp + spec.n_params - split
+
+
+def tensor_parallel_allreduce_bytes(spec: ModelSpec, tokens: float, precision: str, tp: int) -> float:
+    """Bytes one rank sends per micro-batch in its group's all-reduces: the attention output and the
+    MLP output of every layer in forward, and their input gradients in backward (four [tokens x hidden]
+    all-reduces a layer, 2(T-1)/T of each sent by a ring)."""
+    if tp == 1:
+        return 0.0
+    return 4 * spec.n_layers * tokens * spec.hidden_size * param_bytes(precision) * 2 * (tp - 1) / tp
 
 
 def reference_bytes(n_params: int, stage: int, dp: int, precision: str) -> int:

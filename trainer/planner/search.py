@@ -20,6 +20,8 @@ from trainer.planner.memory import (
     loss_tile_tokens,
     model_state_bytes,
     reference_bytes,
+    tensor_parallel_allreduce_bytes,
+    tensor_parallel_params,
     tiled_loss_auto,
 )
 from trainer.planner.spec import GB, HEADROOM, Cluster, ModelSpec, Objective, Setup
@@ -53,20 +55,24 @@ def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micr
     adapters of that rank on a frozen base (``qlora``: a 4-bit base). ZeRO partitions over the whole
     world, sequence-parallel ranks included: they hold the same model and average their gradients.
     ``objective``: pairs double the sequences a micro-batch forwards; a reference model (never under
-    LoRA, whose reference is the frozen base) adds its weights to the model column."""
-    dp = cluster.world_size
+    LoRA, whose reference is the frozen base) adds its weights to the model column. Under tensor
+    parallelism (T ranks) a rank holds a 1/T slice of the projections and ZeRO partitions over the
+    world/T groups; the group's all-reduces are counted per micro-batch."""
+    tp = setup.tensor_parallel
+    dp = cluster.world_size // tp
+    held = round(tensor_parallel_params(spec, tp))
     if lora_r:
         states = lora_state_bytes(spec, lora_r, qlora, setup.zero_stage, dp, precision,
                                   setup.offload_optimizer, setup.offload_param)  # fmt: skip
     else:
-        states = model_state_bytes(spec.n_params, setup.zero_stage, dp, precision,
+        states = model_state_bytes(held, setup.zero_stage, dp, precision,
                                    setup.offload_optimizer, setup.offload_param)  # fmt: skip
-    trainable = lora_params(spec, lora_r) if lora_r else None
+    trainable = lora_params(spec, lora_r) if lora_r else held
     buffers = buffer_bytes(spec, setup, dp, precision, knobs_from_config(ds_config), trainable)
     acts = activation_bytes(spec, seq_len, micro_batch * objective.sequences_per_row, precision, setup)
     reference = 0
     if objective.reference_model and not lora_r:
-        reference = reference_bytes(spec.n_params, setup.zero_stage, dp, precision)
+        reference = reference_bytes(held, setup.zero_stage, dp, precision)
     model_gb = (states["params"] + states["grads"] + states["optimizer"] + reference) / GB
     buffers_gb, acts_gb = sum(buffers.values()) / GB, acts["gpu"] / GB
     total = model_gb + buffers_gb + acts_gb
@@ -93,6 +99,10 @@ def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micr
         "fits_gpu": fits_gpu,
         "fits_cpu": fits_cpu,
         "fits": fits_gpu and fits_cpu,
+        "tp_allreduce_gb_per_micro_batch": tensor_parallel_allreduce_bytes(
+            spec, micro_batch * objective.sequences_per_row * seq_len / setup.sequence_parallel, precision, tp
+        )
+        / GB,
     }
 
 
@@ -113,6 +123,34 @@ def sequence_parallel_problems(spec: ModelSpec, cluster: Cluster, seq_len: int, 
     return problems
 
 
+def tensor_parallel_problems(spec: ModelSpec, cluster: Cluster, n: int) -> list[str]:
+    """Why AutoTP cannot split this model N ways (empty when it can), as the trainer refuses a run:
+    heads, key/value heads, hidden and MLP widths split evenly; the groups tile the world and stay
+    within a node (their all-reduces run every layer, on its fastest links)."""
+    if n == 1:
+        return []
+    problems = []
+    if spec.arch != "llama":
+        problems.append(f"AutoTP has no sharding plan for {spec.arch}")
+    sizes = {"attention heads": spec.n_heads, "key/value heads": spec.n_kv_heads or spec.n_heads,
+             "hidden size": spec.hidden_size, "MLP width": spec.intermediate_size or 4 * spec.hidden_size}  # fmt: skip
+    problems += [f"the {value} {name} do not split {n} ways" for name, value in sizes.items() if value % n]
+    if cluster.world_size % n:
+        problems.append(f"the world of {cluster.world_size} GPUs does not split into groups of {n}")
+    if n > cluster.gpus_per_node:
+        problems.append(f"a group of {n} would span nodes of {cluster.gpus_per_node} GPUs")
+    return problems
+
+
+def tensor_parallel_sizes(spec: ModelSpec, cluster: Cluster, largest: int) -> list[int]:
+    """The tensor-parallel sizes up to ``largest`` a run could use, smallest first."""
+    return [
+        n
+        for n in range(1, largest + 1)
+        if largest % n == 0 and not tensor_parallel_problems(spec, cluster, n)
+    ]
+
+
 def sequence_parallel_sizes(spec: ModelSpec, cluster: Cluster, seq_len: int, largest: int) -> list[int]:
     """The sequence-parallel sizes up to ``largest`` a run could use, smallest first: the divisors of
     ``largest`` that ``sequence_parallel_problems`` accepts."""
@@ -122,14 +160,15 @@ def sequence_parallel_sizes(spec: ModelSpec, cluster: Cluster, seq_len: int, lar
 
 @dataclass(frozen=True)
 class LongContext:
-    """What a plan may use for long sequences (``trainer plan``'s flags): sequence-parallel sizes up to
-    ``sequence_parallel``, a tiled MLP, offloaded checkpointed inputs; the loss tiled as given, or by
-    the trainer's auto rule when None."""
+    """What a plan may use beyond ZeRO and offload (``trainer plan``'s flags): sequence-parallel sizes up
+    to ``sequence_parallel``, a tiled MLP, offloaded checkpointed inputs; the loss tiled as given, or by
+    the trainer's auto rule when None; tensor-parallel sizes up to ``tensor_parallel``."""
 
     sequence_parallel: int = 1
     tiled_loss: bool | None = None
     tiled_mlp: bool = False
     offload_activations: bool = False
+    tensor_parallel: int = 1
 
 
 def candidate_setups(spec: ModelSpec, cluster: Cluster, seq_len: int, sequences: int,
@@ -138,12 +177,15 @@ def candidate_setups(spec: ModelSpec, cluster: Cluster, seq_len: int, sequences:
 
     Optimizer offload decides first (as in ``setups``), then the fewest features that cost compute or
     transfers (checkpointing, a tiled MLP, activation offload, preferred in that order), then the
-    smallest sequence-parallel size, then the lowest ZeRO stage. The loss tiling is no choice: it
+    smallest sequence-parallel size, then ZeRO 0-2 with the smallest tensor-parallel size before ZeRO-3
+    (within a node TP's all-reduces cost less than ZeRO-3's gathers of every weight; TP does not run
+    with sequence parallelism or LoRA), then the lowest ZeRO stage. The loss tiling is no choice: it
     follows the flag, or the trainer's auto rule for the tokens a rank holds (``sequences`` of a
     micro-batch: its rows, a pair's two for a preference objective). Without long-context
     options this is ``setups()`` in its own order.
     """
     out = []
+    tensor_sizes = tensor_parallel_sizes(spec, cluster, options.tensor_parallel)
     for base in setups():
         for sp in sequence_parallel_sizes(spec, cluster, seq_len, options.sequence_parallel):
             tiled_loss = options.tiled_loss
@@ -151,13 +193,15 @@ def candidate_setups(spec: ModelSpec, cluster: Cluster, seq_len: int, sequences:
                 tiled_loss = tiled_loss_auto(spec.vocab_size, sequences * seq_len // sp)
             for tiled_mlp in sorted({False, options.tiled_mlp}):
                 for offload in sorted({False, options.offload_activations and base.activation_checkpointing}):
-                    out.append(replace(base, sequence_parallel=sp, tiled_loss=tiled_loss,
-                                       tiled_mlp=tiled_mlp, offload_activations=offload))  # fmt: skip
+                    for tp in tensor_sizes if sp == 1 else [1]:
+                        out.append(replace(base, sequence_parallel=sp, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp,
+                                           offload_activations=offload, tensor_parallel=tp))  # fmt: skip
 
     def order(s: Setup) -> tuple[Any, ...]:
         features = (s.activation_checkpointing, s.tiled_mlp, s.offload_activations)
         tier = OFFLOADS.index((s.offload_optimizer, s.offload_param))
-        return tier, sum(features), s.sequence_parallel, tuple(not f for f in features), s.zero_stage
+        return (tier, sum(features), s.sequence_parallel, tuple(not f for f in features), s.zero_stage == 3,
+                s.tensor_parallel, s.zero_stage)  # fmt: skip
 
     return sorted(out, key=order)
 

@@ -60,6 +60,14 @@ class ModelSpec:
     intermediate_size: int = 0  # the MLP's width; 0: 4 x hidden_size
     arch: str = "llama"  # "llama" (HF Llama-style decoder) or "gpt2": which activation count applies
 
+    @property
+    def tensor_split_params(self) -> int:
+        """The parameters AutoTP splits over a tensor-parallel group: a Llama-style decoder's
+        projections (all but the embeddings, the head and the norms, which stay whole on each rank;
+        an untied head that AutoTP splits too is counted whole, on the safe side). GPT-2: none, AutoTP
+        has no plan for it."""
+        return self.n_params - self.embedding_params - self.small_params if self.arch == "llama" else 0
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -84,6 +92,7 @@ class Setup:
     tiled_loss: bool = False  # the logits and their loss one tile of tokens at a time
     tiled_mlp: bool = False  # each MLP over the sequence in tiles
     offload_activations: bool = False  # checkpointed layer inputs kept on the host (needs checkpointing)
+    tensor_parallel: int = 1  # AutoTP: each projection split over N ranks, which read the same rows
 
 
 @dataclass(frozen=True)
