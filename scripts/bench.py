@@ -3,6 +3,7 @@
     python scripts/bench.py --device cpu  [--json FILE]      # 2 ranks, fp32, a small Llama
     python scripts/bench.py --device cuda [--json FILE]      # bf16, a 1.1B Llama, MFU
         [--zero_stage 3] [--gradient_checkpointing] [--profile DIR]
+    python scripts/bench.py --tensor_parallel_size 2         # ours at ZeRO-3 against ours with AutoTP
 
 The job (model, data, batch sizes, DeepSpeed config, steps, seed) is the same for every system.
 Each system runs under its own ``deepspeed`` launcher with the same number of ranks; all are started
@@ -10,6 +11,9 @@ together and take turns, ``--chunk`` steps at a time (A B C D A B C D ...), so o
 any moment. The first ``--warmup`` steps of each are left out; the report gives the median step
 time, tokens/s, peak memory per rank, final loss (and on GPUs the MFU), each also as a ratio to
 ours. ``--json FILE`` writes one object keyed by system (ours, deepspeed, hf_trainer, accelerate).
+With ``--tensor_parallel_size N`` the systems are ours (at ZeRO-3 unless ``--zero_stage`` says
+otherwise) and ours_tp: the same model, data and global batch with each layer split over N ranks
+(ZeRO ``--tensor_parallel_zero_stage`` over the world/N groups, each rank reading N times the rows).
 docs/benchmarks.md explains the method and records the figures.
 """
 
@@ -45,9 +49,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument(
-        "--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS)
-    )
+    p.add_argument("--systems", help="comma-separated subset of " + ", ".join(SYSTEMS))
     p.add_argument("--model", choices=sorted(MODELS), help="Llama shape (cpu: small, cuda: 1b)")
     p.add_argument("--seq_len", type=_positive)
     p.add_argument("--micro_batch", type=_positive, help="per rank")
@@ -55,7 +57,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=_positive, help="optimizer steps per system")
     p.add_argument("--warmup", type=_non_negative, help="first steps of each system left out of the medians")
     p.add_argument("--chunk", type=_positive, help="steps per turn")
-    p.add_argument("--zero_stage", type=int, choices=(0, 1, 2, 3), default=2)
+    p.add_argument(
+        "--zero_stage", type=int, choices=(0, 1, 2, 3), help="default 2; 3 with --tensor_parallel_size"
+    )
+    p.add_argument("--tensor_parallel_size", type=_positive, default=1, help="ours_tp's AutoTP ranks a layer")
+    p.add_argument(
+        "--tensor_parallel_zero_stage", type=int, choices=(0, 1, 2), default=1, help="ours_tp's ZeRO stage"
+    )
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--precision", choices=("fp32", "bf16"))
     p.add_argument("--data", choices=("stdlib", "random"), help="token source (cpu: stdlib, cuda: random)")
@@ -78,10 +86,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             setattr(args, key, value)
     if args.nproc is None:
         args.nproc = 2 if args.device == "cpu" else _gpu_count()
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    split = args.tensor_parallel_size > 1
+    if args.zero_stage is None:
+        args.zero_stage = 3 if split else 2
+    default = ("ours", "ours_tp") if split else tuple(s for s in SYSTEMS if s != "ours_tp")
+    args.systems = [s.strip() for s in (args.systems or ",".join(default)).split(",") if s.strip()]
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown or not args.systems:
         p.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    if "ours_tp" in args.systems and not split:
+        p.error("--systems ours_tp: give --tensor_parallel_size N (N > 1)")
+    if split and args.nproc % args.tensor_parallel_size:
+        p.error(f"--tensor_parallel_size {args.tensor_parallel_size} does not divide --nproc {args.nproc}")
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     return args
@@ -132,6 +148,8 @@ def make_job(args: argparse.Namespace, out: Path) -> Job:
         out_dir=str(out),
         profile_dir=str(Path(args.profile).resolve()) if args.profile else None,
         release_cache=args.device == "cuda",
+        tensor_parallel=args.tensor_parallel_size,
+        tensor_parallel_zero_stage=args.tensor_parallel_zero_stage,
     )
 
 
@@ -147,7 +165,8 @@ def main(argv: list[str]) -> int:
     # A timeout's SIGTERM must still stop the launchers: they run in sessions of their own.
     signal.signal(signal.SIGTERM, _terminated)
     gc = "-ckpt" if args.gradient_checkpointing else ""
-    out = Path(args.out or ROOT / "output" / f"bench-{args.device}-z{args.zero_stage}{gc}").resolve()
+    tp = f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    out = Path(args.out or ROOT / "output" / f"bench-{args.device}-z{args.zero_stage}{gc}{tp}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     job = make_job(args, out)
     say(f"preparing {job.num_samples} blocks of {job.seq_len} tokens ({args.data})")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("ours", "deepspeed", "hf_trainer", "accelerate")
+SYSTEMS = ("ours", "deepspeed", "hf_trainer", "accelerate", "ours_tp")
 
 # Llama-style shapes. "1b" is TinyLlama's: 22 layers, hidden 2048, grouped-query attention,
 # 1.1B parameters with a 32000-token vocabulary.
@@ -69,6 +69,10 @@ class Job:
     profile_dir: str | None = None
     profile_steps: int = 3
     release_cache: bool = False  # CUDA: hand cached blocks back while waiting for the turn
+    # The ours_tp system: ours with AutoTP over this many ranks at this ZeRO stage, the same global batch.
+    tensor_parallel: int = 1
+    tensor_parallel_zero_stage: int = 1
+    splits_layers: bool = False  # this job is the ours_tp system's (``tensor_parallel_job``)
 
     # ---- serialisation ---------------------------------------------------------------------------
 
@@ -80,14 +84,29 @@ class Job:
         return cls(**json.loads(Path(path).read_text()))
 
     @property
+    def data_parallel(self) -> int:
+        """The ranks that read rows of their own (a tensor-parallel group reads one set)."""
+        return self.world_size // (self.tensor_parallel if self.splits_layers else 1)
+
+    def tensor_parallel_job(self) -> Job:
+        """The ours_tp system's job: AutoTP over ``tensor_parallel`` ranks, which read the same rows,
+        so each reads that many times more of them (the global batch, and the data, stay the same)."""
+        return dataclasses.replace(
+            self,
+            micro_batch=self.micro_batch * self.tensor_parallel,
+            zero_stage=self.tensor_parallel_zero_stage,
+            splits_layers=True,
+        )
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens of one optimizer step on all ranks (the blocks hold no padding)."""
-        return self.micro_batch * self.grad_accum * self.world_size * self.seq_len
+        return self.micro_batch * self.grad_accum * self.data_parallel * self.seq_len
 
     @property
     def num_samples(self) -> int:
         """Blocks for exactly one epoch of ``steps`` optimizer steps."""
-        return self.steps * self.micro_batch * self.grad_accum * self.world_size
+        return self.steps * self.micro_batch * self.grad_accum * self.data_parallel
 
     # ---- what every system shares ----------------------------------------------------------------
 
@@ -139,6 +158,7 @@ class Job:
             zero_stage=self.zero_stage,
             precision=self.precision,
             gradient_checkpointing=self.gradient_checkpointing,
+            tensor_parallel_size=self.tensor_parallel if self.splits_layers else 1,
         )
 
     def run_config(self, output_dir: str) -> Any:

@@ -265,4 +265,5 @@ RUNNERS = {
     "deepspeed": run_deepspeed,
     "hf_trainer": run_hf_trainer,
     "accelerate": run_accelerate,
+    "ours_tp": run_ours,  # on the job's tensor_parallel_job()
 }

@@ -81,6 +81,8 @@ def run(system: str, job: Job, gate: GateClient, rank: int, local_rank: int) -> 
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+    if system == "ours_tp":
+        job = job.tensor_parallel_job()
     ds_config = job.ds_config()
     dataset = job.dataset()
     profiling = job.profile_dir is not None and system in PROFILED_SYSTEMS and rank == 0
