@@ -35,7 +35,11 @@ def bench(tmp_path_factory):
 @pytest.mark.distributed
 def test_json_holds_the_four_systems_with_the_contract_keys(bench):
     data, _, _ = bench
-    assert list(data) == list(SYSTEMS) == ["ours", "deepspeed", "hf_trainer", "accelerate"]
+    assert (
+        list(data)
+        == [s for s in SYSTEMS if s != "ours_tp"]
+        == ["ours", "deepspeed", "hf_trainer", "accelerate"]
+    )
     for system, entry in data.items():
         for key in KEYS:
             assert isinstance(entry[key], (int, float)) and math.isfinite(entry[key]), (system, key)
@@ -199,3 +203,19 @@ def test_count_only_engine_leaves_out_the_model_and_forwards_everything_else():
     wrapped.lr_scale = 0.5  # writes reach the engine the Trainer reads back
     assert engine.lr_scale == 0.5 and wrapped.lr_scale == 0.5
     assert wrapped.local_targets([{"labels": [1]}]) == 1.0
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_runs_the_same_job_against_zero3(tmp_path):
+    """--tensor_parallel_size 2: ours at ZeRO-3 (two data-parallel ranks) against ours_tp (one group of
+    two, each rank reading both ranks' rows): the same global batch, the same final loss."""
+    flags = [*TINY, "--tensor_parallel_size", "2", "--steps", "3", "--json", str(tmp_path / "tp.json")]
+    launch(["scripts/bench.py", *flags, "--out", str(tmp_path / "work")], launcher="python")
+    data = json.loads((tmp_path / "tp.json").read_text())
+    assert list(data) == ["ours", "ours_tp"]
+    assert (data["ours"]["dp_world_size"], data["ours_tp"]["dp_world_size"]) == (2, 1)
+    assert data["ours_tp"]["final_loss"] == pytest.approx(data["ours"]["final_loss"], rel=1e-5)
+    assert data["ours_tp"]["tokens_per_second"] == pytest.approx(128 / data["ours_tp"]["step_time_median_s"])
+    assert set(data["ours_tp"]["ratio_to_ours"]) >= {"step_time_median_s", "peak_memory_bytes"}
+    config = json.loads((tmp_path / "work" / "ds_config.json").read_text())
+    assert config["zero_optimization"]["stage"] == 3  # ours': the baseline runs ZeRO-3

@@ -35,6 +35,14 @@ MODELS: dict[str, dict[str, Any]] = {
         num_key_value_heads=4,
         tie_word_embeddings=True,
     ),
+    "medium": dict(  # 107M parameters with a 4096-token vocabulary: model states outweigh the libraries
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        tie_word_embeddings=True,
+    ),
     "1b": dict(
         hidden_size=2048,
         intermediate_size=5632,
