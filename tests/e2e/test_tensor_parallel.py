@@ -141,3 +141,15 @@ def test_a_zero3_tensor_parallel_checkpoint_the_conversion_cannot_join_is_refuse
     assert (
         f"{checkpoint}: ZeRO-3 with tensor_parallel_size 2: DeepSpeed's universal conversion" in proc.stderr
     )
+
+
+@pytest.mark.slow
+def test_two_groups_of_two_on_four_ranks_follow_one_process(tmp_path):
+    """TP = 2 x DP = 2: each group reads its own rows, 8 a micro-batch; one process reads all 16."""
+    one, four = tmp_path / "one", tmp_path / "four"
+    launch([*COMMON, "--output_dir", str(one), "--per_device_train_batch_size", "16"], launcher="python")
+    launch([*COMMON, "--output_dir", str(four), "--zero_stage", "2", *TP], nproc=4, launcher="deepspeed")
+    assert_same_curves(_curves(four), _curves(one))
+    for a, b in zip(train_rows(one), train_rows(four), strict=True):
+        assert (b["epoch"], b["total_tokens"]) == (a["epoch"], a["total_tokens"]), a["step"]
+    assert_same_weights(four / "final", one / "final", rtol=1e-5, atol=1e-6)

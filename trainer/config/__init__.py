@@ -8,7 +8,8 @@ Public API::
 
     validate(data, world_size=None) -> DSConfig        # raises ConfigError listing every problem
     resolve(run, world_size, hardware, *, hidden_size=None, total_steps=None, data_parallel=None) -> dict
-    parallel_sizes(run) -> (pipeline stages, sequence-parallel size) as resolve settles them
+    parallel_sizes(run) -> (pipeline stages, sequence- and tensor-parallel sizes) as resolve settles them
+    for_zero_init(config) -> the dict zero.Init builds a ZeRO-3 model with; custom_tensor_plan(run)
     generate(zero_stage=, precision=, micro_batch=, grad_accum=, world_size=, ...) -> dict
     load_deepspeed_json(path) -> dict
     preset_config(name, precision, args) -> dict; PRESETS; PRECISIONS; write_presets(dir, args)
@@ -20,16 +21,9 @@ from __future__ import annotations
 from trainer.config.errors import ConfigError
 from trainer.config.files import load_deepspeed_json
 from trainer.config.hardware import Hardware
+from trainer.config.parallel import custom_tensor_plan, for_zero_init, parallel_sizes
 from trainer.config.presets import PRECISIONS, PRESETS, preset_config, write_presets
-from trainer.config.resolution import (
-    check,
-    custom_tensor_plan,
-    deepspeed_schedules,
-    for_zero_init,
-    generate,
-    parallel_sizes,
-    resolve,
-)
+from trainer.config.resolution import check, deepspeed_schedules, generate, resolve
 from trainer.config.schema import DSConfig, batch_problems, validate
 
 __all__ = [

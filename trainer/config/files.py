@@ -1,5 +1,6 @@
-"""A DeepSpeed config as the user gives it (a dict, a preset name or a JSON file): reading it, and
-the training arguments it states. Nothing here imports torch or deepspeed."""
+"""A DeepSpeed config as the user gives it (a dict, a preset name or a JSON file): reading it, the
+training arguments it states, and the dict a run's resolution starts from (``base_config``).
+Nothing here imports torch or deepspeed."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trainer.config.arguments import TrainingArgs
 from trainer.config.errors import ConfigError
-from trainer.config.presets import PRESETS, preset_base
+from trainer.config.presets import PRESETS, preset_base, zero_section
 
 MISSING: Any = object()
 
@@ -92,3 +94,19 @@ def stated_arguments(source: str | dict[str, Any]) -> dict[str, Any]:
     if len(on) == 1:
         stated["precision"] = on[0]
     return stated
+
+
+def positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+def base_config(args: TrainingArgs) -> tuple[dict[str, Any], bool]:
+    """The config to start from, and whether its explicit values must agree with the arguments."""
+    if args.deepspeed is None:
+        data: dict[str, Any] = {
+            "zero_optimization": zero_section(
+                args.zero_stage, args.offload_optimizer, args.offload_param, args.nvme_path
+            )
+        }
+        return data, False
+    return load_source(args.deepspeed, args.nvme_path), True

@@ -24,10 +24,10 @@ from typing import Any, cast
 from trainer.config.arguments import RunArgs, Shortcuts, TrainingArgs
 from trainer.config.base import Problem, dedupe
 from trainer.config.errors import ConfigError
-from trainer.config.files import MISSING, get_path, is_auto, load_source
+from trainer.config.files import MISSING, base_config, get_path, is_auto, positive_int
 from trainer.config.hardware import Hardware
 from trainer.config.optim import OPTIMIZER_PARAMS, ZERO_TESTED_OPTIMIZERS
-from trainer.config.presets import AIO_BLOCK, FP16_BLOCK, PRESETS, zero_section
+from trainer.config.presets import AIO_BLOCK, FP16_BLOCK, PRESETS
 from trainer.config.schema import validate
 from trainer.config.zero import STAGE3_KNOBS
 
@@ -110,10 +110,6 @@ def _show(value: Any) -> str:
     return json.dumps(list(value) if isinstance(value, tuple) else value)
 
 
-def _positive_int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
-
-
 def _overlaps(path: str, problems: list[Problem]) -> bool:
     """Whether a problem at ``path`` is about a key (or under a key) some problem already names."""
     known = [k for p, _ in problems for k in p.split(", ")]
@@ -181,7 +177,7 @@ class _Resolver:
             self.settle_arg("sequence_parallel_size", "sequence_parallel_size")
         if tp > 1 or self.explicit("tensor_parallel_size"):
             self.settle_arg("tensor_parallel.autotp_size", "tensor_parallel_size")
-        if (_positive_int(get_path(self.data, "tensor_parallel.autotp_size")) or 1) > 1:
+        if (positive_int(get_path(self.data, "tensor_parallel.autotp_size")) or 1) > 1:
             # Left unset, AutoTP splits a tied head by vocabulary, and every loss here reads whole rows.
             self.settle(
                 "tensor_parallel.vocab_parallel_lm_head", False, "the trainer's losses read whole logits"
@@ -191,8 +187,8 @@ class _Resolver:
         # Checking a config with no run behind it (``trainer ds-config``, ``check``): the file's sizes.
         stages, groups = get_path(self.data, "pipeline.stages"), get_path(self.data, "sequence_parallel_size")
         tensor = get_path(self.data, "tensor_parallel.autotp_size")
-        split = (stages if _positive_int(stages) else pp) * (groups if _positive_int(groups) else 1)
-        split *= tensor if _positive_int(tensor) else 1
+        split = (stages if positive_int(stages) else pp) * (groups if positive_int(groups) else 1)
+        split *= tensor if positive_int(tensor) else 1
         # A world size the stages or groups do not divide is reported by the schema's batch check.
         return self.world_size // split if self.world_size % split == 0 else 1
 
@@ -205,8 +201,8 @@ class _Resolver:
         self.settle("gradient_accumulation_steps", gas, f"gradient_accumulation_steps={gas} {note}")
         if not self.check:
             # Nothing is compared, so the file's own micro batch and accumulation size the total.
-            mbs = _positive_int(get_path(self.data, "train_micro_batch_size_per_gpu")) or mbs
-            gas = _positive_int(get_path(self.data, "gradient_accumulation_steps")) or gas
+            mbs = positive_int(get_path(self.data, "train_micro_batch_size_per_gpu")) or mbs
+            gas = positive_int(get_path(self.data, "gradient_accumulation_steps")) or gas
         self.settle(
             "train_batch_size",
             mbs * gas * dp,
@@ -418,18 +414,6 @@ class _Resolver:
         return config.to_dict()
 
 
-def _base(args: TrainingArgs) -> tuple[dict[str, Any], bool]:
-    """The config to start from, and whether its explicit values must agree with the arguments."""
-    if args.deepspeed is None:
-        data: dict[str, Any] = {
-            "zero_optimization": zero_section(
-                args.zero_stage, args.offload_optimizer, args.offload_param, args.nvme_path
-            )
-        }
-        return data, False
-    return load_source(args.deepspeed, args.nvme_path), True
-
-
 def resolve(
     run: RunArgs | TrainingArgs,
     world_size: int,
@@ -461,7 +445,7 @@ def resolve(
         raise ConfigError(
             [("deepspeed", f"{ds!r} is neither a JSON file nor a preset ({', '.join(PRESETS)})")]
         )
-    data, check = _base(args)
+    data, check = base_config(args)
     r = _Resolver(args, world_size, hardware, hidden_size, total_steps, data_parallel, check=check, data=data)
     if not deepspeed_schedules(args) and not client_scheduler and "scheduler" in data:
         raise ConfigError(
@@ -470,51 +454,6 @@ def resolve(
         )  # fmt: skip
     client_scheduler = client_scheduler or transformers_schedule(args, data)
     return _pool_stages(_run(r, client_optimizer, client_scheduler))
-
-
-def parallel_sizes(run: RunArgs | TrainingArgs) -> tuple[int, int, int]:
-    """(pipeline stages, sequence-parallel size, tensor-parallel size) as ``resolve`` settles them: an argument set
-    explicitly (or above 1), else the DeepSpeed file's value, else the argument's default. What a
-    run's ``ParallelLayout`` is built from, so the layout and the DeepSpeed dict agree."""
-    args = run.training if hasattr(run, "training") else run
-    try:
-        data = _base(args)[0]
-    except ConfigError:  # a file that does not load: resolve reports it, with the arguments' sizes here
-        data = {}
-    sizes = []
-    for arg, path in (
-        ("pipeline_parallel_size", "pipeline.stages"),
-        ("sequence_parallel_size", "sequence_parallel_size"),
-        ("tensor_parallel_size", "tensor_parallel.autotp_size"),
-    ):
-        value = getattr(args, arg)
-        from_file = _positive_int(get_path(data, path))
-        sizes.append(value if value > 1 or arg in args.model_fields_set or from_file is None else from_file)
-    return sizes[0], sizes[1], sizes[2]
-
-
-def for_zero_init(config: dict[str, Any]) -> dict[str, Any]:
-    """The dict ``zero.Init`` builds a ZeRO-3 model with. Its DeepSpeed config check counts every
-    rank as data-parallel (it is handed no tensor-parallel groups), so under AutoTP the batch total
-    is left out of it: the engine checks that against the real data-parallel size. ``config``
-    itself otherwise."""
-    if (_positive_int(get_path(config, "tensor_parallel.autotp_size")) or 1) == 1:
-        return config
-    return {key: value for key, value in config.items() if key != "train_batch_size"}
-
-
-def custom_tensor_plan(run: RunArgs | TrainingArgs) -> bool:
-    """Whether the DeepSpeed config gives AutoTP its own sharding rules (``tensor_parallel``'s
-    ``partition_config`` or ``preset_model``), for a model it has no plan for."""
-    args = run.training if hasattr(run, "training") else run
-    try:
-        data = _base(args)[0]
-    except ConfigError:
-        return False
-    return any(
-        get_path(data, f"tensor_parallel.{key}") not in (MISSING, None)
-        for key in ("partition_config", "preset_model")
-    )
 
 
 def check(run: RunArgs | TrainingArgs, world_size: int, hardware: Hardware) -> None:
@@ -617,7 +556,7 @@ def generate(
             **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}),
         ),
     )
-    data, _ = _base(args)
+    data, _ = base_config(args)
     r = _Resolver(args, world_size or 1, hardware=None, hidden_size=hidden_size, check=False, data=data)
     r.batch()
     if world_size is None:

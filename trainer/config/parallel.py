@@ -1,0 +1,56 @@
+"""The parallel sizes a run's DeepSpeed dict will hold, as ``resolve`` settles them (what its
+``ParallelLayout`` is built from), whether the dict gives AutoTP sharding rules of its own, and the
+dict ``zero.Init`` is given under AutoTP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.config.arguments import RunArgs, TrainingArgs
+from trainer.config.errors import ConfigError
+from trainer.config.files import MISSING, base_config, get_path, positive_int
+
+
+def parallel_sizes(run: RunArgs | TrainingArgs) -> tuple[int, int, int]:
+    """(pipeline stages, sequence-parallel size, tensor-parallel size) as ``resolve`` settles them: an argument set
+    explicitly (or above 1), else the DeepSpeed file's value, else the argument's default. What a
+    run's ``ParallelLayout`` is built from, so the layout and the DeepSpeed dict agree."""
+    args = run.training if hasattr(run, "training") else run
+    try:
+        data = base_config(args)[0]
+    except ConfigError:  # a file that does not load: resolve reports it, with the arguments' sizes here
+        data = {}
+    sizes = []
+    for arg, path in (
+        ("pipeline_parallel_size", "pipeline.stages"),
+        ("sequence_parallel_size", "sequence_parallel_size"),
+        ("tensor_parallel_size", "tensor_parallel.autotp_size"),
+    ):
+        value = getattr(args, arg)
+        from_file = positive_int(get_path(data, path))
+        sizes.append(value if value > 1 or arg in args.model_fields_set or from_file is None else from_file)
+    return sizes[0], sizes[1], sizes[2]
+
+
+def for_zero_init(config: dict[str, Any]) -> dict[str, Any]:
+    """The dict ``zero.Init`` builds a ZeRO-3 model with. Its DeepSpeed config check counts every
+    rank as data-parallel (it is handed no tensor-parallel groups), so under AutoTP the batch total
+    is left out of it: the engine checks that against the real data-parallel size. ``config``
+    itself otherwise."""
+    if (positive_int(get_path(config, "tensor_parallel.autotp_size")) or 1) == 1:
+        return config
+    return {key: value for key, value in config.items() if key != "train_batch_size"}
+
+
+def custom_tensor_plan(run: RunArgs | TrainingArgs) -> bool:
+    """Whether the DeepSpeed config gives AutoTP its own sharding rules (``tensor_parallel``'s
+    ``partition_config`` or ``preset_model``), for a model it has no plan for."""
+    args = run.training if hasattr(run, "training") else run
+    try:
+        data = base_config(args)[0]
+    except ConfigError:
+        return False
+    return any(
+        get_path(data, f"tensor_parallel.{key}") not in (MISSING, None)
+        for key in ("partition_config", "preset_model")
+    )
