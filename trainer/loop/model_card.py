@@ -194,7 +194,7 @@ def _distributed_type(args: Any, ds: dict[str, Any]) -> str:
         device = (zero.get(f"offload_{what}") or {}).get("device") if ds else getattr(args, f"offload_{what}")
         if device not in (None, "none"):
             parts.append(f"{what} offload to {device}")
-    for name in ("pipeline_parallel_size", "sequence_parallel_size"):
+    for name in ("pipeline_parallel_size", "sequence_parallel_size", "tensor_parallel_size"):
         if getattr(args, name, 1) > 1:
             parts.append(f"{name} {getattr(args, name)}")
     return ", ".join(parts)
