@@ -20,6 +20,7 @@ from pathlib import Path
 import deepspeed
 import torch.distributed as dist
 
+import trainer.cli.main
 import trainer.cli.train  # noqa: F401  (every module that binds the functions counted below)
 import trainer.config.resolution
 import trainer.engine.sequence_parallel
@@ -85,6 +86,7 @@ deepspeed.initialize = counted(
 
 if mode == "cli":
     sys.argv = [str(ROOT / "scripts" / "train.py"), *sys.argv[3:]]
+    trainer.cli.main.exit_now = sys.exit  # the script's end returns here, for the counts to be written
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as exit_:

@@ -166,7 +166,7 @@ class Job:
             zero_stage=self.zero_stage,
             precision=self.precision,
             gradient_checkpointing=self.gradient_checkpointing,
-            tensor_parallel_size=self.tensor_parallel if self.splits_layers else 1,
+            **({"tensor_parallel_size": self.tensor_parallel} if self.splits_layers else {}),
         )
 
     def run_config(self, output_dir: str) -> Any:
