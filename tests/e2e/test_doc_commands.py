@@ -51,7 +51,7 @@ SIZING_FLAGS = {"--multi_gpu"}
 # Commands a test other than the launch matrix runs (scaled down): the test node, whose module must
 # pass the script (or module) and every option of the command.
 TEST_NODES = {
-    "scripts/bench.py": "tests/e2e/test_bench.py::test_json_holds_the_four_systems_with_the_contract_keys",
+    "scripts/bench.py": "tests/e2e/test_bench.py::test_json_holds_the_five_systems_with_the_contract_keys",
     "scripts/bench_checkpoint.py": "tests/e2e/test_bench_checkpoint.py::test_reports_save_and_raw_speeds_and_blocked_times",
     "scripts/bench_comm.py": "tests/e2e/test_bench_comm.py::test_two_gloo_ranks_write_the_json_report",
     "scripts/bench_preference.py": "tests/e2e/test_bench_preference.py::test_ours_and_trl_train_the_same_dpo_job_on_zero3",
