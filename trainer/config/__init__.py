@@ -21,7 +21,7 @@ from __future__ import annotations
 from trainer.config.errors import ConfigError
 from trainer.config.files import load_deepspeed_json
 from trainer.config.hardware import Hardware
-from trainer.config.parallel import custom_tensor_plan, for_zero_init, parallel_sizes
+from trainer.config.parallel import custom_tensor_plan, for_zero_init, parallel_sizes, tensor_size_of
 from trainer.config.presets import PRECISIONS, PRESETS, preset_config, write_presets
 from trainer.config.resolution import check, deepspeed_schedules, generate, resolve
 from trainer.config.schema import DSConfig, batch_problems, validate
@@ -42,6 +42,7 @@ __all__ = [
     "parallel_sizes",
     "preset_config",
     "resolve",
+    "tensor_size_of",
     "validate",
     "write_presets",
 ]

@@ -37,9 +37,14 @@ def for_zero_init(config: dict[str, Any]) -> dict[str, Any]:
     rank as data-parallel (it is handed no tensor-parallel groups), so under AutoTP the batch total
     is left out of it: the engine checks that against the real data-parallel size. ``config``
     itself otherwise."""
-    if (positive_int(get_path(config, "tensor_parallel.autotp_size")) or 1) == 1:
+    if tensor_size_of(config) == 1:
         return config
     return {key: value for key, value in config.items() if key != "train_batch_size"}
+
+
+def tensor_size_of(config: dict[str, Any]) -> int:
+    """The ranks a resolved DeepSpeed dict's AutoTP splits each layer over (1: off)."""
+    return positive_int(get_path(config, "tensor_parallel.autotp_size")) or 1
 
 
 def custom_tensor_plan(run: RunArgs | TrainingArgs) -> bool:

@@ -27,6 +27,7 @@ from trainer.config.errors import ConfigError
 from trainer.config.files import MISSING, base_config, get_path, is_auto, positive_int
 from trainer.config.hardware import Hardware
 from trainer.config.optim import OPTIMIZER_PARAMS, ZERO_TESTED_OPTIMIZERS
+from trainer.config.parallel import tensor_size_of
 from trainer.config.presets import AIO_BLOCK, FP16_BLOCK, PRESETS
 from trainer.config.schema import validate
 from trainer.config.zero import STAGE3_KNOBS
@@ -177,7 +178,7 @@ class _Resolver:
             self.settle_arg("sequence_parallel_size", "sequence_parallel_size")
         if tp > 1 or self.explicit("tensor_parallel_size"):
             self.settle_arg("tensor_parallel.autotp_size", "tensor_parallel_size")
-        if (positive_int(get_path(self.data, "tensor_parallel.autotp_size")) or 1) > 1:
+        if tensor_size_of(self.data) > 1:
             # Left unset, AutoTP splits a tied head by vocabulary, and every loss here reads whole rows.
             self.settle(
                 "tensor_parallel.vocab_parallel_lm_head", False, "the trainer's losses read whole logits"
@@ -186,9 +187,8 @@ class _Resolver:
             return self.data_parallel
         # Checking a config with no run behind it (``trainer ds-config``, ``check``): the file's sizes.
         stages, groups = get_path(self.data, "pipeline.stages"), get_path(self.data, "sequence_parallel_size")
-        tensor = get_path(self.data, "tensor_parallel.autotp_size")
         split = (stages if positive_int(stages) else pp) * (groups if positive_int(groups) else 1)
-        split *= tensor if positive_int(tensor) else 1
+        split *= tensor_size_of(self.data)
         # A world size the stages or groups do not divide is reported by the schema's batch check.
         return self.world_size // split if self.world_size % split == 0 else 1
 

@@ -15,6 +15,7 @@ import deepspeed
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
+from trainer.config import tensor_size_of
 from trainer.config.errors import ConfigError
 from trainer.data import IGNORE_INDEX
 from trainer.engine import zero
@@ -53,7 +54,7 @@ class DeepSpeedEngine(Engine):
             # Custom models that call deepspeed.checkpointing.checkpoint read these settings.
             deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
         params = optimizer.param_groups if optimizer is not None else weight_decay_groups(model, weight_decay)
-        tensor = max(int((ds_config.get("tensor_parallel") or {}).get("autotp_size") or 1), 1)
+        tensor = tensor_size_of(ds_config)
         if tensor > 1 and isinstance(getattr(model, "peft_config", None), dict):
             raise ConfigError(
                 "LoRA runs with ZeRO 0-3 and data parallelism, not with tensor parallelism (AutoTP does "

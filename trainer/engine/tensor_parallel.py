@@ -37,9 +37,7 @@ def check_tensor_layout(config: PretrainedConfig, size: int, custom_plan: bool =
     text = config.get_text_config()
     problems = []
     for name in SPLIT_SIZES:
-        value = getattr(text, name, None)
-        if name == "num_key_value_heads" and value is None:
-            continue  # multi-head attention: as many as the attention heads, checked above
+        value = getattr(text, name, None)  # None: absent (multi-head attention has no KV count)
         if isinstance(value, int) and value % size:
             problems.append(
                 (f"tensor_parallel_size, {name}", f"{size} does not divide the model's {name} {value}")

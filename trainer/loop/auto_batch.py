@@ -35,6 +35,7 @@ import torch
 
 from trainer.args import TrainingArguments
 from trainer.checkpoint.layout import rng_state, set_rng_state
+from trainer.config import tensor_size_of
 from trainer.config.errors import ConfigError
 from trainer.engine import Engine
 from trainer.observe.monitor import empty_device_cache
@@ -59,7 +60,7 @@ def check_auto_batch(args: TrainingArguments, ds_config: dict[str, Any], layout:
     if not args.auto_find_batch_size:
         return
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    tensor = (ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1
+    tensor = tensor_size_of(ds_config)
     conflicts = [
         (stage == 3, "zero_optimization.stage 3", "the model is partitioned when it is built, and is not built again"),
         (tensor > 1, f"tensor_parallel_size {tensor}", "the forward's collectives would wait on a rank out of memory"),
