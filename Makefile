@@ -30,7 +30,8 @@ endif
 .PHONY: install install-dev demo sft-dpo test test-all lint format bench presets clean
 
 # `install`: the project and what a run needs; `install-dev` adds what the tests and lint use (pytest,
-# ruff, and the optional integrations they exercise: peft, wandb, MLflow).
+# ruff, the optional integrations they exercise: peft, wandb, MLflow, and pytorch_optimizer, the LARS
+# the tests follow).
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 

@@ -26,8 +26,6 @@ _NOT_WIRED = "not supported with the DeepSpeed engine here"
 
 # Refused unless left at HF's default. A change that honours one of these deletes its line here.
 REFUSED: dict[str, str] = {
-    "optim_args": "DeepSpeed's optimizer takes named fields (adam_beta1, adam_beta2, adam_epsilon, "
-    "weight_decay) or a --deepspeed file's optimizer.params",
     "optim_target_modules": "only GaLore/APOLLO use it, and those optimizers are refused",
     "bf16_full_eval": "evaluation runs in the precision DeepSpeed trains in (bf16/fp16/precision)",
     "fp16_full_eval": "evaluation runs in the precision DeepSpeed trains in (bf16/fp16/precision)",
@@ -123,7 +121,11 @@ class HFFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    optim_args: str | None = Field(None, description="Extra optimizer arguments, as 'key=value,...'.")
+    optim_args: str | None = Field(
+        None,
+        description="Extra optimizer arguments, as 'key=value,...': LARS's momentum, dampening, nesterov "
+        "and trust_coefficient (optim lars; refused with any other optimizer).",
+    )
     optim_target_modules: None | str | list[str] = Field(
         None, description="Modules that GaLore/APOLLO optimize."
     )

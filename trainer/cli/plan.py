@@ -11,6 +11,7 @@ from typing import Any
 
 from trainer.config import generate
 from trainer.config.errors import ConfigError
+from trainer.config.optim import OFFLOAD_NOTE
 from trainer.planner import (
     PRESETS,
     Cluster,
@@ -257,6 +258,7 @@ def _report(result: dict[str, Any], long_context: bool) -> str:
         ),
     ]
     lines += _objective_lines(result)
+    lines.append(f"optimizer states sized for Adam's two fp32 moments; {OFFLOAD_NOTE}")
     if long_context:
         lines += [
             "activations and logits per GPU, GB, by sequence-parallel size (every combination, allowed or "

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from trainer.config.base import ConfigModel, Problem, problems_from_error, rule_error
+from trainer.config.errors import ConfigError
 
 Betas = tuple[float, float]
 
@@ -33,6 +34,14 @@ class _OptimizerParams(ConfigModel):
     @classmethod
     def _betas(cls, value: Betas) -> Betas:
         return _check_betas(value)
+
+    @model_validator(mode="after")
+    def _nesterov(self) -> _OptimizerParams:
+        if getattr(self, "nesterov", False) and (self.momentum <= 0 or self.dampening != 0):
+            raise rule_error(
+                [("nesterov, momentum, dampening", "Nesterov momentum needs momentum > 0 and dampening 0")]
+            )
+        return self
 
 
 class AdamParams(_OptimizerParams):
@@ -95,14 +104,6 @@ class SGDParams(_OptimizerParams):
     weight_decay: float = Field(0.0, ge=0, description="L2 penalty.")
     nesterov: bool = Field(False, description="Nesterov momentum; needs momentum > 0 and dampening 0.")
 
-    @model_validator(mode="after")
-    def _nesterov(self) -> SGDParams:
-        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise rule_error(
-                [("nesterov, momentum, dampening", "Nesterov momentum needs momentum > 0 and dampening 0")]
-            )
-        return self
-
 
 class MuAdamParams(_OptimizerParams):
     """MuAdam / MuAdamW from the mup package (muP-scaled learning rates)."""
@@ -146,6 +147,42 @@ OPTIMIZER_PARAMS: dict[str, type[_OptimizerParams]] = {
 OptimizerType = Literal[
     "Adam", "AdamW", "Lamb", "Lion", "Adagrad", "SGD", "MuAdam", "MuAdamW", "MuSGD", "Muon"
 ]
+
+
+class LarsParams(_OptimizerParams):
+    """LARS's own settings (``optim lars``), given as HF's ``optim_args`` string; the rate and the
+    decay are ``learning_rate`` and ``weight_decay``. Defaults are pytorch_optimizer's."""
+
+    momentum: float = Field(0.9, ge=0, lt=1, description="Momentum.")
+    dampening: float = Field(0.0, ge=0, le=1, description="Dampening of the momentum.")
+    nesterov: bool = Field(False, description="Nesterov momentum.")
+    trust_coefficient: float = Field(
+        1e-3, ge=0, description="Scales each matrix's rate by this times |w| / (|g| + weight_decay |w|)."
+    )
+
+
+def lars_params(optim_args: str | None) -> dict[str, Any]:
+    """``optim_args`` ('momentum=0.9,trust_coefficient=0.001') as LARS's keyword arguments; a key
+    LARS does not take, or a bad value, is a ConfigError naming ``optim_args.<key>``."""
+    pairs: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in (optim_args or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"{item!r} is not key=value", path="optim_args")
+        pairs[key.strip()] = value.strip()
+    try:
+        return LarsParams.model_validate(pairs).to_dict()
+    except ValidationError as err:
+        raise ConfigError(problems_from_error(err, LarsParams, prefix="optim_args")) from None
+
+
+# Under optimizer offload DeepSpeed steps these with its own CPU kernels (DeepSpeedCPUAdam, -Adagrad,
+# -Lion); SGD and the mup ones run as torch optimizers on the host; Lamb's fused GPU kernel cannot.
+OFFLOAD_NATIVE = ("Adam", "AdamW", "Adagrad", "Lion")
+OFFLOAD_NOTE = (
+    "under optimizer offload DeepSpeed steps Adam/AdamW, Adagrad and Lion with its CPU kernels and SGD "
+    "with torch's on the host; Lamb (a GPU kernel) and lars are refused there"
+)
 
 # Optimizers DeepSpeed's ZeRO accepts without zero_allow_untested_optimizer.
 ZERO_TESTED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "Lion", "Muon")

@@ -26,7 +26,7 @@ from trainer.config.base import Problem, dedupe
 from trainer.config.errors import ConfigError
 from trainer.config.files import MISSING, base_config, get_path, is_auto, positive_int
 from trainer.config.hardware import Hardware
-from trainer.config.optim import OPTIMIZER_PARAMS, ZERO_TESTED_OPTIMIZERS
+from trainer.config.optim import OFFLOAD_NOTE, OPTIMIZER_PARAMS, ZERO_TESTED_OPTIMIZERS
 from trainer.config.parallel import tensor_size_of
 from trainer.config.presets import AIO_BLOCK, FP16_BLOCK, PRESETS
 from trainer.config.schema import validate
@@ -314,6 +314,8 @@ class _Resolver:
     def optimizer(self) -> None:
         a = self.args
         offload = get_path(self.data, "zero_optimization.offload_optimizer.device") in ("cpu", "nvme")
+        if a.optim == "lars":
+            return self.lars(offload)
         opt_type, extra = _OPTIMIZERS[a.optim]
         if offload:
             extra = {}  # CPU offload runs DeepSpeed's CPU Adam; torch_adam would bypass it
@@ -339,6 +341,26 @@ class _Resolver:
         for key, (arg, want) in wants.items():
             if key in model.model_fields:
                 self.settle(f"optimizer.params.{key}", want, f"{arg}={_show(want)} {ARGS_NOTE}")
+
+    def lars(self, offload: bool) -> None:
+        """optim lars: the engine builds our LARS (DeepSpeed has none) and hands it to DeepSpeed."""
+        stage = get_path(self.data, "zero_optimization.stage")
+        half = any(get_path(self.data, f"{p}.enabled") is True for p in ("bf16", "fp16"))
+        refusals = [
+            (get_path(self.data, "optimizer") is not MISSING, "optimizer, optim",
+             "optim lars is built here (DeepSpeed has no LARS); remove the optimizer section or choose another optim"),
+            (offload, "zero_optimization.offload_optimizer.device, optim",
+             OFFLOAD_NOTE),
+            (tensor_size_of(self.data) > 1, "tensor_parallel.autotp_size, optim",
+             "LARS's trust ratio needs each matrix's whole norm, which AutoTP splits over ranks"),
+            (int((self.data.get("pipeline") or {}).get("stages") or 1) > 1, "pipeline.stages, optim",
+             "pipeline stages build their optimizer from DeepSpeed's config, which has no LARS"),
+            (half and stage in (0, MISSING), "zero_optimization.stage, optim",
+             "bf16/fp16 at ZeRO-0 put the optimizer behind DeepSpeed's flat mixed-precision wrapper; use zero_stage 1-3"),
+        ]  # fmt: skip
+        self.problems.extend((path, why) for on, path, why in refusals if on)
+        if isinstance(stage, int) and stage >= 1:
+            self.data["zero_allow_untested_optimizer"] = True
 
     def steps(self) -> tuple[int | None, int | None, str]:
         """Total and warmup steps, and why they are unknown when they are."""

@@ -12,7 +12,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from trainer.config.base import ConfigModel, Problem, dedupe, problems_from_error, rule_error
 from trainer.config.errors import ConfigError
-from trainer.config.optim import ZERO_TESTED_OPTIMIZERS, OptimizerConfig, SchedulerConfig
+from trainer.config.optim import OFFLOAD_NOTE, ZERO_TESTED_OPTIMIZERS, OptimizerConfig, SchedulerConfig
 from trainer.config.precision import BF16Config, DataTypesConfig, FP16Config, normalise_dtype
 from trainer.config.sections import (
     ActivationCheckpointingConfig,
@@ -214,6 +214,9 @@ class DSConfig(ConfigModel):
                     f"(tested: {', '.join(ZERO_TESTED_OPTIMIZERS)})",
                 )
             )
+        offloaded = self.zero_optimization and self.zero_optimization.offload_optimizer
+        if optimizer is not None and optimizer.type == "Lamb" and offloaded and offloaded.device != "none":
+            problems.append(("optimizer.type, zero_optimization.offload_optimizer.device", OFFLOAD_NOTE))
         if (
             optimizer is not None
             and optimizer.type == "Lamb"

@@ -25,6 +25,7 @@ from deepspeed.runtime.utils import clip_grad_norm_
 from deepspeed.utils import groups
 
 from trainer.engine import zero
+from trainer.engine.lars import LARS, show_partitions
 from trainer.engine.objectives import Batch, Objective
 
 if TYPE_CHECKING:
@@ -146,6 +147,8 @@ class Engine(ABC):
             # checkpoints and the export stay as they are) and its ZeRO hooks keep working.
             self.ds.compile(backend=torch_compile.backend, compile_kwargs=dict(torch_compile.options))
         report_grad_norm(self.ds)
+        if isinstance(self.ds.basic_optimizer, LARS):
+            show_partitions(self.ds.basic_optimizer, self.ds.optimizer)
         self.device: torch.device = self.ds.device
         # Under sequence parallelism DeepSpeed leaves dp_world_size unset; a group's ranks share rows.
         self.world_size: int = (

@@ -207,6 +207,8 @@ def _optimizer(args: Any, ds: dict[str, Any], client_optimizer: Any) -> str:
     if section:
         params = ", ".join(f"{k}={_plain(v)}" for k, v in (section.get("params") or {}).items())
         return f"Use {args.optim} (DeepSpeed {section.get('type')}: {params})"
+    if args.optim == "lars":
+        return f"Use lars with weight_decay={args.weight_decay} and optim_args={args.optim_args or 'its defaults'}"
     return (
         f"Use {args.optim} with betas=({args.adam_beta1},{args.adam_beta2}) and epsilon={args.adam_epsilon}"
     )

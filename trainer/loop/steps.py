@@ -15,7 +15,9 @@ from transformers import get_scheduler
 
 from trainer import checkpoint as ckpt
 from trainer.args import TrainingArguments
-from trainer.engine import Objective, Tiling, TorchCompile, plan_tiling
+from trainer.config.optim import lars_params
+from trainer.engine import Objective, Tiling, TorchCompile, plan_tiling, weight_decay_groups
+from trainer.engine.lars import LARS
 from trainer.runtime.distributed import print_main
 from trainer.runtime.layout import ParallelLayout
 
@@ -75,6 +77,17 @@ def tiling_for(
     if tiling.loss:
         print_main(f"The loss in tiles of {tiling.loss:,} tokens: no micro-batch's logits are held whole.")
     return tiling
+
+
+def optimizer_for(
+    args: TrainingArguments, model: torch.nn.Module, client: torch.optim.Optimizer | None
+) -> torch.optim.Optimizer | None:
+    """The optimizer the engine hands DeepSpeed: the caller's own, or LARS for ``optim lars``
+    (DeepSpeed has none), over the usual decay groups; None lets DeepSpeed build its config's."""
+    if client is not None or args.optim != "lars":
+        return client
+    groups = weight_decay_groups(model, args.weight_decay)
+    return LARS(groups, lr=args.learning_rate, weight_decay=args.weight_decay, **lars_params(args.optim_args))
 
 
 def torch_compile_for(args: TrainingArguments) -> TorchCompile | None:

@@ -54,7 +54,7 @@ from trainer.loop.guard import NonfiniteGuard
 from trainer.loop.hf_methods import HFMethods
 from trainer.loop.plan import RunPlan, layout_of, plan_run
 from trainer.loop.saving import Checkpoints, resumed_state
-from trainer.loop.steps import client_scheduler, tiling_for, torch_compile_for
+from trainer.loop.steps import client_scheduler, optimizer_for, tiling_for, torch_compile_for
 from trainer.loop.vote import Preemption, WindowCounts, poll, weakly
 from trainer.model.liger import apply_liger_kernel, check_liger
 from trainer.model.modeling import enable_gradient_checkpointing, is_adapter, model_hidden_size, param_counts
@@ -472,7 +472,7 @@ class Trainer(HFMethods, ResultsAPI):
             self.engine = build_engine(
                 self.model,
                 self.ds_config,
-                optimizer=self.client_optimizer,
+                optimizer=optimizer_for(self.args, self.model, self.client_optimizer),
                 lr_scheduler=self.client_scheduler
                 or client_scheduler(self.args, total_steps, self.ds_config),
                 weight_decay=self.args.weight_decay,
