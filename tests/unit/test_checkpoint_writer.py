@@ -99,7 +99,8 @@ def test_file_entry_matches_xxhash(tmp_path):
 
 
 def test_fault_plans_fire_only_where_planned(monkeypatch):
-    from trainer.loop.faults import fault_due, fault_plan
+    from trainer.loop.faults import fault_due
+    from trainer.runtime.resilience import fault_plan
 
     monkeypatch.setenv("TRAINER_FAULT", "crash:rank=1:step=8:phase=save")
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)

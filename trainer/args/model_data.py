@@ -4,6 +4,7 @@ peft, with TRL's names), and which data to train on and how it is cut into block
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -86,6 +87,20 @@ class ModelArguments(ArgsModel):
         return self
 
 
+class MixtureSource(ArgsModel):
+    """One source of a streamed mixture (``dataset_mixture``): its files, weight and text column."""
+
+    dataset: str = Field(description="A directory, a file, a glob of files, or 'stdlib'.")
+    weight: float = Field(1.0, gt=0, description="Its share of the blocks, relative to the others' weights.")
+    text_column: str = Field("text", description="The column holding its text (JSON lines and tables).")
+    on_end: Literal["stop", "repeat", "drop"] = Field(
+        "repeat",
+        description="When a lane runs out of it: repeat (start it again, in a new order), stop (the run's "
+        "data ends: every rank stops at the same step) or drop (the other sources share its weight).",
+    )
+    name: str | None = Field(None, description="Its name in logs and errors (default: the path's last part).")
+
+
 class DataArguments(ArgsModel):
     dataset: str = Field(
         "stdlib",
@@ -120,6 +135,55 @@ class DataArguments(ArgsModel):
         None, ge=1, description="Truncate the evaluation set (for quick runs)."
     )
     preprocessing_num_workers: int | None = Field(None, ge=1, description="Processes for tokenisation.")
+    # Streams (docs/data.md): read on the fly, mixed by weight, resumed exactly on any number of ranks.
+    streaming: bool = Field(
+        False,
+        description="Stream the training data: files read, tokenised and packed as training goes (text "
+        "format), instead of tokenised up front; needs max_steps.",
+    )
+    dataset_mixture: list[MixtureSource] | None = Field(
+        None,
+        description="Several streamed sources mixed by weight, each {dataset, weight, text_column, on_end, "
+        "name} (a recipe list, or the same as JSON on the command line); replaces dataset.",
+    )
+    stream_lanes: int = Field(
+        64,
+        ge=1,
+        description="Canonical lanes a stream's rows are dealt to; the order depends on it (not on the world "
+        "size), and a multiple of the data-parallel ranks reads each lane on one rank.",
+    )
+    stream_shuffle_window: int = Field(
+        256, ge=1, description="A lane's blocks are shuffled this many at a time (1: no shuffle)."
+    )
+    unreadable_shards: Literal["stop", "skip"] = Field(
+        "stop", description="A streamed file that cannot be read: stop with its path, or skip it (logged)."
+    )
+    data_changed: Literal["refuse", "ok"] = Field(
+        "refuse",
+        description="A resumed stream whose files changed (names, sizes, modification times): refused, or "
+        "ok to go on from the checkpoint's cursors.",
+    )
     cache_dir: str | None = Field(
         None, description="Tokenisation cache (default: ~/.cache/trainer/datasets)."
     )
+
+    @field_validator("dataset_mixture", mode="before")
+    @classmethod
+    def _mixture_json(cls, value: Any) -> Any:
+        if isinstance(value, str):  # the command line's JSON list
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"not a JSON list of sources: {err}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _mixtures_stream(self) -> DataArguments:
+        if self.dataset_mixture and not self.streaming:
+            raise ValueError("dataset_mixture: mixtures are streamed; add streaming true")
+        if self.streaming and self.data_format != "text":
+            raise ValueError(
+                f"streaming, data_format: streams read text documents; data_format {self.data_format} is "
+                "tokenised up front (set streaming false)"
+            )
+        return self

@@ -346,6 +346,11 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
     include_num_input_tokens_seen: str | bool = Field(
         "no", description="Log tokens seen: all/non_padding/no."
     )
+    log_data_fingerprint: bool = Field(
+        False,
+        description="Each logged step's metrics row carries data_fingerprint: a hash of its global batch's "
+        "tokens (each row with its place in the batch), the same on any number of ranks.",
+    )
 
     @model_validator(mode="before")
     @classmethod

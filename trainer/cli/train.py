@@ -26,7 +26,7 @@ from trainer.engine.sequence_parallel import check_layout
 from trainer.engine.tensor_parallel import check_tensor_layout
 from trainer.loop.build import build_run
 from trainer.loop.evaluation import safe_exp
-from trainer.loop.faults import FaultInjection, fault_plan
+from trainer.loop.faults import FaultInjection
 from trainer.model.modeling import model_config
 from trainer.observe.plots import plot_runs
 from trainer.observe.reporting import check_report_to
@@ -39,6 +39,7 @@ from trainer.runtime.distributed import (
     print_main,
 )
 from trainer.runtime.ownership import claim_output_dir
+from trainer.runtime.resilience import fault_plan
 from trainer.runtime.run_files import FINAL
 
 RAW_ARGV = True

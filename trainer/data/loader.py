@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from trainer.data.sampler import ResumableDistributedSampler
+from trainer.data.stream import StreamedDataset, StreamPosition
 
 Batch = dict[str, torch.Tensor]
 
@@ -37,14 +38,16 @@ def sample_lengths(dataset: Any, args: Any) -> list[int] | None:
 
 
 def train_sampler(
-    dataset_len: int, num_replicas: int, rank: int, args: Any, lengths: list[int] | None = None
-) -> ResumableDistributedSampler:
+    dataset: Any, num_replicas: int, rank: int, args: Any, lengths: list[int] | None = None
+) -> ResumableDistributedSampler | StreamPosition:
     """This rank's training order, as HF's ``train_sampling_strategy`` names it: "random" (a seeded
     permutation), "sequential" (the dataset's order) or "group_by_length" (``lengths`` grouped in
-    megabatches of the global batch)."""
+    megabatches of the global batch). A stream's order is its own (``trainer.data.stream``)."""
+    if isinstance(dataset, StreamedDataset):
+        return StreamPosition(dataset, num_replicas, rank, args.dataloader_num_workers)
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * num_replicas
     return ResumableDistributedSampler(
-        dataset_len,
+        len(dataset),
         num_replicas,
         rank,
         seed=data_seed(args),
@@ -88,6 +91,9 @@ def accumulation_windows(
     HF's order relative to the steps' dropout. Such a collator's draws for the batch read ahead
     happen before a checkpoint and again after its resume, so a resume is exact only for collators
     that draw nothing (every collator of this project's own)."""
+    if isinstance(sampler, StreamPosition):
+        yield from stream_windows(sampler, collate_fn, args)
+        return
     batches = iter(train_dataloader(dataset, sampler, collate_fn, args, pin_memory))
     ahead = next(batches, None)
     window: list[Batch] = []
@@ -99,3 +105,24 @@ def accumulation_windows(
             window = []
     if window:
         yield window
+
+
+def stream_windows(position: StreamPosition, collate_fn: Callable, args: Any) -> Iterator[list[Batch]]:
+    """A stream's windows: whole ones only; once this rank's stream ends, one empty window, which
+    the step's vote turns into the end of the data on every rank (a rank that stopped alone would
+    leave the others waiting in a collective)."""
+    rows, window = [], []
+    for block in position.blocks():
+        rows.append(block)
+        if len(rows) == args.per_device_train_batch_size:
+            window.append(dict(collate_fn(rows)))
+            rows = []
+            if len(window) == args.gradient_accumulation_steps:
+                yield window
+                window = []
+    yield []
+
+
+def row_length(dataset: Any) -> int:
+    """A training row's tokens: a stream's block size, else the first row's length."""
+    return dataset.block_size if isinstance(dataset, StreamedDataset) else len(dataset[0]["input_ids"])

@@ -64,8 +64,9 @@ class ResumableDistributedSampler(Sampler[int]):
         self.epoch = 0
         self.start = 0
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Select the epoch, skipping the ``start`` samples this rank already consumed in it."""
+    def set_epoch(self, epoch: int, start: int = 0, position: Any = None) -> None:
+        """Select the epoch, skipping the ``start`` samples this rank already consumed in it (a
+        map-style position is all in those two numbers; a stream's ``position`` is not)."""
         if not 0 <= start <= self.num_samples:
             raise ValueError(f"start must be in [0, {self.num_samples}] (samples per rank), got {start}")
         self.epoch = epoch

@@ -23,6 +23,7 @@ from trainer.args import DataArguments, ModelArguments
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
 from trainer.data.formats import iter_texts
 from trainer.data.sources import DataError, cache_root, load_raw, resolve_source, stable_hash
+from trainer.data.stream_sources import stream_sources, stream_texts, streams_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +67,12 @@ def _load_or_train(model_args: ModelArguments, data_args: DataArguments) -> PreT
             # Padding positions are masked out of the loss, so reusing EOS as pad is harmless.
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
-    source = resolve_source(data_args)
+    streams = stream_sources(data_args) if data_args.streaming else None
+    source = None if streams else resolve_source(data_args)
     key = stable_hash(
         {
             "v": _BPE_VERSION,
-            "data": source.fingerprint,
+            "data": streams_fingerprint(streams) if streams else source.fingerprint,
             "vocab": model_args.vocab_size,
             "format": data_args.data_format,
             "column": data_args.text_column,
@@ -83,8 +85,11 @@ def _load_or_train(model_args: ModelArguments, data_args: DataArguments) -> PreT
         if (target / "tokenizer.json").exists():
             logger.info("tokenizer cache hit: %s", target)
         else:
-            raw = load_raw(data_args, source)
-            texts = iter_texts(raw.train, data_args.data_format, data_args.text_column, data_args.dataset)
+            if streams:  # the stream's own texts, as far as the cap reads: nothing is loaded up front
+                texts = stream_texts(streams)
+            else:
+                raw = load_raw(data_args, source)
+                texts = iter_texts(raw.train, data_args.data_format, data_args.text_column, data_args.dataset)
             tokenizer = train_bpe_tokenizer(texts, model_args.vocab_size)
             _save_atomically(tokenizer, target)
             logger.info("trained a %d-token byte-level BPE tokenizer; cached at %s", len(tokenizer), target)

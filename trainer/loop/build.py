@@ -21,8 +21,11 @@ from transformers import set_seed
 from trainer.args import RunConfig
 from trainer.config import Hardware, custom_tensor_plan
 from trainer.data import build_datasets, get_tokenizer
+from trainer.data.loader import data_seed
 from trainer.data.preference import load_pairs
 from trainer.data.sources import DataError
+from trainer.data.stream import STREAM_LENGTH, StreamedDataset
+from trainer.data.stream_sources import build_stream
 from trainer.engine.sequence_parallel import check_layout
 from trainer.engine.tensor_parallel import check_tensor_layout
 from trainer.loop.callbacks import TrainerCallback
@@ -82,6 +85,8 @@ def build_run(
     if not given_data:
         if issubclass(trainer_class, PreferenceTrainer):
             train_dataset, eval_dataset = load_pairs(data_args, args.seed)
+        elif data_args.streaming:
+            train_dataset, eval_dataset = _streamed(run_config, tokenizer)
         else:
             train_dataset, eval_dataset = build_datasets(data_args, tokenizer, seed=args.seed)
         if eval_dataset is not None and data_args.max_eval_samples:
@@ -113,6 +118,23 @@ def build_run(
         run_config=run_config,
         plan=plan,
     )
+
+
+def _streamed(run_config: RunConfig, tokenizer: Any) -> tuple[StreamedDataset, Dataset | None]:
+    """A streamed training set (nothing read yet) and the ``validation_file``'s rows, tokenised."""
+    args, data_args = run_config.training, run_config.data
+    if args.max_steps <= 0:
+        raise DataError([("max_steps", "a stream has no length to count epochs by; set max_steps")])
+    shuffle = args.train_sampling_strategy != "sequential"
+    # Endless for the plan: max_steps ends the run (one epoch, which a stream never finishes).
+    stream = build_stream(data_args, tokenizer, data_seed(args), STREAM_LENGTH, shuffle)
+    if not data_args.validation_file:
+        return stream, None
+    held = data_args.model_copy(
+        update={"dataset": data_args.validation_file, "validation_file": None, "streaming": False,
+                "validation_split_percentage": 0.0, "max_train_samples": data_args.max_eval_samples}
+    )  # fmt: skip
+    return stream, build_datasets(held, tokenizer, seed=args.seed)[0]
 
 
 def _pairs(

@@ -2,7 +2,9 @@
 
 ``TRAINER_FAULT`` in the environment plans one fault, e.g. ``crash:rank=1:step=7``,
 ``crash:rank=1:step=8:phase=save`` (``phase=snapshot`` and ``phase=eval`` likewise) or
-``nan:step=5`` (and ``hang:rank=1:phase=save``, which the hang watchdog acts on). ``trainer train``
+``nan:step=5`` (and ``hang:rank=1:phase=save``, which the hang watchdog acts on; and
+``crash:rank=1:phase=worker:sample=20``, a streamed run's DataLoader worker killed as it reads the
+rank's sample 20, which ``trainer.data.stream`` carries out). ``trainer train``
 installs ``FaultInjection`` when it is set; tests that drive the Trainer themselves pass the
 callback. Nothing here is part of the training loop.
 """
@@ -18,24 +20,6 @@ from typing import Any
 from trainer.checkpoint.snapshots import snapshot_dir
 from trainer.runtime.distributed import dist_info
 from trainer.runtime.state import TrainerCallback
-
-
-def fault_plan() -> dict[str, Any]:
-    """The planned fault as a dict (empty when none). Crashes fire only in the first attempt of an
-    elastic agent, so a restarted job gets past them."""
-    spec = os.environ.get("TRAINER_FAULT", "")
-    if not spec:
-        return {}
-    kind, *fields = spec.split(":")
-    plan: dict[str, Any] = {"kind": kind}
-    for field in fields:
-        name, _, value = field.partition("=")
-        plan[name] = int(value) if value.lstrip("-").isdigit() else value
-    if kind == "hang":
-        plan["hang"] = plan.pop("phase")
-    if kind == "crash" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return {}
-    return plan
 
 
 def fault_due(plan: dict[str, Any], kind: str, rank: int, step: int, phase: str | None = None) -> bool:

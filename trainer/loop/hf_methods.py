@@ -141,7 +141,7 @@ class HFMethods:
         moves it to another epoch."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        sampler = train_sampler(len(self.train_dataset), *self._data_ranks, self.args, self._lengths)
+        sampler = train_sampler(self.train_dataset, *self._data_ranks, self.args, self._lengths)
         sampler.set_epoch(self.state.epoch_index, self.state.samples_into_epoch)
         pin = self.hardware.device == "cuda"
         return train_dataloader(self.train_dataset, sampler, self.data_collator, self.args, pin_memory=pin)

@@ -15,7 +15,9 @@ from trainer import checkpoint as ckpt
 from trainer.checkpoint.snapshots import Snapshots
 from trainer.data import ResumableDistributedSampler
 from trainer.data.loader import data_seed
+from trainer.data.stream import StreamPosition
 from trainer.loop.vote import Participant
+from trainer.runtime.distributed import all_gather_object
 from trainer.runtime.resilience import save_failed
 from trainer.runtime.state import TrainerState
 
@@ -30,6 +32,7 @@ class Checkpoints:
         self.saver: ckpt.Saver | None = None
         self.snapshots: Snapshots | None = None
         self.saved: tuple[int, bool] | None = None  # (step, weights alone) of the last save
+        self.data: Any = None  # the run's sampler; a stream's position goes into every checkpoint
 
     @property
     def participants(self) -> list[Participant]:
@@ -67,6 +70,7 @@ class Checkpoints:
         if self.saver is None:
             self.saver = ckpt.Saver(*self.saver_args)
         self.saved = (state.global_step, model_only)
+        self._stamp(state)
         state.stateful_callbacks = stateful()
         self._committed(lambda: self.saver.save(engine, state, model_only=model_only))
 
@@ -101,7 +105,15 @@ class Checkpoints:
             self.snapshots.settle()
 
     def take_snapshot(self, engine: Any, state: TrainerState) -> None:
+        self._stamp(state)
         self.snapshots.take(engine, state)
+
+    def _stamp(self, state: TrainerState) -> None:
+        """A stream's position at this step: every rank's lanes, gathered (every rank saves)."""
+        if isinstance(self.data, StreamPosition):
+            parts = all_gather_object(self.data.position(state.samples_into_epoch))
+            lanes = {lane: cursor for part in parts for lane, cursor in part["lanes"].items()}
+            state.data_position = {"lanes": lanes, "fingerprint": parts[0]["fingerprint"]}
 
     def release_snapshots(self) -> None:
         """Training ended: the last snapshot is committed and the directory removed."""

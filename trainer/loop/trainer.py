@@ -33,7 +33,7 @@ from trainer.args.recipe import dump_run_config
 from trainer.checkpoint.export import export_hf
 from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
-from trainer.data.loader import accumulation_windows, sample_lengths, train_sampler
+from trainer.data.loader import accumulation_windows, row_length, sample_lengths, train_sampler
 from trainer.engine import Engine, Objective, build_engine, is_causal_lm, objective_for
 from trainer.loop.auto_batch import AutoBatchSize
 from trainer.loop.callbacks import (
@@ -49,7 +49,6 @@ from trainer.loop.callbacks import (
     update_best_metric,
 )
 from trainer.loop.evaluation import Predictions, eval_batches, evaluation_loop
-from trainer.loop.faults import fault_plan
 from trainer.loop.guard import NonfiniteGuard
 from trainer.loop.hf_methods import HFMethods
 from trainer.loop.plan import RunPlan, layout_of, plan_run
@@ -74,7 +73,7 @@ from trainer.runtime.distributed import (
 )
 from trainer.runtime.layout import ParallelLayout
 from trainer.runtime.ownership import claim_output_dir
-from trainer.runtime.resilience import EXIT_PREEMPTED, PreemptionFlag, Watchdog
+from trainer.runtime.resilience import EXIT_PREEMPTED, PreemptionFlag, Watchdog, fault_plan
 from trainer.runtime.run_files import DS_CONFIG, RUN_CONFIG
 
 
@@ -194,6 +193,7 @@ class Trainer(HFMethods, ResultsAPI):
             saver_args = (args, self.dist, self.ds_config, self.run_config, *hf_files)
             self.checkpoints = Checkpoints(args, saver_args, weakly(self._saved))
         self.checkpoints.start_snapshots()
+        self.checkpoints.data = sampler  # a stream's position goes into every checkpoint
         self.timer = StepTimer(
             self._flops_per_token(),
             self.hardware.name,
@@ -210,7 +210,7 @@ class Trainer(HFMethods, ResultsAPI):
         self._reset_window_sums()
         # self.state is re-read every time: a rollback replaces it.
         while self.state.epoch_index < self.state.num_train_epochs and not self.control.should_training_stop:
-            sampler.set_epoch(self.state.epoch_index, self.state.samples_into_epoch)
+            sampler.set_epoch(self.state.epoch_index, self.state.samples_into_epoch, self.state.data_position)
             if self.state.samples_into_epoch == 0:
                 # HF's epoch starts a DataLoader iterator, which draws its workers' base seed from the
                 # global generator; the same draw keeps dropout and masking on HF's numbers. A resume
@@ -255,6 +255,8 @@ class Trainer(HFMethods, ResultsAPI):
             pin_memory=self.hardware.device == "cuda",
         ):
             window_tokens, counts = self._vote(window)
+            if not window_tokens:  # a rank's stream ended: the data ends on every rank
+                return True
             self._fire("on_step_begin")
             window_loss = self.engine.train_window(window, window_tokens)
             self._accumulate(window_loss, window_tokens, counts)
@@ -281,12 +283,12 @@ class Trainer(HFMethods, ResultsAPI):
         preemption (every rank saves and exits, before this window trains), and the window's target
         tokens, samples and input tokens (HF's ``num_input_tokens_seen``, and the run's FLOPs).
         Returns the window's target tokens on all ranks, and its (samples, input tokens) on this one."""
-        counts = WindowCounts(window, self.engine, self.args.include_num_input_tokens_seen == "all")
+        counts = WindowCounts(window, self.engine, self.args, self.layout)
         poll([*self.checkpoints.participants, self._preemption, counts])
-        shared = self.layout.sharing  # a group's ranks count the same rows
+        shared, self._fingerprint = self.layout.sharing, counts.fingerprint  # a group's ranks: the same rows
         self.state.num_input_tokens_seen += int(counts.input_tokens) // shared
         self._run.samples += counts.samples / shared
-        return max(counts.tokens / self.layout.tensor, 1.0), counts.local  # (SP ranks count slices)
+        return (0.0 if counts.ended else max(counts.tokens / self.layout.tensor, 1.0)), counts.local
 
     def _accumulate(self, loss: torch.Tensor, tokens: float, counts: tuple[int, int]) -> None:
         """Add a step to the logging window's sums (on the device until a logging step reads them)
@@ -310,7 +312,7 @@ class Trainer(HFMethods, ResultsAPI):
 
     def _reset_window_sums(self) -> None:
         self._loss_sum = torch.zeros((), device=self.engine.device)
-        self._token_sum = 0.0
+        self._token_sum, self._fingerprint = 0.0, None
         self.guard.reset()
 
     def _finite(self, allow_rollback: bool = True) -> bool:
@@ -426,7 +428,7 @@ class Trainer(HFMethods, ResultsAPI):
         self.args, state = self.plan.args, self.state
         state.steps_per_epoch, state.max_steps, state.num_train_epochs = self.plan.steps
         self._ensure_engine(state.max_steps)
-        return train_sampler(len(self.train_dataset), *self._data_ranks, self.args, self._lengths)
+        return train_sampler(self.train_dataset, *self._data_ranks, self.args, self._lengths)
 
     def _plan_run(self, spec: Any, num_samples: int | None, total_steps: int, held: bool = False) -> RunPlan:
         return plan_run(
@@ -548,7 +550,7 @@ class Trainer(HFMethods, ResultsAPI):
         logs.update(self.timer.flush(sync_fn=self._sync, all_reduce_sum=host_all_reduce))
         logs.update(memory_stats(self.engine.device))
         logs.update(self._params, activation_checkpointing=self.engine.activation_checkpointing)
-        self._log(logs)
+        self._log({**logs, "data_fingerprint": self._fingerprint} if self._fingerprint else logs)
 
     def _maybe_evaluate_and_save(self) -> bool:
         """Evaluate and/or save as the control flags ask; True if anything ran."""
@@ -592,8 +594,7 @@ class Trainer(HFMethods, ResultsAPI):
             )
 
     def _flops_per_token(self) -> float | None:
-        """A causal LM's model FLOPs per token (MFU); None for other models, whose rows are not
-        token blocks."""
+        """A causal LM's model FLOPs per token (MFU); None for other models, whose rows are not token blocks."""
         if not is_causal_lm(self.model) or self.train_dataset is None:
             return None
-        return flops_per_token_for_model(self.model, len(self.train_dataset[0]["input_ids"]))
+        return flops_per_token_for_model(self.model, row_length(self.train_dataset))

@@ -18,13 +18,18 @@ a vote of its own, at the steps that log, save or snapshot: it judges the step j
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import torch
+
 from trainer.engine import Engine, batch_rows
 from trainer.observe.throughput import input_ids_count, non_padding_tokens
 from trainer.runtime.distributed import host_all_reduce
+from trainer.runtime.layout import ParallelLayout
 from trainer.runtime.resilience import PreemptionFlag
 
 
@@ -60,20 +65,49 @@ def poll(participants: Sequence[Participant]) -> None:
 class WindowCounts:
     """An accumulation window's part: its normaliser (target tokens for a causal LM) and its samples
     and input tokens, counted on the host from the CPU batches: the non-padding ones, or every input
-    id with ``include_num_input_tokens_seen="all"``, as HF counts."""
+    id with ``include_num_input_tokens_seen="all"``, as HF counts. An empty window (a rank's stream
+    ended) ends the data on every rank (``ended``). With ``log_data_fingerprint``, the global
+    batch's ``fingerprint``: each row hashed with its place in the global batch, the hashes added up
+    over the ranks in 16-bit parts (exact in the vote's float64 sums), so it does not depend on how
+    many ranks read the batch."""
 
-    def __init__(self, window: list[dict[str, Any]], engine: Engine, every_input_id: bool):
+    def __init__(self, window: list[dict[str, Any]], engine: Engine, args: Any, layout: ParallelLayout):
         # This rank's (samples, non-padding tokens): the step timer's numbers.
         self.local = (sum(batch_rows(b) for b in window), sum(int(non_padding_tokens(b)) for b in window))
+        every_input_id = args.include_num_input_tokens_seen == "all"
         seen = sum(input_ids_count(b) for b in window) if every_input_id else self.local[1]
-        self._ballot = [engine.local_targets(window), float(self.local[0]), float(seen)]
+        self._ballot = [engine.local_targets(window), float(self.local[0]), float(seen), float(not window)]
+        self.sharing = layout.sharing if getattr(args, "log_data_fingerprint", False) else 0
+        if self.sharing:
+            self._ballot += row_hashes(window, *reversed(layout.data_ranks))
         self.tokens = self.samples = self.input_tokens = 0.0
+        self.ended, self.fingerprint = False, None
 
     def ballot(self) -> list[float]:
         return self._ballot
 
     def tally(self, totals: list[float]) -> None:
-        self.tokens, self.samples, self.input_tokens = totals
+        self.tokens, self.samples, self.input_tokens = totals[:3]
+        self.ended = totals[3] > 0
+        if self.sharing:  # the ranks of a group that reads the same rows each added them
+            self.fingerprint = "".join(f"{int(v) // self.sharing % 65536:04x}" for v in totals[4:])
+
+
+def row_hashes(window: list[dict[str, Any]], rank: int, readers: int) -> list[float]:
+    """The sums of four 16-bit parts of each row's hash (its real tokens and its place in the global
+    batch: rank ``rank`` of ``readers`` holds places ``rank, rank + readers, ...``)."""
+    parts = [0.0] * 4
+    q = 0
+    for batch in window:
+        mask = batch.get("attention_mask")
+        for i, row in enumerate(batch["input_ids"]):
+            ids = row[mask[i].bool()] if mask is not None else row
+            place = (q * readers + rank).to_bytes(8, "little")
+            digest = hashlib.blake2b(place + ids.to(torch.int64).numpy().tobytes(), digest_size=8).digest()
+            for k, part in enumerate(struct.unpack("<4H", digest)):
+                parts[k] += part
+            q += 1
+    return parts
 
 
 class Preemption:

@@ -33,6 +33,27 @@ EXIT_HANG = 76  # a labelled phase timed out; stack dumps are in output_dir/hang
 EXIT_NONFINITE = 77  # non-finite loss or gradient norm with nonfinite_policy=stop
 
 
+# ---- planned faults (tests) ----------------------------------------------------------------------
+
+
+def fault_plan() -> dict[str, Any]:
+    """The planned fault as a dict (empty when none). Crashes fire only in the first attempt of an
+    elastic agent, so a restarted job gets past them."""
+    spec = os.environ.get("TRAINER_FAULT", "")
+    if not spec:
+        return {}
+    kind, *fields = spec.split(":")
+    plan: dict[str, Any] = {"kind": kind}
+    for field in fields:
+        name, _, value = field.partition("=")
+        plan[name] = int(value) if value.lstrip("-").isdigit() else value
+    if kind == "hang":
+        plan["hang"] = plan.pop("phase")
+    if kind == "crash" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return {}
+    return plan
+
+
 # ---- preemption ---------------------------------------------------------------------------------
 
 

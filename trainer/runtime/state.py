@@ -28,6 +28,8 @@ class TrainerState:
     # Samples of the current epoch already consumed by this rank: the sampler resumes from here.
     epoch_index: int = 0
     samples_into_epoch: int = 0
+    # A stream's position at the checkpoint: every lane's cursor (trainer.data.stream), None otherwise.
+    data_position: dict[str, Any] | None = None
     num_input_tokens_seen: int = 0
     log_history: list[dict[str, Any]] = field(default_factory=list)
     # Non-finite guard: learning-rate scale after rollbacks, and how often it fired.

@@ -1,0 +1,424 @@
+"""Streamed corpora: local files read, tokenised and packed on the fly, mixed from several sources by
+weight, and resumed exactly on any number of ranks.
+
+**Order.** Every source's rows are dealt to ``lanes`` canonical lanes: with at least as many files as
+lanes, lane ``c`` reads files ``c, c + lanes, ...``; with fewer, every file, keeping its rows whose
+running number in the source is ``c`` modulo the lanes. A lane draws the source of its ``m``-th block
+from a hash of (seed, lane, m) by the sources' weights, packs that source's next ``block_size`` tokens
+(documents joined by EOS, ``position_ids`` restarting at each document and block, as the map-style
+packing does), and shuffles its blocks ``shuffle_window`` at a time by a permutation drawn from (seed,
+lane, window). The global sequence of blocks takes the lanes in turn: block ``k`` is the ``k // lanes``-th
+block of lane ``k % lanes``. Nothing of this depends on the world size.
+
+**Ranks.** As with the map-style sampler, rank ``r`` of ``R`` readers takes global positions ``r, r + R,
+...``; with ``lanes`` a multiple of ``R`` these all come from lanes ``r, r + R, ...``, taken in turn, so
+a rank reads only its own lanes. DataLoader workers split a rank's lanes the same way (the DataLoader
+takes its workers in turn too), so each lane is read by one process.
+
+**Position.** Each block carries its lane's cursor after it: per source the file, row, byte offset and
+the tokens of the current row already packed; the lane's draw count; the window it is in (as the
+cursor at the window's start and the blocks taken of it). A checkpoint records every lane's cursor at
+the step it was saved at (``StreamPosition.at``), so a resume on any number of ranks opens each file at
+its offset and re-reads at most one window per lane: its cost does not grow with the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from trainer.data.sources import DataError
+from trainer.runtime.distributed import dist_info
+from trainer.runtime.resilience import fault_plan
+
+logger = logging.getLogger(__name__)
+
+LINE_SUFFIXES = (".jsonl", ".json")
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".py")  # one document per file, as the map-style reader
+TABLE_SUFFIXES = (".parquet", ".arrow")
+SUFFIXES = LINE_SUFFIXES + TEXT_SUFFIXES + TABLE_SUFFIXES
+# A stream's length for the run's plan: endless, so that max_steps ends the run inside one epoch.
+STREAM_LENGTH = 1 << 60
+
+
+def _unit(*parts: Any) -> float:
+    """A uniform number in [0, 1) from ``parts``: the same on every machine and process."""
+    digest = hashlib.blake2b(json.dumps(parts).encode(), digest_size=8).digest()
+    return struct.unpack("<Q", digest)[0] / 2.0**64
+
+
+def _order(n: int, *parts: Any) -> list[int]:
+    seed = int(_unit(*parts) * 2**32)
+    return np.random.default_rng(seed).permutation(n).tolist()
+
+
+@dataclass(frozen=True)
+class StreamSource:
+    """One source of a stream: its files (sorted), its weight in the mixture, the column holding its
+    text, and what happens when a lane runs out of it: ``stop`` (the stream ends), ``repeat`` (it
+    starts over in a new order) or ``drop`` (the other sources share its weight)."""
+
+    name: str
+    files: tuple[Path, ...]
+    weight: float = 1.0
+    text_column: str = "text"
+    on_end: str = "stop"
+
+    def fingerprint(self) -> list[Any]:
+        return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in self.files]
+
+
+def read_rows(path: Path, column: str, row: int, offset: int) -> Iterator[tuple[int, int, int, str | None]]:
+    """(row index, its byte offset, the next row's, its text) from row ``row`` on, which starts at
+    byte ``offset`` in a line file. A text file is one row; JSON lines and tables a row a record."""
+    suffix = path.suffix.lower()
+    if suffix in TEXT_SUFFIXES:
+        if row == 0:
+            yield 0, 0, 0, path.read_text(encoding="utf-8")
+        return
+    if suffix in LINE_SUFFIXES:
+        with path.open("rb") as f:
+            f.seek(offset)
+            for index, line in enumerate(iter(f.readline, b""), start=row):
+                start, offset = offset, offset + len(line)
+                record = json.loads(line) if line.strip() else None
+                value = record.get(column) if isinstance(record, dict) else None
+                yield index, start, offset, value if isinstance(value, str) else None
+        return
+    import pyarrow.parquet as pq
+    from pyarrow import ipc
+
+    if suffix == ".parquet":
+        batches: Any = pq.ParquetFile(path).iter_batches(columns=[column], batch_size=1024)
+    else:  # datasets' .arrow files are Arrow streams
+        batches = ipc.open_stream(path.open("rb"))
+    index = 0
+    for batch in batches:
+        if index + batch.num_rows > row:
+            for value in batch.column(column).to_pylist()[max(row - index, 0) :]:
+                at = max(index, row)
+                yield at, 0, 0, value if isinstance(value, str) else None
+                index = at + 1
+        else:
+            index += batch.num_rows
+
+
+def _fresh() -> dict[str, int]:
+    return {"epoch": 0, "file": 0, "row": 0, "byte": 0, "seen": 0, "used": 0}
+
+
+class _SourceInLane:
+    """One source's rows in one lane, tokenised on demand. ``cursor`` says where the lane is in it:
+    the epoch (each a new file order), the file, the current row (index, byte offset and its running
+    number ``seen`` in the source) and the tokens of that row already packed (``used``)."""
+
+    def __init__(self, source: StreamSource, lane: int, stream: StreamedDataset):
+        self.source, self.lane, self.stream = source, lane, stream
+        by_file = len(source.files) >= stream.lanes
+        self.files = list(source.files[lane :: stream.lanes]) if by_file else list(source.files)
+        self.every = 1 if by_file else stream.lanes  # rows kept: running number = lane modulo this
+        self.cursor = _fresh()
+        self.rows: Iterator[tuple[int, int, int, str | None]] | None = None
+        self.ids: list[int] = []  # the current row's tokens not packed yet
+        self.next = (0, 0)  # the row after the current one: index, byte offset
+
+    def restart(self, cursor: dict[str, int]) -> None:
+        self.cursor, self.rows, self.ids = dict(cursor), None, []
+
+    def _path(self) -> Path | None:
+        c = self.cursor
+        if c["file"] >= len(self.files):
+            return None
+        order = self.files
+        if self.stream.shuffle:
+            keys = (self.stream.seed, self.source.name, self.lane, c["epoch"])
+            order = [self.files[i] for i in _order(len(self.files), *keys)]
+        return order[c["file"]]
+
+    def _load(self) -> bool:
+        """The current row's tokens from ``used`` on, in ``ids``; False at the end of the epoch."""
+        c = self.cursor
+        while (path := self._path()) is not None:
+            if self.rows is None:
+                self.rows = read_rows(path, self.source.text_column, c["row"], c["byte"])
+            try:
+                for index, start, after, text in self.rows:
+                    c["row"], c["byte"] = index, start
+                    if text and c["seen"] % self.every == self.lane % self.every:
+                        ids = self.stream.encode(text)
+                        if c["used"] < len(ids):
+                            self.ids, self.next = ids[c["used"] :], (index + 1, after)
+                            return True
+                    c.update(row=index + 1, byte=after, seen=c["seen"] + 1, used=0)
+            except (OSError, ValueError) as err:  # json and unicode errors are ValueErrors
+                message = f"{path} cannot be read on rank {dist_info().rank} ({type(err).__name__}: {str(err)[:200]})"
+                if self.stream.unreadable == "stop":
+                    raise DataError([(f"dataset_mixture.{self.source.name}", message)]) from None
+                logger.warning("skipped (unreadable_shards skip): %s", message)
+            self.rows = None
+            c.update(file=c["file"] + 1, row=0, byte=0, used=0)
+        return False
+
+    def take(self, n: int) -> tuple[list[int], list[int]]:
+        """Up to ``n`` next tokens and each one's position in its document ([] at the epoch's end)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        while len(ids) < n and (self.ids or self._load()):
+            k = min(n - len(ids), len(self.ids))
+            used = self.cursor["used"]
+            ids += self.ids[:k]
+            positions += range(used, used + k)
+            self.ids = self.ids[k:]
+            self.cursor["used"] = used + k
+            if not self.ids:  # past the row: the cursor names the next one
+                row, byte = self.next
+                self.cursor.update(row=row, byte=byte, seen=self.cursor["seen"] + 1, used=0)
+        return ids, positions
+
+    def next_epoch(self) -> None:
+        self.restart({**_fresh(), "epoch": self.cursor["epoch"] + 1})
+
+
+class _Lane:
+    """One canonical lane: its sources' rows mixed block by block, in shuffled windows."""
+
+    def __init__(self, lane: int, stream: StreamedDataset):
+        self.lane, self.stream = lane, stream
+        self.parts = {s.name: _SourceInLane(s, lane, stream) for s in stream.sources}
+        self.drawn = 0
+        self.active = [s.name for s in stream.sources]
+
+    def state(self) -> dict[str, Any]:
+        cursors = {name: dict(part.cursor) for name, part in self.parts.items()}
+        return {"drawn": self.drawn, "active": list(self.active), "sources": cursors}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.drawn, self.active = state["drawn"], list(state["active"])
+        for name, part in self.parts.items():
+            part.restart(state["sources"][name])
+
+    def _draw(self) -> str:
+        weights = [self.stream.weights[name] for name in self.active]
+        point = _unit(self.stream.seed, "mix", self.lane, self.drawn) * sum(weights)
+        for name, weight in zip(self.active, weights, strict=True):
+            point -= weight
+            if point < 0:
+                return name
+        return self.active[-1]
+
+    def block(self) -> dict[str, Any] | None:
+        """The lane's next block, or None once a source under ``stop`` (or every source) ran out."""
+        size = self.stream.block_size
+        while self.active:
+            name = self._draw()
+            part = self.parts[name]
+            ids, positions = part.take(size)
+            if not ids:
+                policy = self.stream.on_end[name]
+                if policy == "stop":
+                    return None
+                if policy == "repeat":
+                    part.next_epoch()
+                    ids, positions = part.take(size)
+                if not ids:  # dropped, or repeated and still empty
+                    self.active.remove(name)
+                    continue
+            self.drawn += 1
+            index = np.arange(len(ids))
+            position_ids = np.minimum(np.asarray(positions), index % size).tolist()
+            return {"input_ids": ids, "position_ids": position_ids, "source": name}
+        return None
+
+    def blocks(self, cursor: dict[str, Any] | None) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        """(block, the lane's cursor after it) from ``cursor`` on (None: the start)."""
+        cursor = cursor or {"start": self.state(), "window": 0, "taken": 0}
+        self.restore(cursor["start"])
+        window_no, taken, size = cursor["window"], cursor["taken"], self.stream.window
+        while True:
+            start, window = self.state(), []
+            while len(window) < size and (block := self.block()) is not None:
+                window.append(block)
+            end = self.state()
+            order = list(range(len(window)))
+            if self.stream.shuffle and len(window) > 1:
+                order = _order(len(window), self.stream.seed, "window", self.lane, window_no)
+            for i in range(taken, len(window)):
+                done = i + 1 == len(window)
+                after = {
+                    "start": end if done else start,
+                    "window": window_no + done,
+                    "taken": 0 if done else i + 1,
+                }
+                yield window[order[i]], after
+            if len(window) < size:
+                return
+            window_no, taken = window_no + 1, 0
+
+
+@dataclass
+class StreamedDataset(IterableDataset):
+    """A stream of packed blocks from ``sources`` (see the module's docstring). ``length``: the
+    global samples the run plans to read (its steps times its global batch), which the loop counts
+    epochs by; a stream has no length of its own."""
+
+    sources: list[StreamSource]
+    tokenizer: Any
+    block_size: int
+    length: int
+    lanes: int = 64
+    window: int = 256
+    shuffle: bool = True
+    seed: int = 0
+    unreadable: str = "stop"
+    data_changed: str = "refuse"
+    weights: dict[str, float] = field(init=False)
+    on_end: dict[str, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.weights = {s.name: s.weight for s in self.sources}
+        self.on_end = {s.name: s.on_end for s in self.sources}
+        settings = {"lanes": self.lanes, "window": self.window, "shuffle": self.shuffle,
+                    "seed": self.seed, "block_size": self.block_size}  # fmt: skip
+        # What a resume must find unchanged: the order's settings and every source's files (as they
+        # were when this run started).
+        self._fingerprint = {"settings": settings, "sources": {s.name: s.fingerprint() for s in self.sources}}
+
+    def __len__(self) -> int:
+        return self.length
+
+    def encode(self, text: str) -> list[int]:
+        """A document's tokens and EOS, as the map-style tokenisation makes them."""
+        eos = self.tokenizer.eos_token_id
+        ids = self.tokenizer(text, add_special_tokens=True, split_special_tokens=True, verbose=False)[
+            "input_ids"
+        ]
+        return ids if ids and ids[-1] == eos else [*ids, eos]
+
+    def fingerprint(self) -> dict[str, Any]:
+        return self._fingerprint
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Every block in the global order, one process (what rank 0 of 1 reads)."""
+        for _, _, block, _ in _RankView(self, list(range(self.lanes)), 0, {}):
+            yield block
+
+
+class _RankView(IterableDataset):
+    """What a DataLoader over one rank's lanes iterates: (the rank's sample number, lane, block,
+    lane cursor after it), each worker the samples ``start + worker + t * workers``."""
+
+    def __init__(self, stream: StreamedDataset, lanes: list[int], start: int, cursors: dict[int, Any]):
+        self.stream, self.lanes, self.start, self.cursors = stream, lanes, start, cursors
+
+    def __iter__(self) -> Iterator[tuple[int, int, dict[str, Any], dict[str, Any]]]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        n = len(self.lanes)
+        first = self.start + worker
+        mine = sorted({(first + t * workers) % n for t in range(n // workers)})
+        streams = {i: _Lane(self.lanes[i], self.stream).blocks(self.cursors.get(self.lanes[i])) for i in mine}
+        crash = _worker_crash() if info else None
+        j = first
+        while True:
+            item = next(streams[j % n], None)
+            if item is None:
+                return
+            if j == crash:  # a planned fault (tests): this worker dies as it reads the sample
+                os.kill(os.getpid(), signal.SIGKILL)
+            block, after = item
+            yield j, self.lanes[j % n], block, after
+            j += workers
+
+
+def _worker_crash() -> int | None:
+    """The rank's sample at which a planned ``crash:rank=R:phase=worker:sample=N`` kills its worker."""
+    plan = fault_plan()
+    due = (
+        plan.get("kind") == "crash" and plan.get("phase") == "worker" and plan.get("rank") == dist_info().rank
+    )
+    return plan.get("sample") if due else None
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+class StreamPosition:
+    """A rank's place in a stream: what the sampler is to a map-style dataset. ``readers`` ranks read
+    rows of their own (the layout's data ranks), this one is ``rank``; ``workers``: the DataLoader's."""
+
+    def __init__(self, stream: StreamedDataset, readers: int, rank: int, workers: int = 0):
+        lanes = stream.lanes
+        if lanes % readers:
+            raise DataError(
+                [("stream_lanes", f"{lanes} lanes do not split over {readers} data-parallel ranks; "
+                  f"use a multiple of {readers} (the order depends on it: keep it for the whole run)")]
+            )  # fmt: skip
+        if (lanes // readers) % max(workers, 1):
+            raise DataError(
+                [("stream_lanes, dataloader_num_workers", f"{lanes // readers} lanes a rank do not split "
+                  f"over {workers} workers; use a worker count that divides {lanes // readers}")]
+            )  # fmt: skip
+        self.stream, self.workers = stream, workers
+        self.lanes = list(range(rank, lanes, readers))
+        self.start, self.cursors = 0, {}
+        self.history: list[tuple[int, int, dict[str, Any]]] = []  # (sample number, lane, cursor after)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int, start: int = 0, position: dict[str, Any] | None = None) -> None:
+        """Resume at this rank's sample ``start`` from a checkpoint's ``position`` (None: the start)."""
+        if position is not None:
+            self._check(position)
+        self.epoch, self.start = epoch, start
+        self.cursors = {int(k): v for k, v in (position or {}).get("lanes", {}).items()} if start else {}
+        self.history = []
+
+    def _check(self, position: dict[str, Any]) -> None:
+        saved, now = position.get("fingerprint", {}), self.stream.fingerprint()
+        if saved.get("settings") != now["settings"]:
+            raise DataError(
+                [("resume_from_checkpoint", f"the checkpoint's stream was read with {saved.get('settings')}, "
+                  f"this run with {now['settings']}; the order would not continue")]
+            )  # fmt: skip
+        if self.stream.data_changed == "ok":
+            return
+        for name, files in now["sources"].items():
+            if saved.get("sources", {}).get(name) != files:
+                raise DataError(
+                    [(f"dataset_mixture.{name}", "its files changed since the checkpoint (names, sizes or "
+                      "modification times); pass --data_changed ok to resume anyway")]
+                )  # fmt: skip
+
+    def blocks(self) -> Iterator[dict[str, Any]]:
+        """This rank's blocks from ``start`` on, each remembered with its lane's cursor after it."""
+        view = _RankView(self.stream, self.lanes, self.start, self.cursors)
+        loader = DataLoader(view, batch_size=None, num_workers=self.workers, collate_fn=_as_is)
+        expected = self.start
+        for j, lane, block, after in loader:
+            if j != expected:  # a worker's lane ended: the rank's order ends here
+                return
+            self.history.append((j, lane, after))
+            expected += 1
+            yield {"input_ids": block["input_ids"], "position_ids": block["position_ids"]}
+
+    def position(self, consumed: int) -> dict[str, Any]:
+        """This rank's lanes' cursors after its first ``consumed`` samples (what a checkpoint saved at
+        that point records, gathered over the ranks), and the stream's fingerprint."""
+        cursors = dict(self.cursors)
+        for j, lane, after in self.history:
+            if j < consumed:
+                cursors[lane] = after
+        self.cursors = cursors
+        self.history = [entry for entry in self.history if entry[0] >= consumed]
+        return {"lanes": {str(k): v for k, v in cursors.items()}, "fingerprint": self.stream.fingerprint()}
