@@ -44,7 +44,8 @@ def stream_sources(data_args: DataArguments) -> list[StreamSource]:
     sources, names = [], set()
     for i, item in enumerate(data_args.dataset_mixture):
         key = f"dataset_mixture.{i}.dataset"
-        name = item.name or Path(item.dataset.rstrip("/")).name.split("*")[0] or f"source{i}"
+        plain = [part for part in Path(item.dataset).parts if not any(ch in part for ch in "*?[")]
+        name = item.name or (Path(*plain).stem if plain else f"source{i}")
         if name in names:
             raise DataError([(f"dataset_mixture.{i}.name", f"{name!r} names two sources; give each a name")])
         names.add(name)
