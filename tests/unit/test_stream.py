@@ -15,7 +15,7 @@ import pytest
 from trainer.args import DataArguments
 from trainer.data.processing import pack_documents, tokenise_text_batch
 from trainer.data.sources import DataError, corpus_files
-from trainer.data.stream import StreamedDataset, StreamPosition, StreamSource
+from trainer.data.stream import ShardError, StreamedDataset, StreamPosition, StreamSource
 from trainer.data.stream_sources import stream_sources
 from trainer.data.tokenizer import train_bpe_tokenizer
 
@@ -170,7 +170,7 @@ def test_a_changed_source_is_refused_unless_told(tokenizer, corpus, tmp_path):
 def test_an_unreadable_shard_is_named_or_skipped(tokenizer, tmp_path):
     folder = _shards(tmp_path, "e", STDLIB[:4], 2)
     (folder / "part-01.jsonl").write_text('{"text": "fine"}\n{not json\n')
-    with pytest.raises(DataError, match=r"part-01\.jsonl cannot be read on rank 0 \(JSONDecodeError"):
+    with pytest.raises(ShardError, match=r"part-01\.jsonl cannot be read on rank 0 \(JSONDecodeError"):
         list(_stream(tokenizer, [_source(folder, on_end="stop")], lanes=1))
     skipped = list(_stream(tokenizer, [_source(folder, on_end="stop")], lanes=1, unreadable="skip"))
     assert skipped

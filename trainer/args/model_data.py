@@ -181,6 +181,10 @@ class DataArguments(ArgsModel):
     def _mixtures_stream(self) -> DataArguments:
         if self.dataset_mixture and not self.streaming:
             raise ValueError("dataset_mixture: mixtures are streamed; add streaming true")
+        if self.streaming and self.max_train_samples:
+            raise ValueError(
+                "max_train_samples, streaming: a stream is not cut to a size; max_steps bounds the run"
+            )
         if self.streaming and self.data_format != "text":
             raise ValueError(
                 f"streaming, data_format: streams read text documents; data_format {self.data_format} is "

@@ -22,6 +22,8 @@ from trainer.args import RunConfig
 from trainer.args.recipe import HELP_FLAGS, parse_run_config, run_help
 from trainer.config import Hardware, check, custom_tensor_plan, parallel_sizes
 from trainer.config.errors import ConfigError
+from trainer.data.stream import ShardError
+from trainer.data.stream_sources import stream_sources
 from trainer.engine.sequence_parallel import check_layout
 from trainer.engine.tensor_parallel import check_tensor_layout
 from trainer.loop.build import build_run
@@ -114,6 +116,8 @@ def _check_inputs(run_config: RunConfig, hardware: Hardware) -> None:
         and not Path(dataset).expanduser().exists()
     ):
         raise ConfigError([("dataset", f"{dataset}: no such file or directory")])
+    if run_config.data.streaming:
+        stream_sources(run_config.data)  # every source's files listed, or the one it lacks named
 
 
 def _nothing_to_resume(run_config: RunConfig) -> bool:
@@ -182,8 +186,8 @@ def main(argv: list[str] | None = None, prog: str = "trainer train") -> int:
     try:
         return run(parse_run_config(argv))
     except (ConfigError, ckpt.CheckpointError) as err:
-        # Every rank sees the same bad input; one message is enough.
-        if dist_info().is_main:
+        # Every rank sees the same bad input; one message is enough (a shard is met by one rank).
+        if dist_info().is_main or isinstance(err, ShardError):
             print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     finally:

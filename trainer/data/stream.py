@@ -52,6 +52,10 @@ SUFFIXES = LINE_SUFFIXES + TEXT_SUFFIXES + TABLE_SUFFIXES
 STREAM_LENGTH = 1 << 60
 
 
+class ShardError(DataError):
+    """A streamed file that cannot be read, met by one rank while it trains: that rank reports it."""
+
+
 def _unit(*parts: Any) -> float:
     """A uniform number in [0, 1) from ``parts``: the same on every machine and process."""
     digest = hashlib.blake2b(json.dumps(parts).encode(), digest_size=8).digest()
@@ -74,6 +78,10 @@ class StreamSource:
     weight: float = 1.0
     text_column: str = "text"
     on_end: str = "stop"
+    key: str = ""  # the argument that names it, for errors (default: dataset_mixture.<name>)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", self.key or f"dataset_mixture.{self.name}")
 
     def fingerprint(self) -> list[Any]:
         return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in self.files]
@@ -164,7 +172,7 @@ class _SourceInLane:
             except (OSError, ValueError) as err:  # json and unicode errors are ValueErrors
                 message = f"{path} cannot be read on rank {dist_info().rank} ({type(err).__name__}: {str(err)[:200]})"
                 if self.stream.unreadable == "stop":
-                    raise DataError([(f"dataset_mixture.{self.source.name}", message)]) from None
+                    raise ShardError([(self.source.key, message)]) from None
                 logger.warning("skipped (unreadable_shards skip): %s", message)
             self.rows = None
             c.update(file=c["file"] + 1, row=0, byte=0, used=0)
@@ -393,10 +401,10 @@ class StreamPosition:
             )  # fmt: skip
         if self.stream.data_changed == "ok":
             return
-        for name, files in now["sources"].items():
-            if saved.get("sources", {}).get(name) != files:
+        for source in self.stream.sources:
+            if saved.get("sources", {}).get(source.name) != now["sources"][source.name]:
                 raise DataError(
-                    [(f"dataset_mixture.{name}", "its files changed since the checkpoint (names, sizes or "
+                    [(source.key, "its files changed since the checkpoint (names, sizes or "
                       "modification times); pass --data_changed ok to resume anyway")]
                 )  # fmt: skip
 

@@ -36,11 +36,8 @@ def stream_sources(data_args: DataArguments) -> list[StreamSource]:
     """The sources of a streamed run, their files listed and checked (one DataError naming the key)."""
     if not data_args.dataset_mixture:
         files = _files(data_args.dataset, "dataset")
-        return [
-            StreamSource(
-                Path(data_args.dataset).name or "dataset", files, 1.0, data_args.text_column, "repeat"
-            )
-        ]
+        name = Path(data_args.dataset).stem or "dataset"
+        return [StreamSource(name, files, 1.0, data_args.text_column, "repeat", key="dataset")]
     sources, names = [], set()
     for i, item in enumerate(data_args.dataset_mixture):
         key = f"dataset_mixture.{i}.dataset"

@@ -1,0 +1,148 @@
+"""Streamed mixtures through the user's command, with ``--log_data_fingerprint``: every step's row
+carries a hash of its global batch, so runs are compared token for token.
+
+One process (two accumulated micro-batches, two DataLoader workers) and two ranks under the
+deepspeed launcher read a mixture of JSON-lines shards and Markdown files. The two-rank run killed
+after step 4, and killed inside a DataLoader worker, is started again by the same command; its
+checkpoint-3 resumes on one process. A map-style run and an unshuffled one-lane stream of the same
+files read the same blocks. The runs are shared by the tests below.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.launch import ROOT, launch, run_env
+from tests.helpers.scaffold import assert_same_weights, tiny_flags, train_rows
+from trainer.data.sources import corpus_files
+
+pytestmark = pytest.mark.distributed
+
+STEPS = dict(max_steps=6, save_steps=3, eval_steps=100, max_train_samples=None, vocab_size=4096)
+COMMON = ["scripts/train.py", *tiny_flags(**STEPS), "--per_device_train_batch_size", "4",
+          "--log_data_fingerprint", "true"]  # fmt: skip
+
+
+def _corpus(root: Path) -> dict[str, Path]:
+    code = root / "code"
+    code.mkdir()
+    files = [p for p in corpus_files() if p.stat().st_size < 20000][:48]
+    for k in range(4):
+        with (code / f"part-{k}.jsonl").open("w") as f:
+            for path in files[k::4]:
+                f.write(json.dumps({"content": path.read_text()}) + "\n")
+    shutil.copytree(ROOT / "docs", root / "prose", ignore=shutil.ignore_patterns("img"))
+    return {"code": code, "prose": root / "prose"}
+
+
+def _mixture(corpus: dict[str, Path]) -> list[str]:
+    sources = [{"dataset": str(corpus["code"]), "weight": 0.7, "text_column": "content"},
+               {"dataset": str(corpus["prose"] / "*.md"), "weight": 0.3, "on_end": "drop"}]  # fmt: skip
+    return ["--streaming", "true", "--dataset_mixture", json.dumps(sources), "--stream_lanes", "4"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("streams")
+    corpus = _corpus(root)
+    stream = [*COMMON, *_mixture(corpus)]
+    out = {name: root / name for name in ("one", "two", "killed", "worker", "elsewhere", "map", "lane")}
+    launch([*stream, "--output_dir", str(out["one"]), "--gradient_accumulation_steps", "2",
+            "--dataloader_num_workers", "2"], launcher="python")  # fmt: skip
+    launch([*stream, "--output_dir", str(out["two"])], launcher="deepspeed")
+    faults = {"killed": ("crash:rank=1:step=4", []),
+              "worker": ("crash:rank=1:phase=worker:sample=18", ["--dataloader_num_workers", "2"])}  # fmt: skip
+    for name, (fault, extra) in faults.items():
+        cmd = [*stream, "--output_dir", str(out[name]), *extra]
+        first = launch(cmd, launcher="deepspeed", check=False, env=run_env(TRAINER_FAULT=fault))
+        out[f"{name}_rc"], out[f"{name}_steps"] = first.returncode, [r["step"] for r in train_rows(out[name])]
+        launch(cmd, launcher="deepspeed")
+    out["elsewhere"].mkdir()
+    shutil.copytree(out["two"] / "checkpoint-3", out["elsewhere"] / "checkpoint-3")
+    launch(
+        [*stream, "--output_dir", str(out["elsewhere"]), "--gradient_accumulation_steps", "2"],
+        launcher="python",
+    )
+    sequential = [*COMMON, "--train_sampling_strategy", "sequential", "--dataset", str(corpus["code"]),
+                  "--text_column", "content"]  # fmt: skip
+    launch(
+        [*sequential, "--output_dir", str(out["map"]), "--validation_split_percentage", "0"],
+        launcher="python",
+    )
+    launch([*sequential, "--output_dir", str(out["lane"]), "--streaming", "true", "--stream_lanes", "1"],
+           launcher="python")  # fmt: skip
+    out["corpus"] = corpus
+    return out
+
+
+def _prints(out: Path) -> dict[int, str]:
+    return {row["step"]: row["data_fingerprint"] for row in train_rows(out)}
+
+
+def test_two_ranks_read_one_process_global_batches(runs):
+    """The same tokens in every step's global batch, and the same losses: the order depends on the
+    seed and the lanes, not on the ranks or the workers."""
+    one, two = train_rows(runs["one"]), train_rows(runs["two"])
+    assert [r["step"] for r in two] == [1, 2, 3, 4, 5, 6]
+    assert _prints(runs["two"]) == _prints(runs["one"])
+    assert len(set(_prints(runs["one"]).values())) == 6
+    for a, b in zip(one, two, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+
+
+@pytest.mark.parametrize("name", ["killed", "worker"])
+def test_a_killed_run_started_again_resumes_bitwise(runs, name):
+    """Killed after step 4 (or in a DataLoader worker, during step 4 or 5), the same command resumes
+    checkpoint-3: the same global batches, losses and grad norms, and the final weights bit for bit."""
+    assert runs[f"{name}_rc"] != 0 and runs[f"{name}_steps"][:3] == [1, 2, 3]
+    assert max(runs[f"{name}_steps"]) <= 5
+    names = ("loss", "grad_norm", "data_fingerprint")
+    again = {(r["step"], k): r[k] for r in train_rows(runs[name])[-3:] for k in names}
+    whole = {(r["step"], k): r[k] for r in train_rows(runs["two"]) for k in names if r["step"] >= 4}
+    assert again == whole
+    assert_same_weights(runs[name] / "final", runs["two"] / "final")
+
+
+def test_a_two_rank_checkpoint_resumes_on_one_process(runs):
+    resumed = _prints(runs["elsewhere"])
+    assert sorted(resumed) == [4, 5, 6]
+    assert resumed == {step: value for step, value in _prints(runs["two"]).items() if step >= 4}
+    state = json.loads((runs["two"] / "checkpoint-3" / "trainer_state.json").read_text())
+    assert sorted(state["data_position"]["lanes"]) == ["0", "1", "2", "3"]
+    assert_same_weights(runs["elsewhere"] / "final", runs["two"] / "final", rtol=1e-5, atol=1e-6)
+
+
+def test_an_unshuffled_lane_reads_what_the_map_style_run_reads(runs):
+    assert _prints(runs["lane"]) == _prints(runs["map"])
+    assert [r["loss"] for r in train_rows(runs["lane"])] == pytest.approx(
+        [r["loss"] for r in train_rows(runs["map"])], rel=1e-6
+    )
+
+
+def test_a_changed_source_is_refused_by_name(runs, tmp_path):
+    """A page of the mixture's prose rewritten after the run (the launches are all done): resuming
+    its checkpoint is refused, naming the source, before anything trains."""
+    shutil.copytree(runs["two"] / "checkpoint-3", tmp_path / "checkpoint-3")
+    with (runs["corpus"]["prose"] / "data.md").open("a") as f:
+        f.write("\nOne more line.\n")
+    proc = launch([*COMMON, *_mixture(runs["corpus"]), "--output_dir", str(tmp_path)], launcher="python",
+                  check=False)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "error: dataset_mixture.prose: its files changed since the checkpoint" in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_an_unreadable_shard_is_named_with_the_rank(runs, tmp_path):
+    shards = tmp_path / "shards"
+    shutil.copytree(runs["corpus"]["code"], shards)
+    (shards / "part-2.jsonl").write_text('{"content": "fine"}\n{not json\n')
+    proc = launch([*COMMON, "--streaming", "true", "--dataset", str(shards), "--text_column", "content",
+                   "--stream_lanes", "1", "--output_dir", str(tmp_path / "run")], launcher="python",
+                  check=False)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("error: "))
+    assert line.startswith(f"error: dataset: {shards}/part-2.jsonl cannot be read on rank 0 (JSONDecodeError")
