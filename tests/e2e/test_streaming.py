@@ -146,3 +146,18 @@ def test_an_unreadable_shard_is_named_with_the_rank(runs, tmp_path):
     assert proc.returncode == 2, proc.stderr
     line = next(x for x in proc.stderr.splitlines() if x.startswith("error: "))
     assert line.startswith(f"error: dataset: {shards}/part-2.jsonl cannot be read on rank 0 (JSONDecodeError")
+
+
+def test_the_offline_mixture_recipe_streams(tmp_path):
+    """python scripts/train.py --config scripts/recipes/stream_mixture.yaml, sized down: the standard
+    library and the docs streamed, every step's row with its fingerprint, a checkpoint with every
+    lane's cursor, an export."""
+    recipe = ["scripts/train.py", "--config", "scripts/recipes/stream_mixture.yaml"]
+    small = tiny_flags(max_steps=2, save_steps=2, max_train_samples=None, eval_steps=None)
+    launch([*recipe, *small, "--output_dir", str(tmp_path)], launcher="python")
+    rows = train_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and all(len(r["data_fingerprint"]) == 16 for r in rows)
+    state = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
+    assert len(state["data_position"]["lanes"]) == 64
+    assert sorted(state["data_position"]["fingerprint"]["sources"]) == ["docs", "stdlib"]
+    assert (tmp_path / "final" / "model.safetensors").exists()

@@ -23,7 +23,7 @@ from trainer.args.recipe import HELP_FLAGS, parse_run_config, run_help
 from trainer.config import Hardware, check, custom_tensor_plan, parallel_sizes
 from trainer.config.errors import ConfigError
 from trainer.data.stream import ShardError
-from trainer.data.stream_sources import stream_sources
+from trainer.data.stream_sources import check_resumable, stream_sources
 from trainer.engine.sequence_parallel import check_layout
 from trainer.engine.tensor_parallel import check_tensor_layout
 from trainer.loop.build import build_run
@@ -146,6 +146,8 @@ def _nothing_to_resume(run_config: RunConfig) -> bool:
         )
     if changed:
         print_main(f"Resuming {path} with changed settings: {', '.join(changed)}")
+    if run_config.data.streaming:
+        check_resumable(run_config.data, path)
     if ckpt.steps_left(path, args) != 0:
         return False
     # Finished: only a checkpoint that verifies (or the one auto falls back to) decides that.

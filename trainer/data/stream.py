@@ -56,6 +56,26 @@ class ShardError(DataError):
     """A streamed file that cannot be read, met by one rank while it trains: that rank reports it."""
 
 
+def unreadable(source: StreamSource, path: Path, err: Exception, policy: str) -> None:
+    """A file of ``source`` that cannot be read: a ShardError naming it and this rank (``stop``), or
+    a warning (``skip``)."""
+    message = f"{path} cannot be read on rank {dist_info().rank} ({type(err).__name__}: {str(err)[:200]})"
+    if policy == "stop":
+        raise ShardError([(source.key, message)]) from None
+    logger.warning("skipped (unreadable_shards skip): %s", message)
+
+
+def changed_sources(sources: list[StreamSource], saved: dict[str, Any]) -> None:
+    """Refuse, naming the first, a source whose files are not those ``saved`` (a checkpoint's
+    position fingerprint) recorded."""
+    for source in sources:
+        if saved.get("sources", {}).get(source.name) != source.fingerprint():
+            raise DataError(
+                [(source.key, "its files changed since the checkpoint (names, sizes or modification "
+                  "times); pass --data_changed ok to resume anyway")]
+            )  # fmt: skip
+
+
 def _unit(*parts: Any) -> float:
     """A uniform number in [0, 1) from ``parts``: the same on every machine and process."""
     digest = hashlib.blake2b(json.dumps(parts).encode(), digest_size=8).digest()
@@ -170,10 +190,7 @@ class _SourceInLane:
                             return True
                     c.update(row=index + 1, byte=after, seen=c["seen"] + 1, used=0)
             except (OSError, ValueError) as err:  # json and unicode errors are ValueErrors
-                message = f"{path} cannot be read on rank {dist_info().rank} ({type(err).__name__}: {str(err)[:200]})"
-                if self.stream.unreadable == "stop":
-                    raise ShardError([(self.source.key, message)]) from None
-                logger.warning("skipped (unreadable_shards skip): %s", message)
+                unreadable(self.source, path, err, self.stream.unreadable)
             self.rows = None
             c.update(file=c["file"] + 1, row=0, byte=0, used=0)
         return False
@@ -399,14 +416,8 @@ class StreamPosition:
                 [("resume_from_checkpoint", f"the checkpoint's stream was read with {saved.get('settings')}, "
                   f"this run with {now['settings']}; the order would not continue")]
             )  # fmt: skip
-        if self.stream.data_changed == "ok":
-            return
-        for source in self.stream.sources:
-            if saved.get("sources", {}).get(source.name) != now["sources"][source.name]:
-                raise DataError(
-                    [(source.key, "its files changed since the checkpoint (names, sizes or "
-                      "modification times); pass --data_changed ok to resume anyway")]
-                )  # fmt: skip
+        if self.stream.data_changed != "ok":
+            changed_sources(self.stream.sources, saved)
 
     def blocks(self) -> Iterator[dict[str, Any]]:
         """This rank's blocks from ``start`` on, each remembered with its lane's cursor after it."""

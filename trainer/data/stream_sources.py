@@ -5,13 +5,21 @@ sorted list of files before anything is read."""
 from __future__ import annotations
 
 import glob
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from trainer.args import DataArguments
 from trainer.data.sources import STDLIB, DataError, corpus_files
-from trainer.data.stream import SUFFIXES, StreamedDataset, StreamSource, read_rows
+from trainer.data.stream import (
+    SUFFIXES,
+    StreamedDataset,
+    StreamSource,
+    changed_sources,
+    read_rows,
+    unreadable,
+)
 
 
 def _files(spec: str, key: str) -> tuple[Path, ...]:
@@ -70,13 +78,25 @@ def build_stream(
     )
 
 
-def stream_texts(sources: list[StreamSource]) -> Iterator[str]:
+def stream_texts(sources: list[StreamSource], policy: str = "stop") -> Iterator[str]:
     """Every source's texts in file order: what a tokenizer trained for a stream reads (capped)."""
     for source in sources:
         for path in source.files:
-            for _, _, _, text in read_rows(path, source.text_column, 0, 0):
-                if text:
-                    yield text
+            try:
+                for _, _, _, text in read_rows(path, source.text_column, 0, 0):
+                    if text:
+                        yield text
+            except (OSError, ValueError) as err:
+                unreadable(source, path, err, policy)
+
+
+def check_resumable(data_args: DataArguments, checkpoint: Path) -> None:
+    """Before anything loads: a streamed run's sources against the position ``checkpoint`` recorded
+    (refused by name when changed, unless ``data_changed ok``)."""
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    saved = (state.get("data_position") or {}).get("fingerprint")
+    if saved is not None and data_args.data_changed != "ok":
+        changed_sources(stream_sources(data_args), saved)
 
 
 def streams_fingerprint(sources: list[StreamSource]) -> list[Any]:

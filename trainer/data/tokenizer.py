@@ -86,7 +86,7 @@ def _load_or_train(model_args: ModelArguments, data_args: DataArguments) -> PreT
             logger.info("tokenizer cache hit: %s", target)
         else:
             if streams:  # the stream's own texts, as far as the cap reads: nothing is loaded up front
-                texts = stream_texts(streams)
+                texts = stream_texts(streams, data_args.unreadable_shards)
             else:
                 raw = load_raw(data_args, source)
                 texts = iter_texts(raw.train, data_args.data_format, data_args.text_column, data_args.dataset)

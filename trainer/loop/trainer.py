@@ -255,7 +255,7 @@ class Trainer(HFMethods, ResultsAPI):
             pin_memory=self.hardware.device == "cuda",
         ):
             window_tokens, counts = self._vote(window)
-            if not window_tokens:  # a rank's stream ended: the data ends on every rank
+            if not window_tokens:  # the data ends on every rank
                 return True
             self._fire("on_step_begin")
             window_loss = self.engine.train_window(window, window_tokens)
@@ -279,10 +279,9 @@ class Trainer(HFMethods, ResultsAPI):
 
     def _vote(self, window: list[dict[str, torch.Tensor]]) -> tuple[float, tuple[int, int]]:
         """The step's one host-only all-reduce, over its participants (trainer/loop/vote.py): the
-        checkpoint and the snapshot in flight (committed once every rank has written its part),
-        preemption (every rank saves and exits, before this window trains), and the window's target
-        tokens, samples and input tokens (HF's ``num_input_tokens_seen``, and the run's FLOPs).
-        Returns the window's target tokens on all ranks, and its (samples, input tokens) on this one."""
+        checkpoint and the snapshot in flight, preemption, and the window's target tokens, samples and
+        input tokens. Returns the window's target tokens on all ranks (0: a rank's stream ended), and
+        its (samples, input tokens) on this one."""
         counts = WindowCounts(window, self.engine, self.args, self.layout)
         poll([*self.checkpoints.participants, self._preemption, counts])
         shared, self._fingerprint = self.layout.sharing, counts.fingerprint  # a group's ranks: the same rows
