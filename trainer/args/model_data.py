@@ -153,7 +153,10 @@ class DataArguments(ArgsModel):
         "size), and a multiple of the data-parallel ranks reads each lane on one rank.",
     )
     stream_shuffle_window: int = Field(
-        256, ge=1, description="A lane's blocks are shuffled this many at a time (1: no shuffle)."
+        16,
+        ge=1,
+        description="A lane's blocks are shuffled this many at a time (1: no shuffle); a resume reads a "
+        "lane's current window again, so it costs up to this many blocks a lane.",
     )
     unreadable_shards: Literal["stop", "skip"] = Field(
         "stop", description="A streamed file that cannot be read: stop with its path, or skip it (logged)."

@@ -107,9 +107,20 @@ class StreamSource:
         return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in self.files]
 
 
-def read_rows(path: Path, column: str, row: int, offset: int) -> Iterator[tuple[int, int, int, str | None]]:
-    """(row index, its byte offset, the next row's, its text) from row ``row`` on, which starts at
-    byte ``offset`` in a line file. A text file is one row; JSON lines and tables a row a record."""
+def row_text(value: str | bytes | None, column: str) -> str | None:
+    """A row's text: a JSON line is parsed only here, for the lane that keeps it."""
+    if isinstance(value, bytes):
+        record = json.loads(value) if value.strip() else None
+        value = record.get(column) if isinstance(record, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def read_rows(
+    path: Path, column: str, row: int, offset: int
+) -> Iterator[tuple[int, int, int, str | bytes | None]]:
+    """(row index, its byte offset, the next row's, its text, or a JSON line's bytes for
+    ``row_text``) from row ``row`` on, which starts at byte ``offset`` in a line file. A text file
+    is one row; JSON lines and tables a row a record."""
     suffix = path.suffix.lower()
     if suffix in TEXT_SUFFIXES:
         if row == 0:
@@ -120,9 +131,7 @@ def read_rows(path: Path, column: str, row: int, offset: int) -> Iterator[tuple[
             f.seek(offset)
             for index, line in enumerate(iter(f.readline, b""), start=row):
                 start, offset = offset, offset + len(line)
-                record = json.loads(line) if line.strip() else None
-                value = record.get(column) if isinstance(record, dict) else None
-                yield index, start, offset, value if isinstance(value, str) else None
+                yield index, start, offset, line
         return
     import pyarrow.parquet as pq
     from pyarrow import ipc
@@ -181,9 +190,10 @@ class _SourceInLane:
             if self.rows is None:
                 self.rows = read_rows(path, self.source.text_column, c["row"], c["byte"])
             try:
-                for index, start, after, text in self.rows:
+                for index, start, after, value in self.rows:
                     c["row"], c["byte"] = index, start
-                    if text and c["seen"] % self.every == self.lane % self.every:
+                    mine = c["seen"] % self.every == self.lane % self.every
+                    if mine and (text := row_text(value, self.source.text_column)):
                         ids = self.stream.encode(text)
                         if c["used"] < len(ids):
                             self.ids, self.next = ids[c["used"] :], (index + 1, after)
@@ -302,7 +312,7 @@ class StreamedDataset(IterableDataset):
     block_size: int
     length: int
     lanes: int = 64
-    window: int = 256
+    window: int = 16
     shuffle: bool = True
     seed: int = 0
     unreadable: str = "stop"

@@ -18,6 +18,7 @@ from trainer.data.stream import (
     StreamSource,
     changed_sources,
     read_rows,
+    row_text,
     unreadable,
 )
 
@@ -83,8 +84,8 @@ def stream_texts(sources: list[StreamSource], policy: str = "stop") -> Iterator[
     for source in sources:
         for path in source.files:
             try:
-                for _, _, _, text in read_rows(path, source.text_column, 0, 0):
-                    if text:
+                for _, _, _, value in read_rows(path, source.text_column, 0, 0):
+                    if text := row_text(value, source.text_column):
                         yield text
             except (OSError, ValueError) as err:
                 unreadable(source, path, err, policy)

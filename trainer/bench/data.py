@@ -1,0 +1,119 @@
+"""The data benchmark's parts (``scripts/bench_data.py``): a corpus ``scale`` times the default job's,
+the time from launch to the first step (streamed against map-style), the cost of resuming a stream
+at a step (ours against re-reading to it and against ``datasets``' own ``state_dict``), and the
+loader's tokens/s against the model's."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.data.sources import corpus_files
+from trainer.data.stream import StreamPosition
+from trainer.data.stream_sources import build_stream
+
+
+def write_corpus(root: Path, scale: int, shards: int = 16) -> Path:
+    """The standard library's source ``scale`` times over (each copy in another order of files), as
+    ``shards`` JSON-lines files: a corpus ``scale`` times the default job's."""
+    folder = root / f"corpus-x{scale}"
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in corpus_files()]
+    outs = [(folder / f"part-{k:03d}.jsonl").open("w") for k in range(shards)]
+    n = 0
+    for copy in range(scale):
+        order = list(range(len(texts)))
+        random.Random(copy).shuffle(order)
+        for i in order:
+            outs[n % shards].write(json.dumps({"text": texts[i]}) + "\n")
+            n += 1
+    for f in outs:
+        f.close()
+    return folder
+
+
+def first_step_seconds(cmd: list[str], out: Path, cwd: Path, timeout: float = 3600) -> float:
+    """Seconds from starting ``cmd`` (in ``cwd``) to the first training row in ``out/metrics.jsonl``."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    while time.perf_counter() - start < timeout:
+        if metrics.exists() and '"loss"' in metrics.read_text():
+            seconds = time.perf_counter() - start
+            proc.wait(timeout=timeout)
+            return seconds
+        if proc.poll() is not None:
+            raise RuntimeError(f"{' '.join(cmd)} ended without a step: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    raise TimeoutError(" ".join(cmd))
+
+
+def _first_block(position: StreamPosition) -> float:
+    start = time.perf_counter()
+    next(position.blocks())
+    return time.perf_counter() - start
+
+
+def resume_costs(
+    data_args: Any, tokenizer: Any, steps: list[int], global_batch: int
+) -> dict[int, dict[str, float]]:
+    """Per step: ours (a resume from the recorded position to the next block), re-reading the stream
+    to the step (what a Trainer that skips batches does) and ``datasets``' ``load_state_dict`` (its
+    streamed, tokenised dataset restored to the same number of documents read)."""
+    import datasets
+
+    costs: dict[int, dict[str, float]] = {}
+    stream = build_stream(data_args, tokenizer, 0, 1 << 60, shuffle=True)
+    files = [str(f) for s in stream.sources for f in s.files]
+    for step in steps:
+        samples = step * global_batch
+        reader = StreamPosition(build_stream(data_args, tokenizer, 0, 1 << 60, shuffle=True), 1, 0)
+        reader.set_epoch(0)
+        start = time.perf_counter()
+        blocks = reader.blocks()
+        for _ in range(samples):
+            next(blocks)
+        reread = time.perf_counter() - start
+        saved = reader.position(samples)
+        resumed = StreamPosition(build_stream(data_args, tokenizer, 0, 1 << 60, shuffle=True), 1, 0)
+        resumed.set_epoch(0, samples, saved)
+        ours = _first_block(resumed)
+        hf = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+        hf = hf.map(lambda row: {"ids": tokenizer(row["text"])["input_ids"]}, remove_columns=["text"])
+        it = iter(hf)
+        for _ in range(documents_read(saved)):  # as many documents as ours had read
+            next(it)
+        state = hf.state_dict()
+        again = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+        again = again.map(lambda row: {"ids": tokenizer(row["text"])["input_ids"]}, remove_columns=["text"])
+        start = time.perf_counter()
+        again.load_state_dict(state)
+        next(iter(again))
+        costs[step] = {
+            "ours_s": ours,
+            "reread_s": reread,
+            "datasets_state_dict_s": time.perf_counter() - start,
+        }
+    return costs
+
+
+def documents_read(saved: dict[str, Any]) -> int:
+    """The documents a recorded stream position had passed (at its lanes' window starts), at least 1."""
+    starts = (lane["start"]["sources"].values() for lane in saved["lanes"].values())
+    return max(sum(cursor["seen"] for cursors in starts for cursor in cursors), 1)
+
+
+def loader_tokens_per_second(data_args: Any, tokenizer: Any, readers: int, blocks: int = 400) -> float:
+    """One rank's stream (rank 0 of ``readers``) read on its own: tokens a second."""
+    position = StreamPosition(build_stream(data_args, tokenizer, 0, 1 << 60, shuffle=True), readers, 0)
+    position.set_epoch(0)
+    it = position.blocks()
+    next(it)  # the files opened
+    start = time.perf_counter()
+    tokens = sum(len(next(it)["input_ids"]) for _ in range(blocks))
+    return tokens / (time.perf_counter() - start)
