@@ -46,6 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--block_size", type=int, default=128)
     p.add_argument("--nproc", type=int, default=2, help="ranks of the loader's and the model's run")
     p.add_argument("--train_steps", type=int, default=12, help="steps of the model's run")
+    p.add_argument("--max_files", type=int, help="only the first N files of the standard library (tests)")
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, work: Path) -> dict:
     tokenizer = train_bpe_tokenizer((p.read_text() for p in corpus_files()), 4096)
     tokenizer.save_pretrained(work / "tokenizer")
-    corpus = write_corpus(work, args.scale)
+    corpus = write_corpus(work, args.scale, max_files=args.max_files)
     size = sum(f.stat().st_size for f in corpus.iterdir())
     common = [str(BIN / "python"), "scripts/train.py", "--dataset", str(corpus), "--tokenizer_name_or_path",
               str(work / "tokenizer"), "--block_size", str(args.block_size), "--eval_strategy", "no",

@@ -55,6 +55,7 @@ TEST_NODES = {
     "scripts/bench_checkpoint.py": "tests/e2e/test_bench_checkpoint.py::test_reports_save_and_raw_speeds_and_blocked_times",
     "scripts/bench_comm.py": "tests/e2e/test_bench_comm.py::test_two_gloo_ranks_write_the_json_report",
     "scripts/bench_preference.py": "tests/e2e/test_bench_preference.py::test_ours_and_trl_train_the_same_dpo_job_on_zero3",
+    "scripts/bench_data.py": "tests/e2e/test_bench_data.py::test_the_report_holds_every_figure_and_resumes_were_exact",
     "scripts/bench_long_context.py": "tests/e2e/test_bench_long_context.py::test_json_holds_every_probe_and_sp_trains_at_least_as_long",
     "scripts/fault_campaign.py": "tests/e2e/test_fault_campaign.py::test_every_fault_hits_and_every_run_recovers",
     # scripts/train.py launches the matrix does not hold

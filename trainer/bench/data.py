@@ -17,12 +17,13 @@ from trainer.data.stream import StreamPosition
 from trainer.data.stream_sources import build_stream
 
 
-def write_corpus(root: Path, scale: int, shards: int = 16) -> Path:
-    """The standard library's source ``scale`` times over (each copy in another order of files), as
-    ``shards`` JSON-lines files: a corpus ``scale`` times the default job's."""
+def write_corpus(root: Path, scale: int, shards: int = 16, max_files: int | None = None) -> Path:
+    """The standard library's source (its first ``max_files`` files) ``scale`` times over, each copy
+    in another order of files, as ``shards`` JSON-lines files: a corpus ``scale`` times the default
+    job's."""
     folder = root / f"corpus-x{scale}"
     folder.mkdir(parents=True, exist_ok=True)
-    texts = [p.read_text(encoding="utf-8", errors="replace") for p in corpus_files()]
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in corpus_files()[:max_files]]
     outs = [(folder / f"part-{k:03d}.jsonl").open("w") for k in range(shards)]
     n = 0
     for copy in range(scale):
@@ -53,21 +54,21 @@ def first_step_seconds(cmd: list[str], out: Path, cwd: Path, timeout: float = 36
     raise TimeoutError(" ".join(cmd))
 
 
-def _first_block(position: StreamPosition) -> float:
+def _first_block(position: StreamPosition) -> tuple[float, dict[str, Any]]:
     start = time.perf_counter()
-    next(position.blocks())
-    return time.perf_counter() - start
+    block = next(position.blocks())
+    return time.perf_counter() - start, block
 
 
 def resume_costs(
     data_args: Any, tokenizer: Any, steps: list[int], global_batch: int
-) -> dict[int, dict[str, float]]:
+) -> dict[int, dict[str, Any]]:
     """Per step: ours (a resume from the recorded position to the next block), re-reading the stream
     to the step (what a Trainer that skips batches does) and ``datasets``' ``load_state_dict`` (its
     streamed, tokenised dataset restored to the same number of documents read)."""
     import datasets
 
-    costs: dict[int, dict[str, float]] = {}
+    costs: dict[int, dict[str, Any]] = {}
     stream = build_stream(data_args, tokenizer, 0, 1 << 60, shuffle=True)
     files = [str(f) for s in stream.sources for f in s.files]
     for step in steps:
@@ -82,7 +83,8 @@ def resume_costs(
         saved = reader.position(samples)
         resumed = StreamPosition(build_stream(data_args, tokenizer, 0, 1 << 60, shuffle=True), 1, 0)
         resumed.set_epoch(0, samples, saved)
-        ours = _first_block(resumed)
+        ours, block = _first_block(resumed)
+        same = block == next(blocks)  # the block the uninterrupted stream reads next
         hf = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
         hf = hf.map(lambda row: {"ids": tokenizer(row["text"])["input_ids"]}, remove_columns=["text"])
         it = iter(hf)
@@ -93,11 +95,13 @@ def resume_costs(
         again = again.map(lambda row: {"ids": tokenizer(row["text"])["input_ids"]}, remove_columns=["text"])
         start = time.perf_counter()
         again.load_state_dict(state)
-        next(iter(again))
+        first = next(iter(again))
         costs[step] = {
             "ours_s": ours,
             "reread_s": reread,
             "datasets_state_dict_s": time.perf_counter() - start,
+            "ours_same_block": same,
+            "datasets_same_row": first == next(it),
         }
     return costs
 
