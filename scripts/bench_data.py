@@ -45,6 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--global_batch", type=int, default=16, help="blocks a step")
     p.add_argument("--block_size", type=int, default=128)
     p.add_argument("--nproc", type=int, default=2, help="ranks of the loader's and the model's run")
+    p.add_argument("--lanes", type=int, default=64, help="the stream's canonical lanes (stream_lanes)")
     p.add_argument("--train_steps", type=int, default=12, help="steps of the model's run")
     p.add_argument("--max_files", type=int, help="only the first N files of the standard library (tests)")
     p.add_argument("--json", help="write the results here")
@@ -72,10 +73,11 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     common = [str(BIN / "python"), "scripts/train.py", "--dataset", str(corpus), "--tokenizer_name_or_path",
               str(work / "tokenizer"), "--block_size", str(args.block_size), "--eval_strategy", "no",
               "--save_steps", "100000", "--logging_steps", "1"]  # fmt: skip
+    streamed = ["--streaming", "true", "--stream_lanes", str(args.lanes)]
     first = {}
     for name, extra in (
         ("map_style", ["--validation_split_percentage", "0"]),
-        ("streamed", ["--streaming", "true"]),
+        ("streamed", streamed),
     ):
         out = work / name
         cmd = [
@@ -89,13 +91,15 @@ def run(args: argparse.Namespace, work: Path) -> dict:
             str(work / f"cache-{name}"),
         ]
         first[name] = first_step_seconds(cmd, out, cwd=ROOT)
-    data_args = DataArguments(dataset=str(corpus), streaming=True, block_size=args.block_size)
+    data_args = DataArguments(
+        dataset=str(corpus), streaming=True, block_size=args.block_size, stream_lanes=args.lanes
+    )
     steps = [int(s) for s in args.resume_steps.split(",")]
     resume = resume_costs(data_args, tokenizer, steps, args.global_batch)
     loader = loader_tokens_per_second(data_args, tokenizer, args.nproc)
     out = work / "model"
     launch = [str(BIN / "deepspeed"), "--num_gpus", str(args.nproc), "--master_port", str(free_port())]
-    cmd = [*launch, *common[1:], "--streaming", "true", "--max_steps", str(args.train_steps),
+    cmd = [*launch, *common[1:], *streamed, "--max_steps", str(args.train_steps),
            "--output_dir", str(out), "--cache_dir", str(work / "cache-model")]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -17,7 +17,8 @@ def test_the_report_holds_every_figure_and_resumes_were_exact(tmp_path):
     report = tmp_path / "report.json"
     launch(
         ["scripts/bench_data.py", "--scale", "2", "--max_files", "40", "--resume_steps", "1,6",
-         "--global_batch", "8", "--block_size", "64", "--nproc", "2", "--train_steps", "4", "--json", str(report)],
+         "--global_batch", "8", "--block_size", "64", "--nproc", "2", "--lanes", "8", "--train_steps", "4", "--json",
+         str(report)],
         launcher="python", timeout=900,
     )  # fmt: skip
     r = json.loads(report.read_text())

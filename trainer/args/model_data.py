@@ -87,6 +87,10 @@ class ModelArguments(ArgsModel):
         return self
 
 
+# What only a stream reads: refused away from its default without streaming.
+STREAM_FIELDS = ("stream_lanes", "stream_shuffle_window", "unreadable_shards", "data_changed")
+
+
 class MixtureSource(ArgsModel):
     """One source of a streamed mixture (``dataset_mixture``): its files, weight and text column."""
 
@@ -184,6 +188,12 @@ class DataArguments(ArgsModel):
     def _mixtures_stream(self) -> DataArguments:
         if self.dataset_mixture and not self.streaming:
             raise ValueError("dataset_mixture: mixtures are streamed; add streaming true")
+        fields = type(self).model_fields
+        unused = [n for n in STREAM_FIELDS if getattr(self, n) != fields[n].default]
+        if unused and not self.streaming:
+            raise ValueError(
+                f"{', '.join(unused)}: stream settings without streaming true, which would ignore them"
+            )
         if self.streaming and self.max_train_samples:
             raise ValueError(
                 "max_train_samples, streaming: a stream is not cut to a size; max_steps bounds the run"

@@ -88,7 +88,7 @@ def resume_costs(
         hf = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
         hf = hf.map(lambda row: {"ids": tokenizer(row["text"])["input_ids"]}, remove_columns=["text"])
         it = iter(hf)
-        for _ in range(documents_read(saved)):  # as many documents as ours had read
+        for _ in range(documents_read(saved, resumed.stream)):  # as many documents as ours had read
             next(it)
         state = hf.state_dict()
         again = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
@@ -106,10 +106,12 @@ def resume_costs(
     return costs
 
 
-def documents_read(saved: dict[str, Any]) -> int:
-    """The documents a recorded stream position had passed (at its lanes' window starts), at least 1."""
-    starts = (lane["start"]["sources"].values() for lane in saved["lanes"].values())
-    return max(sum(cursor["seen"] for cursors in starts for cursor in cursors), 1)
+def documents_read(saved: dict[str, Any], stream: Any) -> int:
+    """The documents a recorded position had read (at its lanes' window starts), at least 1: with
+    fewer files than lanes, every lane passes every row and keeps one in ``lanes``."""
+    every = {s.name: 1 if len(s.files) >= stream.lanes else stream.lanes for s in stream.sources}
+    starts = [lane["start"]["sources"] for lane in saved["lanes"].values()]
+    return max(sum(c[name]["seen"] // every[name] for c in starts for name in c), 1)
 
 
 def loader_tokens_per_second(data_args: Any, tokenizer: Any, readers: int, blocks: int = 400) -> float:

@@ -273,6 +273,11 @@ class _Lane:
             index = np.arange(len(ids))
             position_ids = np.minimum(np.asarray(positions), index % size).tolist()
             return {"input_ids": ids, "position_ids": position_ids, "source": name}
+        if self.drawn == 0:  # the global order cannot pass over a lane: say why it would end here
+            raise DataError(
+                [("stream_lanes", f"lane {self.lane} of {self.stream.lanes} has no rows of any source (a source "
+                  "with fewer files than lanes deals its rows out one a lane); use fewer stream_lanes")]
+            )  # fmt: skip
         return None
 
     def blocks(self, cursor: dict[str, Any] | None) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
