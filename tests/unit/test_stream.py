@@ -195,3 +195,10 @@ def test_sources_from_the_arguments_are_checked_before_reading(corpus, tmp_path)
         stream_sources(
             DataArguments(streaming=True, dataset_mixture=[*mixture[:1], {"dataset": str(tmp_path / "x")}])
         )
+
+
+def test_a_lane_without_rows_is_named(tokenizer, tmp_path):
+    """Three documents dealt to 8 lanes: lane 3 has none, and the global order cannot pass over it."""
+    folder = _shards(tmp_path, "few", STDLIB[:3], 1)
+    with pytest.raises(DataError, match="stream_lanes: lane 3 of 8 has no rows of any source"):
+        list(_stream(tokenizer, [_source(folder)]))
