@@ -54,18 +54,19 @@ def first_step_seconds(cmd: list[str], out: Path, cwd: Path, timeout: float = 36
     raise TimeoutError(" ".join(cmd))
 
 
-def _first_block(position: StreamPosition) -> tuple[float, dict[str, Any]]:
+def _timed(blocks: Any, n: int) -> tuple[float, list[dict[str, Any]]]:
     start = time.perf_counter()
-    block = next(position.blocks())
-    return time.perf_counter() - start, block
+    got = [next(blocks) for _ in range(n)]
+    return time.perf_counter() - start, got
 
 
 def resume_costs(
     data_args: Any, tokenizer: Any, steps: list[int], global_batch: int
 ) -> dict[int, dict[str, Any]]:
-    """Per step: ours (a resume from the recorded position to the next block), re-reading the stream
-    to the step (what a Trainer that skips batches does) and ``datasets``' ``load_state_dict`` (its
-    streamed, tokenised dataset restored to the same number of documents read)."""
+    """Per step: ours (a resume from the recorded position through one block of every lane, against
+    the uninterrupted stream reading the same blocks), re-reading the stream to the step (what a
+    Trainer that skips batches does) and ``datasets``' ``load_state_dict`` (its streamed, tokenised
+    dataset restored after the same number of documents, to its next row)."""
     import datasets
 
     costs: dict[int, dict[str, Any]] = {}
@@ -83,8 +84,10 @@ def resume_costs(
         saved = reader.position(samples)
         resumed = StreamPosition(build_stream(data_args, tokenizer, 0, 1 << 60, shuffle=True), 1, 0)
         resumed.set_epoch(0, samples, saved)
-        ours, block = _first_block(resumed)
-        same = block == next(blocks)  # the block the uninterrupted stream reads next
+        # A round of the lanes (each opened at its cursor, its window read again), against the same
+        # blocks read on by the uninterrupted stream.
+        ours, got = _timed(resumed.blocks(), resumed.stream.lanes)
+        steady, want = _timed(blocks, resumed.stream.lanes)
         hf = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
         hf = hf.map(lambda row: {"ids": tokenizer(row["text"])["input_ids"]}, remove_columns=["text"])
         it = iter(hf)
@@ -98,9 +101,10 @@ def resume_costs(
         first = next(iter(again))
         costs[step] = {
             "ours_s": ours,
+            "uninterrupted_s": steady,
             "reread_s": reread,
             "datasets_state_dict_s": time.perf_counter() - start,
-            "ours_same_block": same,
+            "ours_same_block": got == want,
             "datasets_same_row": first == next(it),
         }
     return costs
