@@ -284,7 +284,7 @@ class Trainer(HFMethods, ResultsAPI):
         its (samples, input tokens) on this one."""
         counts = WindowCounts(window, self.engine, self.args, self.layout)
         poll([*self.checkpoints.participants, self._preemption, counts])
-        shared, self._fingerprint = self.layout.sharing, counts.fingerprint  # a group's ranks: the same rows
+        shared, self._batch_hash = self.layout.sharing, counts.fingerprint  # a group's ranks: the same rows
         self.state.num_input_tokens_seen += int(counts.input_tokens) // shared
         self._run.samples += counts.samples / shared
         return (0.0 if counts.ended else max(counts.tokens / self.layout.tensor, 1.0)), counts.local
@@ -311,7 +311,7 @@ class Trainer(HFMethods, ResultsAPI):
 
     def _reset_window_sums(self) -> None:
         self._loss_sum = torch.zeros((), device=self.engine.device)
-        self._token_sum, self._fingerprint = 0.0, None
+        self._token_sum, self._batch_hash = 0.0, None
         self.guard.reset()
 
     def _finite(self, allow_rollback: bool = True) -> bool:
@@ -549,7 +549,7 @@ class Trainer(HFMethods, ResultsAPI):
         logs.update(self.timer.flush(sync_fn=self._sync, all_reduce_sum=host_all_reduce))
         logs.update(memory_stats(self.engine.device))
         logs.update(self._params, activation_checkpointing=self.engine.activation_checkpointing)
-        self._log({**logs, "data_fingerprint": self._fingerprint} if self._fingerprint else logs)
+        self._log({**logs, "data_fingerprint": self._batch_hash} if self._batch_hash else logs)
 
     def _maybe_evaluate_and_save(self) -> bool:
         """Evaluate and/or save as the control flags ask; True if anything ran."""
