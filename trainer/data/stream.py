@@ -166,7 +166,7 @@ class _SourceInLane:
         self.files = list(source.files[lane :: stream.lanes]) if by_file else list(source.files)
         self.every = 1 if by_file else stream.lanes  # rows kept: running number = lane modulo this
         self.cursor = _fresh()
-        self.rows: Iterator[tuple[int, int, int, str | None]] | None = None
+        self.rows: Iterator[tuple[int, int, int, str | bytes | None]] | None = None
         self.ids: list[int] = []  # the current row's tokens not packed yet
         self.next = (0, 0)  # the row after the current one: index, byte offset
 
