@@ -14,7 +14,7 @@ from typing import Any
 
 from trainer.data.sources import corpus_files
 from trainer.data.stream import StreamPosition
-from trainer.data.stream_sources import build_stream
+from trainer.data.stream_sources import build_stream, stream_sources
 
 
 def write_corpus(root: Path, scale: int, shards: int = 16, max_files: int | None = None) -> Path:
@@ -70,8 +70,7 @@ def resume_costs(
     import datasets
 
     costs: dict[int, dict[str, Any]] = {}
-    stream = build_stream(data_args, tokenizer, 0, 1 << 60, shuffle=True)
-    files = [str(f) for s in stream.sources for f in s.files]
+    files = [str(f) for s in stream_sources(data_args) for f in s.files]
     for step in steps:
         samples = step * global_batch
         reader = StreamPosition(build_stream(data_args, tokenizer, 0, 1 << 60, shuffle=True), 1, 0)

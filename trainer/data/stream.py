@@ -169,6 +169,7 @@ class _SourceInLane:
         self.rows: Iterator[tuple[int, int, int, str | bytes | None]] | None = None
         self.ids: list[int] = []  # the current row's tokens not packed yet
         self.next = (0, 0)  # the row after the current one: index, byte offset
+        self._epoch_order: tuple[int, list[Path]] = (-1, [])  # (epoch, its shuffled files)
 
     def restart(self, cursor: dict[str, int]) -> None:
         self.cursor, self.rows, self.ids = dict(cursor), None, []
@@ -177,11 +178,10 @@ class _SourceInLane:
         c = self.cursor
         if c["file"] >= len(self.files):
             return None
-        order = self.files
-        if self.stream.shuffle:
+        if self.stream.shuffle and self._epoch_order[0] != c["epoch"]:  # drawn once an epoch
             keys = (self.stream.seed, self.source.name, self.lane, c["epoch"])
-            order = [self.files[i] for i in _order(len(self.files), *keys)]
-        return order[c["file"]]
+            self._epoch_order = (c["epoch"], [self.files[i] for i in _order(len(self.files), *keys)])
+        return (self._epoch_order[1] if self.stream.shuffle else self.files)[c["file"]]
 
     def _load(self) -> bool:
         """The current row's tokens from ``used`` on, in ``ids``; False at the end of the epoch."""
