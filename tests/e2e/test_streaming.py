@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from tests.helpers.launch import ROOT, launch, run_env
 from tests.helpers.scaffold import assert_same_weights, tiny_flags, train_rows
+from trainer.args import DataArguments
 from trainer.data.sources import corpus_files
+from trainer.data.stream import STREAM_LENGTH, StreamedDataset
+from trainer.data.stream_sources import stream_sources
+from trainer.observe.plots import plot_runs
 
 pytestmark = pytest.mark.distributed
 
@@ -114,6 +120,27 @@ def test_a_two_rank_checkpoint_resumes_on_one_process(runs):
     state = json.loads((runs["two"] / "checkpoint-3" / "trainer_state.json").read_text())
     assert sorted(state["data_position"]["lanes"]) == ["0", "1", "2", "3"]
     assert_same_weights(runs["elsewhere"] / "final", runs["two"] / "final", rtol=1e-5, atol=1e-6)
+
+
+def test_each_row_logs_the_realised_share_of_each_source(runs, tmp_path):
+    """``source_share/<name>``: each source's share of the blocks trained to the step, counted on
+    every rank. The stream read again here (the run's settings, sources and tokenizer) gives the
+    same shares; resumed runs carry the counts on from their checkpoint; ``trainer plot`` draws them."""
+    state = json.loads((runs["two"] / "checkpoint-3" / "trainer_state.json").read_text())
+    settings = state["data_position"]["fingerprint"]["settings"]
+    mixture = _mixture(runs["corpus"])
+    sources = stream_sources(DataArguments(streaming=True, dataset_mixture=json.loads(mixture[3])))
+    tokenizer = AutoTokenizer.from_pretrained(runs["two"] / "final")
+    stream = StreamedDataset(sources, tokenizer, settings.pop("block_size"), STREAM_LENGTH, **settings)
+    names = [block["source"] for _, block in zip(range(6 * 8), stream, strict=False)]
+    for run in ("one", "two", "killed", "worker", "elsewhere"):
+        for row in train_rows(runs[run]):
+            seen = Counter(names[: 8 * row["step"]])
+            shares = {key: value for key, value in row.items() if key.startswith("source_share/")}
+            assert shares == {f"source_share/{n}": pytest.approx(seen[n] / sum(seen.values()), abs=1e-6)
+                              for n in ("code", "prose")}, (run, row["step"])  # fmt: skip
+    assert 0.1 < shares["source_share/prose"] < 0.6  # both sources drawn
+    assert str(tmp_path / "source_share.png") in plot_runs([str(runs["two"])], str(tmp_path))
 
 
 def test_an_unshuffled_lane_reads_what_the_map_style_run_reads(runs):

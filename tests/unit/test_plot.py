@@ -52,6 +52,15 @@ def test_figures_carry_the_expected_series(tmp_path):
     assert memory["host peak RSS"][1] == [1.5] * 12
 
 
+def test_a_mixture_plots_each_source_share():
+    """Every ``source_share/<name>`` key is a series of the source-share plot, named by its source."""
+    rows = [{"step": s, "loss": 1.0, "source_share/code": c, "source_share/prose": 1 - c}
+            for s, c in ((1, 0.75), (2, 0.6875))]  # fmt: skip
+    shares = lines_of(build_figures({"run": rows})["source_share"])
+    assert shares == {"code": ([1.0, 2.0], [0.75, 0.6875]), "prose": ([1.0, 2.0], [0.25, 0.3125])}
+    assert "source_share" not in build_figures({"run": [{"step": 1, "loss": 1.0}]})
+
+
 def test_several_runs_are_overlaid_with_run_labels(tmp_path):
     runs = {"a": write_run(tmp_path / "a"), "b": write_run(tmp_path / "b", loss_offset=0.5)}
     figures = build_figures(runs)

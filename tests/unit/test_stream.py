@@ -10,13 +10,22 @@ import math
 from collections import Counter
 from pathlib import Path
 
+import datasets
 import pytest
+import torch
 
-from trainer.args import DataArguments
+from trainer.args import DataArguments, TrainingArguments
 from trainer.data.processing import pack_documents, tokenise_text_batch
 from trainer.data.sources import DataError, corpus_files
-from trainer.data.stream import ShardError, StreamedDataset, StreamPosition, StreamSource
-from trainer.data.stream_sources import stream_sources
+from trainer.data.stream import (
+    DatasetSource,
+    ShardError,
+    StreamedDataset,
+    StreamPosition,
+    StreamSource,
+    _Lane,
+)
+from trainer.data.stream_sources import as_stream, stream_sources
 from trainer.data.tokenizer import train_bpe_tokenizer
 
 # Small modules of the standard library, in a fixed order: documents of a few hundred tokens.
@@ -140,6 +149,16 @@ def test_sources_end_by_their_policy(tokenizer, corpus):
     assert len([b for _, b in zip(range(3 * c_alone), repeated, strict=False)]) == 3 * c_alone
 
 
+def test_a_shuffled_epoch_reads_every_document_once(tokenizer, corpus):
+    """Two files dealt to 8 lanes by row number, each lane in its own shuffled windows: every token
+    of the source, once, in an epoch (the lanes read the files in one shared order)."""
+    stream = _stream(tokenizer, [_source(corpus["b"], on_end="stop")])
+    lanes = [_Lane(lane, stream).blocks(None) for lane in range(stream.lanes)]  # each read to its end
+    read = Counter(token for blocks in lanes for block, _ in blocks for token in block["input_ids"])
+    texts = [json.loads(line)["text"] for f in sorted(corpus["b"].glob("*.jsonl")) for line in f.open()]
+    assert read == Counter(token for text in texts for token in stream.encode(text))
+
+
 def test_without_shuffling_one_lane_reads_the_map_style_blocks(tokenizer, corpus):
     files = sorted(corpus["a"].glob("*.jsonl"))
     texts = [json.loads(line)["text"] for f in files for line in f.read_text().splitlines()]
@@ -202,3 +221,75 @@ def test_a_lane_without_rows_is_named(tokenizer, tmp_path):
     folder = _shards(tmp_path, "few", STDLIB[:3], 1)
     with pytest.raises(DataError, match="stream_lanes: lane 3 of 8 has no rows of any source"):
         list(_stream(tokenizer, [_source(folder)]))
+
+
+def _hf_source(folder: Path, **kw) -> DatasetSource:
+    """The folder's shards as ``datasets`` streams them (a URL's files, read by datasets' builder)."""
+    files = [f"file://{p}" for p in sorted(folder.glob("*.jsonl"))]
+    dataset = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+    return DatasetSource(folder.name, (), text_column="text", **{"on_end": "repeat", **kw}, dataset=dataset)
+
+
+def test_a_datasets_stream_reads_and_resumes_as_the_files_do(tokenizer, corpus):
+    """The same shards read by ``datasets`` (each resumed through its state_dict) and by the file
+    reader (each from a byte offset): the same global order, and a resume saved on 2 ranks in each
+    lane's second window continues it on 1 and 4."""
+    files = lambda: _stream(tokenizer, [_source(corpus["a"]), _source(corpus["c"], weight=0.3)])  # noqa: E731
+    hf = lambda: _stream(tokenizer, [_hf_source(corpus["a"]), _hf_source(corpus["c"], weight=0.3)])  # noqa: E731
+    one = [_key(b) for _, b in zip(range(72), files(), strict=False)]
+    assert [_key(b) for _, b in zip(range(72), hf(), strict=False)] == one
+    _, positions = _ranks(hf, 2, 24)
+    saved = _saved(positions, 20)
+    starts = [c["byte"] for lane in saved["lanes"].values() for c in lane["start"]["sources"].values()]
+    assert any(isinstance(at, dict) and at["epoch"] == 0 for at in starts)  # datasets' own states
+    for readers in (1, 4):
+        again, _ = _ranks(hf, readers, 32 // readers, start=40 // readers, saved=saved)
+        assert again == one[40:72], readers
+
+
+def _samples(n: int, shards: int) -> datasets.IterableDataset:
+    rows = {
+        "input_ids": [[i, i + 1, i + 2] for i in range(n)],
+        "labels": [[i, i + 1, i + 2] for i in range(n)],
+    }
+    return datasets.Dataset.from_dict(rows).to_iterable_dataset(num_shards=shards)
+
+
+def test_a_trainers_iterable_dataset_is_a_resumable_stream_of_its_rows():
+    """Rows already tokenised, taken whole: in the dataset's order with ``sequential`` (as HF's
+    Trainer reads an IterableDataset), shuffled 16 at a time otherwise; a resume on another number
+    of ranks continues either order."""
+    args = TrainingArguments(output_dir="unused", max_steps=5, train_sampling_strategy="sequential")
+    stream = as_stream(_samples(200, 4), args)
+    first = lambda block: block["input_ids"][0]  # noqa: E731
+    assert [first(b) for b in stream][:200] == list(range(200))
+    random = args.model_copy(update={"train_sampling_strategy": "random"})
+    shuffled = lambda: as_stream(_samples(200, 4), random)  # noqa: E731
+    order = [first(b) for _, b in zip(range(200), shuffled(), strict=False)]
+    assert sorted(order) == list(range(200)) and order != list(range(200))
+    _, positions = _ranks(shuffled, 2, 60)
+    again, _ = _ranks(shuffled, 4, 25, start=25, saved=_saved(positions, 50))
+    assert [row[0] for row in again] == order[100:200]
+    assert set(next(iter(stream))) == {"input_ids", "labels", "source"}
+
+
+def test_streams_the_trainer_refuses(corpus, tmp_path):
+    args = TrainingArguments(output_dir="unused", max_steps=5)
+    with pytest.raises(ValueError, match="train_dataset: a torch IterableDataset has no shards"):
+        as_stream(_RowsOnly(), args)
+    with pytest.raises(ValueError, match="max_steps: a streamed train_dataset has no length"):
+        as_stream(_samples(8, 1), TrainingArguments(output_dir="unused"))
+    with pytest.raises(ValueError, match="train_sampling_strategy: group_by_length needs every row's length"):
+        as_stream(_samples(8, 1), args.model_copy(update={"train_sampling_strategy": "group_by_length"}))
+    url = f"file://{corpus['a']}/*.jsonl"
+    with pytest.raises(DataError, match=r"dataset: .* has no column 'content' \(its columns: text, other\)"):
+        stream_sources(DataArguments(streaming=True, dataset=url, text_column="content"))
+    with pytest.raises(DataError, match=r"dataset: file://.*\.csv: cannot tell how to read \.csv"):
+        stream_sources(DataArguments(streaming=True, dataset=f"file://{tmp_path}/*.csv"))
+    (source,) = stream_sources(DataArguments(streaming=True, dataset=url))
+    assert isinstance(source, DatasetSource) and source.name == "a" and len(source.shards) == 3
+
+
+class _RowsOnly(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield {"input_ids": [1, 2]}

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from trainer.data.sampler import ResumableDistributedSampler
 from trainer.data.stream import StreamedDataset, StreamPosition
@@ -24,7 +24,12 @@ def sample_lengths(dataset: Any, args: Any) -> list[int] | None:
     takes them: the ``length_column_name`` column where the dataset has one, else each row's
     ``input_ids`` length (a preference pair's: its longer sequence). Read before the dataset is cut
     to the model's inputs."""
-    if dataset is None or args.train_sampling_strategy != "group_by_length":
+    # A stream (an IterableDataset) has no lengths: trainer.data.stream_sources.as_stream refuses it.
+    if (
+        dataset is None
+        or args.train_sampling_strategy != "group_by_length"
+        or isinstance(dataset, IterableDataset)
+    ):
         return None
     columns = getattr(dataset, "column_names", None) or []
     if args.length_column_name in columns:

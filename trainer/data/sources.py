@@ -86,7 +86,7 @@ def stable_hash(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _looks_local(name: str) -> bool:
+def looks_local(name: str) -> bool:
     return (
         name.startswith(("/", "./", "../", "~"))
         or Path(name).suffix.lower() in BUILDERS
@@ -175,7 +175,7 @@ def resolve_source(data_args: DataArguments, name: str | None = None, key: str =
     if path.exists():
         files, builder = _local_files(path, key)
         return Source("files", name, files, builder, _stat_fingerprint(files), key)
-    if _looks_local(name) or key != "dataset":
+    if looks_local(name) or key != "dataset":
         raise DataError([(key, f"file not found: {name}")])
     return Source("hub", name, [], None, "")  # fingerprint filled in by load_raw
 

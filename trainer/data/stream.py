@@ -56,10 +56,11 @@ class ShardError(DataError):
     """A streamed file that cannot be read, met by one rank while it trains: that rank reports it."""
 
 
-def unreadable(source: StreamSource, path: Path, err: Exception, policy: str) -> None:
-    """A file of ``source`` that cannot be read: a ShardError naming it and this rank (``stop``), or
-    a warning (``skip``)."""
-    message = f"{path} cannot be read on rank {dist_info().rank} ({type(err).__name__}: {str(err)[:200]})"
+def unreadable(source: StreamSource, shard: Any, err: Exception, policy: str) -> None:
+    """A shard of ``source`` that cannot be read: a ShardError naming it and this rank (``stop``),
+    or a warning (``skip``)."""
+    where = source.shard_name(shard)
+    message = f"{where} cannot be read on rank {dist_info().rank} ({type(err).__name__}: {str(err)[:200]})"
     if policy == "stop":
         raise ShardError([(source.key, message)]) from None
     logger.warning("skipped (unreadable_shards skip): %s", message)
@@ -91,7 +92,9 @@ def _order(n: int, *parts: Any) -> list[int]:
 class StreamSource:
     """One source of a stream: its files (sorted), its weight in the mixture, the column holding its
     text, and what happens when a lane runs out of it: ``stop`` (the stream ends), ``repeat`` (it
-    starts over in a new order) or ``drop`` (the other sources share its weight)."""
+    starts over in a new order) or ``drop`` (the other sources share its weight). A file is a shard:
+    the unit lanes are dealt, read from a row and a byte offset. ``text_column`` None: the rows are
+    samples already (tokenised), taken whole, one a block."""
 
     name: str
     files: tuple[Path, ...]
@@ -103,16 +106,68 @@ class StreamSource:
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", self.key or f"dataset_mixture.{self.name}")
 
+    @property
+    def shards(self) -> tuple[Any, ...]:
+        return self.files
+
+    def shard_name(self, shard: Any) -> str:
+        return str(shard)
+
+    def rows(self, shard: Any, row: int, at: Any) -> Iterator[tuple[int, Any, Any, Any]]:
+        """(row index, where it starts, where the next starts, its value) from row ``row`` of
+        ``shard``, which starts at ``at`` (a byte offset here); see ``read_rows``."""
+        return read_rows(shard, self.text_column, row, at)
+
     def fingerprint(self) -> list[Any]:
         return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in self.files]
 
 
-def row_text(value: str | bytes | None, column: str) -> str | None:
-    """A row's text: a JSON line is parsed only here, for the lane that keeps it."""
+@dataclass(frozen=True)
+class DatasetSource(StreamSource):
+    """A ``datasets.IterableDataset`` as a source (passed to the ``Trainer``, or what
+    ``load_dataset(..., streaming=True)`` returns for a hub name or a URL): its shards are the
+    dataset's, each resumed through ``datasets``' own ``state_dict`` taken before the row (for
+    Arrow and Parquet shards a seek; for others ``datasets`` reads the shard up to the row)."""
+
+    dataset: Any = None
+
+    @property
+    def shards(self) -> tuple[Any, ...]:
+        return tuple(range(self.dataset.num_shards))
+
+    def shard_name(self, shard: Any) -> str:
+        return f"shard {shard} of {self.dataset.num_shards} of {self.name}"
+
+    def rows(self, shard: Any, row: int, at: Any) -> Iterator[tuple[int, Any, Any, Any]]:
+        part = self.dataset.shard(num_shards=self.dataset.num_shards, index=shard)
+        if at:
+            part.load_state_dict(at)
+        try:
+            for index, value in enumerate(part, start=row):
+                after = part.state_dict()
+                yield index, at, after, value if self.text_column is None else value.get(self.text_column)
+                at = after
+        except (OSError, ValueError):
+            raise
+        except Exception as err:  # datasets' own reading errors: the shard is named as a file's is
+            raise OSError(f"{type(err).__name__}: {err}") from err
+
+    def fingerprint(self) -> list[Any]:
+        """What ``datasets`` says of the data (no files to stat): shards, features and its info's
+        builder, config, version and checksums."""
+        info = self.dataset.info
+        parts = [self.dataset.num_shards, self.dataset.features, info.builder_name, info.config_name,
+                 info.version, info.download_checksums]  # fmt: skip
+        return json.loads(json.dumps(parts, default=str))
+
+
+def row_text(value: Any, column: str | None) -> Any:
+    """A row's text (None for none): a JSON line is parsed only here, for the lane that keeps it.
+    ``column`` None: the row itself, a sample (a dict), or None."""
     if isinstance(value, bytes):
         record = json.loads(value) if value.strip() else None
-        value = record.get(column) if isinstance(record, dict) else None
-    return value if isinstance(value, str) else None
+        value = record if column is None or not isinstance(record, dict) else record.get(column)
+    return value if isinstance(value, dict if column is None else str) else None
 
 
 def read_rows(
@@ -162,8 +217,9 @@ class _SourceInLane:
 
     def __init__(self, source: StreamSource, lane: int, stream: StreamedDataset):
         self.source, self.lane, self.stream = source, lane, stream
-        by_file = len(source.files) >= stream.lanes
-        self.files = list(source.files[lane :: stream.lanes]) if by_file else list(source.files)
+        shards = source.shards
+        by_file = len(shards) >= stream.lanes
+        self.files = list(shards[lane :: stream.lanes]) if by_file else list(shards)
         self.every = 1 if by_file else stream.lanes  # rows kept: running number = lane modulo this
         self.cursor = _fresh()
         self.rows: Iterator[tuple[int, int, int, str | bytes | None]] | None = None
@@ -174,12 +230,13 @@ class _SourceInLane:
     def restart(self, cursor: dict[str, int]) -> None:
         self.cursor, self.rows, self.ids = dict(cursor), None, []
 
-    def _path(self) -> Path | None:
+    def _path(self) -> Any:
         c = self.cursor
         if c["file"] >= len(self.files):
             return None
         if self.stream.shuffle and self._epoch_order[0] != c["epoch"]:  # drawn once an epoch
-            keys = (self.stream.seed, self.source.name, self.lane, c["epoch"])
+            # Lanes that share the files (dealt rows by their running number) read them in one order.
+            keys = (self.stream.seed, self.source.name, self.lane if self.every == 1 else "all", c["epoch"])
             self._epoch_order = (c["epoch"], [self.files[i] for i in _order(len(self.files), *keys)])
         return (self._epoch_order[1] if self.stream.shuffle else self.files)[c["file"]]
 
@@ -188,7 +245,7 @@ class _SourceInLane:
         c = self.cursor
         while (path := self._path()) is not None:
             if self.rows is None:
-                self.rows = read_rows(path, self.source.text_column, c["row"], c["byte"])
+                self.rows = self.source.rows(path, c["row"], c["byte"])
             try:
                 for index, start, after, value in self.rows:
                     c["row"], c["byte"] = index, start
@@ -253,8 +310,9 @@ class _Lane:
         return self.active[-1]
 
     def block(self) -> dict[str, Any] | None:
-        """The lane's next block, or None once a source under ``stop`` (or every source) ran out."""
-        size = self.stream.block_size
+        """The lane's next block, or None once a source under ``stop`` (or every source) ran out.
+        Without packing (``block_size`` None) a block is the next row, a sample."""
+        size = self.stream.block_size or 1
         while self.active:
             name = self._draw()
             part = self.parts[name]
@@ -270,6 +328,8 @@ class _Lane:
                     self.active.remove(name)
                     continue
             self.drawn += 1
+            if self.stream.block_size is None:
+                return {**ids[0], "source": name}
             index = np.arange(len(ids))
             position_ids = np.minimum(np.asarray(positions), index % size).tolist()
             return {"input_ids": ids, "position_ids": position_ids, "source": name}
@@ -310,11 +370,12 @@ class _Lane:
 class StreamedDataset(IterableDataset):
     """A stream of packed blocks from ``sources`` (see the module's docstring). ``length``: the
     global samples the run plans to read (its steps times its global batch), which the loop counts
-    epochs by; a stream has no length of its own."""
+    epochs by; a stream has no length of its own. ``block_size`` None: the sources' rows are samples
+    already, taken one a block (no tokenizer)."""
 
     sources: list[StreamSource]
     tokenizer: Any
-    block_size: int
+    block_size: int | None
     length: int
     lanes: int = 64
     window: int = 16
@@ -337,8 +398,11 @@ class StreamedDataset(IterableDataset):
     def __len__(self) -> int:
         return self.length
 
-    def encode(self, text: str) -> list[int]:
-        """A document's tokens and EOS, as the map-style tokenisation makes them."""
+    def encode(self, text: Any) -> list[Any]:
+        """A document's tokens and EOS, as the map-style tokenisation makes them; without packing,
+        the row itself (one item)."""
+        if self.block_size is None:
+            return [text]
         eos = self.tokenizer.eos_token_id
         ids = self.tokenizer(text, add_special_tokens=True, split_special_tokens=True, verbose=False)[
             "input_ids"
@@ -415,6 +479,7 @@ class StreamPosition:
         self.start, self.cursors = 0, {}
         self.history: list[tuple[int, int, dict[str, Any]]] = []  # (sample number, lane, cursor after)
         self.epoch = 0
+        self.taken = dict.fromkeys(stream.weights, 0)  # blocks of each source read since ``take_counts``
 
     def set_epoch(self, epoch: int, start: int = 0, position: dict[str, Any] | None = None) -> None:
         """Resume at this rank's sample ``start`` from a checkpoint's ``position`` (None: the start)."""
@@ -422,7 +487,7 @@ class StreamPosition:
             self._check(position)
         self.epoch, self.start = epoch, start
         self.cursors = {int(k): v for k, v in (position or {}).get("lanes", {}).items()} if start else {}
-        self.history = []
+        self.history, self.taken = [], dict.fromkeys(self.taken, 0)
 
     def _check(self, position: dict[str, Any]) -> None:
         saved, now = position.get("fingerprint", {}), self.stream.fingerprint()
@@ -443,8 +508,15 @@ class StreamPosition:
             if j != expected:  # a worker's lane ended: the rank's order ends here
                 return
             self.history.append((j, lane, after))
+            self.taken[block["source"]] += 1
             expected += 1
-            yield {"input_ids": block["input_ids"], "position_ids": block["position_ids"]}
+            yield {key: value for key, value in block.items() if key != "source"}
+
+    def take_counts(self) -> dict[str, int]:
+        """The blocks of each source read since the last call: a window's, when called as the window
+        trains (``blocks`` reads nothing ahead of the window)."""
+        counts, self.taken = self.taken, dict.fromkeys(self.taken, 0)
+        return counts
 
     def position(self, consumed: int) -> dict[str, Any]:
         """This rank's lanes' cursors after its first ``consumed`` samples (what a checkpoint saved at

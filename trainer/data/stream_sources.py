@@ -1,6 +1,8 @@
 """A run's streamed sources from its data arguments: ``dataset`` (with ``streaming``) or the sources of
 ``dataset_mixture``, each a directory, a file, a glob of files or the standard library, resolved to a
-sorted list of files before anything is read."""
+sorted list of files before anything is read; or a hub name or a URL (``s3://``, ``hf://``, ...),
+which ``datasets`` streams (``load_dataset(..., streaming=True)``). And the stream a ``Trainer``
+makes of a ``datasets.IterableDataset`` it is given."""
 
 from __future__ import annotations
 
@@ -10,23 +12,34 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from torch.utils.data import IterableDataset
+
 from trainer.args import DataArguments
-from trainer.data.sources import STDLIB, DataError, corpus_files
+from trainer.data.loader import data_seed
+from trainer.data.sources import STDLIB, DataError, corpus_files, looks_local
 from trainer.data.stream import (
+    STREAM_LENGTH,
     SUFFIXES,
+    TEXT_SUFFIXES,
+    DatasetSource,
     StreamedDataset,
     StreamSource,
     changed_sources,
-    read_rows,
     row_text,
     unreadable,
 )
 
+# datasets' builder for a URL's files, by suffix (the local reader's kinds).
+URL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
-def _files(spec: str, key: str) -> tuple[Path, ...]:
+
+def _files(spec: str, key: str) -> tuple[Path, ...] | None:
+    """The files ``spec`` names, sorted; None for a hub name or a URL."""
     if spec == STDLIB:
         return tuple(corpus_files())
     path = Path(spec).expanduser()
+    if "://" in spec or not (path.exists() or looks_local(spec) or any(ch in spec for ch in "*?[")):
+        return None
     if any(ch in spec for ch in "*?["):
         found = [Path(p) for p in glob.glob(str(path), recursive=True)]
     elif path.is_dir():
@@ -41,24 +54,105 @@ def _files(spec: str, key: str) -> tuple[Path, ...]:
     return tuple(files)
 
 
+def _remote(spec: str, key: str, column: str, config: str | None) -> Any:
+    """``datasets``' stream of a hub name or a URL's files (their suffix says how to read them)."""
+    import datasets
+
+    suffix = Path(spec.split("?")[0]).suffix.lower()
+    if "://" in spec:
+        builder = URL_BUILDERS.get(suffix, "text" if suffix in TEXT_SUFFIXES else None)
+        if builder is None:
+            raise DataError([(key, f"{spec}: cannot tell how to read {suffix or 'files without a suffix'} "
+                              f"({', '.join(SUFFIXES)})")])  # fmt: skip
+        found = {
+            "path": builder,
+            "data_files": spec,
+            **({"sample_by": "document"} if builder == "text" else {}),
+        }
+    else:
+        found = {"path": spec, "name": config}
+    try:
+        dataset = datasets.load_dataset(**found, split="train", streaming=True)
+    except Exception as err:
+        first = (str(err).strip() or type(err).__name__).splitlines()[0]
+        raise DataError(
+            [(key, f"{spec!r} is not a local path, and datasets could not stream it: {first}")]
+        ) from None
+    if dataset.column_names is not None and column not in dataset.column_names:
+        raise DataError(
+            [(key, f"{spec} has no column {column!r} (its columns: {', '.join(dataset.column_names)})")]
+        )
+    return dataset
+
+
+def _source(
+    spec: str, key: str, name: str, weight: float, column: str, on_end: str, config: str | None
+) -> StreamSource:
+    files = _files(spec, key)
+    if files is not None:
+        return StreamSource(name, files, weight, column, on_end, key=key)
+    return DatasetSource(
+        name, (), weight, column, on_end, key=key, dataset=_remote(spec, key, column, config)
+    )
+
+
+def _name(spec: str) -> str:
+    """A source's name from its path or URL: its last part that is not a pattern, without suffix."""
+    plain = [part for part in Path(spec.split("://")[-1]).parts if not any(ch in part for ch in "*?[")]
+    return Path(*plain).stem if plain else ""
+
+
 def stream_sources(data_args: DataArguments) -> list[StreamSource]:
     """The sources of a streamed run, their files listed and checked (one DataError naming the key)."""
     if not data_args.dataset_mixture:
-        files = _files(data_args.dataset, "dataset")
-        name = Path(data_args.dataset).stem or "dataset"
-        return [StreamSource(name, files, 1.0, data_args.text_column, "repeat", key="dataset")]
+        spec, name = data_args.dataset, _name(data_args.dataset) or "dataset"
+        return [
+            _source(spec, "dataset", name, 1.0, data_args.text_column, "repeat", data_args.dataset_config)
+        ]
     sources, names = [], set()
     for i, item in enumerate(data_args.dataset_mixture):
         key = f"dataset_mixture.{i}.dataset"
-        plain = [part for part in Path(item.dataset).parts if not any(ch in part for ch in "*?[")]
-        name = item.name or (Path(*plain).stem if plain else f"source{i}")
+        name = item.name or _name(item.dataset) or f"source{i}"
         if name in names:
             raise DataError([(f"dataset_mixture.{i}.name", f"{name!r} names two sources; give each a name")])
         names.add(name)
-        sources.append(
-            StreamSource(name, _files(item.dataset, key), item.weight, item.text_column, item.on_end)
-        )
+        sources.append(_source(item.dataset, key, name, item.weight, item.text_column, item.on_end, None))
     return sources
+
+
+def as_stream(dataset: Any, args: Any) -> Any:
+    """``dataset`` as the ``Trainer`` reads it: an ``IterableDataset`` made a stream, others as they are."""
+    if not isinstance(dataset, IterableDataset) or isinstance(dataset, StreamedDataset):
+        return dataset
+    return iterable_stream(dataset, args, data_seed(args))
+
+
+def iterable_stream(dataset: Any, args: Any, seed: int) -> StreamedDataset:
+    """The stream a ``Trainer`` reads of a ``datasets.IterableDataset`` of samples (rows already
+    tokenised, as HF's Trainer takes them): its rows dealt to 64 lanes by its shards and shuffled 16
+    at a time (``train_sampling_strategy="sequential"``: not shuffled), resumed exactly on any number
+    of ranks. ``max_steps`` must be set: a stream has no length."""
+    import datasets
+
+    if not isinstance(dataset, datasets.IterableDataset):
+        raise ValueError(
+            "train_dataset: a torch IterableDataset has no shards to deal to ranks and no state to resume "
+            "from; pass a datasets.IterableDataset (datasets.IterableDataset.from_generator, "
+            "Dataset.to_iterable_dataset or load_dataset(..., streaming=True))"
+        )
+    if args.train_sampling_strategy == "group_by_length":
+        raise ValueError(
+            "train_sampling_strategy: group_by_length needs every row's length; a stream has none"
+        )
+    if args.max_steps <= 0:
+        raise ValueError(
+            "max_steps: a streamed train_dataset has no length to count epochs by; set max_steps"
+        )
+    source = DatasetSource("train_dataset", (), 1.0, None, "stop", key="train_dataset", dataset=dataset)
+    shuffle = args.train_sampling_strategy != "sequential"
+    return StreamedDataset(
+        [source], None, None, STREAM_LENGTH, window=16 if shuffle else 1, shuffle=shuffle, seed=seed
+    )
 
 
 def build_stream(
@@ -82,13 +176,13 @@ def build_stream(
 def stream_texts(sources: list[StreamSource], policy: str = "stop") -> Iterator[str]:
     """Every source's texts in file order: what a tokenizer trained for a stream reads (capped)."""
     for source in sources:
-        for path in source.files:
+        for shard in source.shards:
             try:
-                for _, _, _, value in read_rows(path, source.text_column, 0, 0):
+                for _, _, _, value in source.rows(shard, 0, 0):
                     if text := row_text(value, source.text_column):
                         yield text
             except (OSError, ValueError) as err:
-                unreadable(source, path, err, policy)
+                unreadable(source, shard, err, policy)
 
 
 def check_resumable(data_args: DataArguments, checkpoint: Path) -> None:

@@ -34,6 +34,7 @@ from trainer.checkpoint.export import export_hf
 from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
 from trainer.data.loader import accumulation_windows, row_length, sample_lengths, train_sampler
+from trainer.data.stream_sources import as_stream
 from trainer.engine import Engine, Objective, build_engine, is_causal_lm, objective_for
 from trainer.loop.auto_batch import AutoBatchSize
 from trainer.loop.callbacks import (
@@ -54,7 +55,7 @@ from trainer.loop.hf_methods import HFMethods
 from trainer.loop.plan import RunPlan, layout_of, plan_run
 from trainer.loop.saving import Checkpoints, resumed_state
 from trainer.loop.steps import client_scheduler, optimizer_for, tiling_for, torch_compile_for
-from trainer.loop.vote import Preemption, WindowCounts, poll, weakly
+from trainer.loop.vote import Preemption, WindowCounts, add_source_blocks, poll, source_shares, weakly
 from trainer.model.liger import apply_liger_kernel, check_liger
 from trainer.model.modeling import enable_gradient_checkpointing, is_adapter, model_hidden_size, param_counts
 from trainer.model.neftune import NEFTune
@@ -125,7 +126,7 @@ class Trainer(HFMethods, ResultsAPI):
         if getattr(model, "config", None) is not None:  # as HF's: no cache in training or evaluation
             model.config.use_cache = getattr(self.args, "use_cache", False)
         self._lengths = sample_lengths(train_dataset, self.args)  # before a length column is cut
-        self.train_dataset = self._model_columns(train_dataset, "training")
+        self.train_dataset = as_stream(self._model_columns(train_dataset, "training"), self.args)
         self.eval_dataset = self._model_columns(eval_dataset, "evaluation")
         self.processing_class = processing_class or tokenizer
         self.data_collator = data_collator or default_collator_for(model, self.processing_class)
@@ -282,8 +283,9 @@ class Trainer(HFMethods, ResultsAPI):
         checkpoint and the snapshot in flight, preemption, and the window's target tokens, samples and
         input tokens. Returns the window's target tokens on all ranks (0: a rank's stream ended), and
         its (samples, input tokens) on this one."""
-        counts = WindowCounts(window, self.engine, self.args, self.layout)
+        counts = WindowCounts(window, self.engine, self.args, self.layout, self.checkpoints.data)
         poll([*self.checkpoints.participants, self._preemption, counts])
+        add_source_blocks(self.state.source_blocks, counts.sources)
         shared, self._batch_hash = self.layout.sharing, counts.fingerprint  # a group's ranks: the same rows
         self.state.num_input_tokens_seen += int(counts.input_tokens) // shared
         self._run.samples += counts.samples / shared
@@ -301,9 +303,8 @@ class Trainer(HFMethods, ResultsAPI):
         """One step more in the state and the step timer (this rank's samples and input tokens)."""
         shared = self.layout.sharing  # a group's ranks count the same rows
         self.timer.step_end(tokens=input_tokens / shared, samples=samples / shared)
-        state = self.state
+        state, self._run.steps = self.state, self._run.steps + 1
         state.global_step += 1
-        self._run.steps += 1
         state.samples_into_epoch += samples
         state.epoch = state.epoch_index + state.samples_into_epoch / max(
             len(self.train_dataset) / self._data_ranks[0], 1
@@ -549,6 +550,7 @@ class Trainer(HFMethods, ResultsAPI):
         logs.update(self.timer.flush(sync_fn=self._sync, all_reduce_sum=host_all_reduce))
         logs.update(memory_stats(self.engine.device))
         logs.update(self._params, activation_checkpointing=self.engine.activation_checkpointing)
+        logs.update(source_shares(self.state.source_blocks))
         self._log({**logs, "data_fingerprint": self._batch_hash} if self._batch_hash else logs)
 
     def _maybe_evaluate_and_save(self) -> bool:

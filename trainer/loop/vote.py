@@ -66,17 +66,27 @@ class WindowCounts:
     """An accumulation window's part: its normaliser (target tokens for a causal LM) and its samples
     and input tokens, counted on the host from the CPU batches: the non-padding ones, or every input
     id with ``include_num_input_tokens_seen="all"``, as HF counts. An empty window (a rank's stream
-    ended) ends the data on every rank (``ended``). With ``log_data_fingerprint``, the global
-    batch's ``fingerprint``: each row hashed with its place in the global batch, the hashes added up
-    over the ranks in 16-bit parts (exact in the vote's float64 sums), so it does not depend on how
-    many ranks read the batch."""
+    ended) ends the data on every rank (``ended``). ``sources``: a stream's blocks of each source in
+    the window (what ``order``, the rank's ``StreamPosition``, counted), summed over the ranks. With
+    ``log_data_fingerprint``, the global batch's ``fingerprint``: each row hashed with its place in
+    the global batch, the hashes added up over the ranks in 16-bit parts (exact in the vote's float64
+    sums), so it does not depend on how many ranks read the batch."""
 
-    def __init__(self, window: list[dict[str, Any]], engine: Engine, args: Any, layout: ParallelLayout):
+    def __init__(
+        self,
+        window: list[dict[str, Any]],
+        engine: Engine,
+        args: Any,
+        layout: ParallelLayout,
+        order: Any = None,
+    ):
         # This rank's (samples, non-padding tokens): the step timer's numbers.
         self.local = (sum(batch_rows(b) for b in window), sum(int(non_padding_tokens(b)) for b in window))
         every_input_id = args.include_num_input_tokens_seen == "all"
         seen = sum(input_ids_count(b) for b in window) if every_input_id else self.local[1]
         self._ballot = [engine.local_targets(window), float(self.local[0]), float(seen), float(not window)]
+        self.sources, self.layout = getattr(order, "take_counts", dict)(), layout
+        self._ballot += [float(n) for n in self.sources.values()]
         self.sharing = layout.sharing if getattr(args, "log_data_fingerprint", False) else 0
         if self.sharing:
             self._ballot += row_hashes(window, *reversed(layout.data_ranks))
@@ -89,8 +99,25 @@ class WindowCounts:
     def tally(self, totals: list[float]) -> None:
         self.tokens, self.samples, self.input_tokens = totals[:3]
         self.ended = totals[3] > 0
-        if self.sharing:  # the ranks of a group that reads the same rows each added them
-            self.fingerprint = "".join(f"{int(v) // self.sharing % 65536:04x}" for v in totals[4:])
+        n = len(self.sources)  # the ranks of a group that reads the same rows each added them
+        self.sources = {
+            k: v / self.layout.sharing for k, v in zip(self.sources, totals[4 : 4 + n], strict=True)
+        }
+        if self.sharing:
+            self.fingerprint = "".join(f"{int(v) // self.sharing % 65536:04x}" for v in totals[4 + n :])
+
+
+def add_source_blocks(total: dict[str, float], window: dict[str, float]) -> None:
+    """Add a window's blocks of each source to the run's (``TrainerState.source_blocks``)."""
+    for name, blocks in window.items():
+        total[name] = total.get(name, 0.0) + blocks
+
+
+def source_shares(total: dict[str, float]) -> dict[str, float]:
+    """The realised share of each source in the blocks trained so far, as ``source_share/<name>``
+    metrics (none for a run that does not stream)."""
+    blocks = sum(total.values())
+    return {f"source_share/{name}": round(n / blocks, 6) for name, n in total.items()} if blocks else {}
 
 
 def row_hashes(window: list[dict[str, Any]], rank: int, readers: int) -> list[float]:

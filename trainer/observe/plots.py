@@ -1,4 +1,5 @@
-"""PNG plots of one or more runs' metrics.jsonl over steps: loss, learning rate, throughput, memory.
+"""PNG plots of one or more runs' metrics.jsonl over steps: loss, learning rate, throughput, memory,
+and a streamed mixture's realised share of each source.
 
 Several runs are overlaid in each plot, one colour per run. Figures are built with matplotlib's
 object API on the Agg canvas, so plotting needs no display and touches no global pyplot state.
@@ -19,7 +20,8 @@ from trainer.runtime.run_files import METRICS
 
 GB = 1e9
 
-# file name -> (title, y label, [(row key, series label, line style, scale)])
+# file name -> (title, y label, [(row key, series label, line style, scale)]); a key ending in "/*"
+# stands for every key with that prefix, each a series labelled by the rest of its name.
 PLOTS: dict[str, tuple[str, str, list[tuple[str, str, str, float]]]] = {
     "loss": ("Loss", "loss", [("loss", "train", "-", 1.0), ("eval_loss", "eval", "--o", 1.0)]),
     "learning_rate": ("Learning rate", "learning rate", [("learning_rate", "", "-", 1.0)]),
@@ -32,7 +34,26 @@ PLOTS: dict[str, tuple[str, str, list[tuple[str, str, str, float]]]] = {
             ("host_peak_rss_bytes", "host peak RSS", ":", 1 / GB),
         ],
     ),
+    "source_share": (
+        "Realised share of each source",
+        "share of blocks trained",
+        [("source_share/*", "", "-", 1.0)],
+    ),
 }
+
+
+def expand(
+    rows: list[dict[str, Any]], keys: list[tuple[str, str, str, float]]
+) -> list[tuple[str, str, str, float]]:
+    """``keys`` with each ``prefix/*`` replaced by the rows' keys of that prefix, in sorted order."""
+    out = []
+    for key, label, style, scale in keys:
+        if not key.endswith("/*"):
+            out.append((key, label, style, scale))
+            continue
+        found = sorted({k for row in rows for k in row if k.startswith(key[:-1])})
+        out += [(k, f"{label} {k[len(key) - 1 :]}".strip(), style, scale) for k in found]
+    return out
 
 
 def series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -65,7 +86,7 @@ def build_figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Figure]:
         drawn = 0
         for index, (run, rows) in enumerate(runs.items()):
             colour = f"C{index % 10}"  # one colour per run across its series
-            for key, label, style, scale in keys:
+            for key, label, style, scale in expand(rows, keys):
                 steps, values = series(rows, key)
                 if not steps:
                     continue
@@ -89,7 +110,8 @@ def build_figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Figure]:
 
 
 def plot_runs(run_dirs: list[str], out_dir: str | None = None) -> list[str]:
-    """Write loss, learning-rate, throughput and memory PNGs for the runs; returns the paths written.
+    """Write loss, learning-rate, throughput, memory and source-share PNGs for the runs; returns the
+    paths written.
 
     By default the plots of one run go to ``RUN/plots``; a comparison of several goes to ``./plots``.
     A plot with no data in any run is not written.

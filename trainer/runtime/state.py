@@ -30,6 +30,8 @@ class TrainerState:
     samples_into_epoch: int = 0
     # A stream's position at the checkpoint: every lane's cursor (trainer.data.stream), None otherwise.
     data_position: dict[str, Any] | None = None
+    # A stream's blocks trained of each source, summed over the data-parallel ranks: the realised mixture.
+    source_blocks: dict[str, float] = field(default_factory=dict)
     num_input_tokens_seen: int = 0
     log_history: list[dict[str, Any]] = field(default_factory=list)
     # Non-finite guard: learning-rate scale after rollbacks, and how often it fired.
