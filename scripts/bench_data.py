@@ -124,13 +124,13 @@ def report(r: dict) -> str:
         f"({first['map_style'] / first['streamed']:.1f}x sooner)",
         "",
         "| resume at step | ours: a block of every lane | the same blocks, uninterrupted | re-reading to the step "
-        "| datasets' state_dict: its next row |",
-        "|---|---|---|---|---|",
+        "| HF's Trainer: skip_first_batches, then a batch | datasets' state_dict: its next row |",
+        "|---|---|---|---|---|---|",
     ]
     for step, c in r["resume_s"].items():
         lines.append(
             f"| {step} | {c['ours_s']:.2f} s | {c['uninterrupted_s']:.2f} s | {c['reread_s']:.2f} s "
-            f"| {c['datasets_state_dict_s']:.2f} s |"
+            f"| {c['hf_trainer_s']:.2f} s | {c['datasets_state_dict_s']:.2f} s |"
         )
     loader, model = r["loader_tokens_per_second_per_rank"], r["model_tokens_per_second_per_rank"]
     lines += [

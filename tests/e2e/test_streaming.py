@@ -4,8 +4,9 @@ carries a hash of its global batch, so runs are compared token for token.
 One process (two accumulated micro-batches, two DataLoader workers) and two ranks under the
 deepspeed launcher read a mixture of JSON-lines shards and Markdown files. The two-rank run killed
 after step 4, and killed inside a DataLoader worker, is started again by the same command; its
-checkpoint-3 resumes on one process. A map-style run and an unshuffled one-lane stream of the same
-files read the same blocks. The runs are shared by the tests below.
+checkpoint-3 resumes on one process. A map-style run, an unshuffled one-lane stream of the same
+files and the same files as a ``file://`` URL, streamed by ``datasets``, read the same blocks. The
+runs are shared by the tests below.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from transformers import AutoTokenizer
 
 from tests.helpers.launch import ROOT, launch, run_env
 from tests.helpers.scaffold import assert_same_weights, tiny_flags, train_rows
+from tests.helpers.sft_data import SYSTEM, TURNS, sharegpt_row, write_jsonl
+from tests.helpers.sft_data import tokenizer as sft_tokenizer
 from trainer.args import DataArguments
 from trainer.data.sources import corpus_files
 from trainer.data.stream import STREAM_LENGTH, StreamedDataset
@@ -56,7 +59,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("streams")
     corpus = _corpus(root)
     stream = [*COMMON, *_mixture(corpus)]
-    out = {name: root / name for name in ("one", "two", "killed", "worker", "elsewhere", "map", "lane")}
+    out = {
+        name: root / name for name in ("one", "two", "killed", "worker", "elsewhere", "map", "lane", "url")
+    }
     launch([*stream, "--output_dir", str(out["one"]), "--gradient_accumulation_steps", "2",
             "--dataloader_num_workers", "2"], launcher="python")  # fmt: skip
     launch([*stream, "--output_dir", str(out["two"])], launcher="deepspeed")
@@ -81,6 +86,9 @@ def runs(tmp_path_factory):
     )
     launch([*sequential, "--output_dir", str(out["lane"]), "--streaming", "true", "--stream_lanes", "1"],
            launcher="python")  # fmt: skip
+    url = [*COMMON, "--train_sampling_strategy", "sequential", "--dataset", f"file://{corpus['code']}/*.jsonl",
+           "--text_column", "content", "--streaming", "true", "--stream_lanes", "1"]  # fmt: skip
+    launch([*url, "--output_dir", str(out["url"])], launcher="python")
     out["corpus"] = corpus
     return out
 
@@ -144,7 +152,9 @@ def test_each_row_logs_the_realised_share_of_each_source(runs, tmp_path):
 
 
 def test_an_unshuffled_lane_reads_what_the_map_style_run_reads(runs):
-    assert _prints(runs["lane"]) == _prints(runs["map"])
+    """And a URL of the same files, which datasets streams (load_dataset(..., streaming=True)),
+    reads what our file reader reads."""
+    assert _prints(runs["lane"]) == _prints(runs["map"]) == _prints(runs["url"])
     assert [r["loss"] for r in train_rows(runs["lane"])] == pytest.approx(
         [r["loss"] for r in train_rows(runs["map"])], rel=1e-6
     )
@@ -190,3 +200,23 @@ def test_the_offline_mixture_recipe_streams(tmp_path):
     assert sorted(map(int, state["data_position"]["lanes"])) == list(range(16))
     assert sorted(state["data_position"]["fingerprint"]["sources"]) == ["docs", "stdlib"]
     assert (tmp_path / "final" / "model.safetensors").exists()
+
+
+def test_instruction_data_streams_as_the_map_style_run_reads_it(tmp_path):
+    """ShareGPT chats (``--data_format sft``) streamed in one unshuffled lane, and tokenised up front:
+    the same packed rows (the fingerprints), the same losses."""
+    chats = [sharegpt_row(TURNS[: 1 + i % 3], system=None if i % 2 else SYSTEM) for i in range(60)]
+    write_jsonl(tmp_path / "chats.jsonl", chats)
+    sft_tokenizer().save_pretrained(tmp_path / "tok")
+    sft = [*COMMON, "--data_format", "sft", "--dataset", str(tmp_path / "chats.jsonl"), "--tokenizer_name_or_path",
+           str(tmp_path / "tok"), "--train_sampling_strategy", "sequential", "--max_steps", "3", "--block_size", "128"]  # fmt: skip
+    launch(
+        [*sft, "--output_dir", str(tmp_path / "map"), "--validation_split_percentage", "0"], launcher="python"
+    )
+    launch([*sft, "--output_dir", str(tmp_path / "stream"), "--streaming", "true", "--stream_lanes", "1"],
+           launcher="python")  # fmt: skip
+    assert _prints(tmp_path / "stream") == _prints(tmp_path / "map")
+    assert len(set(_prints(tmp_path / "map").values())) == 3
+    assert [r["loss"] for r in train_rows(tmp_path / "stream")] == pytest.approx(
+        [r["loss"] for r in train_rows(tmp_path / "map")], rel=1e-6
+    )

@@ -8,13 +8,17 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import datasets
 import pytest
 import torch
 
+from tests.helpers.sft_data import SYSTEM, TURNS, sft_args, sharegpt_row
+from tests.helpers.sft_data import tokenizer as sft_tokenizer
 from trainer.args import DataArguments, TrainingArguments
+from trainer.data import build_datasets
 from trainer.data.processing import pack_documents, tokenise_text_batch
 from trainer.data.sources import DataError, corpus_files
 from trainer.data.stream import (
@@ -156,7 +160,7 @@ def test_a_shuffled_epoch_reads_every_document_once(tokenizer, corpus):
     lanes = [_Lane(lane, stream).blocks(None) for lane in range(stream.lanes)]  # each read to its end
     read = Counter(token for blocks in lanes for block, _ in blocks for token in block["input_ids"])
     texts = [json.loads(line)["text"] for f in sorted(corpus["b"].glob("*.jsonl")) for line in f.open()]
-    assert read == Counter(token for text in texts for token in stream.encode(text))
+    assert read == Counter(token for text in texts for token in stream.encode(text, "text", 0))
 
 
 def test_without_shuffling_one_lane_reads_the_map_style_blocks(tokenizer, corpus):
@@ -293,3 +297,21 @@ def test_streams_the_trainer_refuses(corpus, tmp_path):
 class _RowsOnly(torch.utils.data.IterableDataset):
     def __iter__(self):
         yield {"input_ids": [1, 2]}
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_instruction_rows_stream_as_the_builder_makes_them(tmp_path, packing):
+    """ShareGPT chats (``data_format sft``, the format told from the first row) streamed in one
+    unshuffled lane: the builder's rows, labels and position_ids, block for block; packed, a block
+    takes whole rows while the next fits."""
+    tok = sft_tokenizer()
+    chats = [sharegpt_row(TURNS[: 1 + i % 3], system=None if i % 2 else SYSTEM) for i in range(20)]
+    args = sft_args(tmp_path, chats, block_size=96, packing=packing)
+    built = build_datasets(args, tok, seed=0)[0].to_list()
+    (source,) = stream_sources(args.model_copy(update={"streaming": True}))
+    assert source.row_format == "sharegpt"
+    settings = dict(lanes=1, window=1, shuffle=False, packing=packing)
+    stream = StreamedDataset([replace(source, on_end="stop")], tok, 96, 10**9, **settings)
+    got = [{k: v for k, v in b.items() if k != "source"} for b in stream]
+    assert got == built[: len(got)] and len(got) == len(built)
+    assert (len(got) < len(chats)) == packing

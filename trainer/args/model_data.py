@@ -142,8 +142,8 @@ class DataArguments(ArgsModel):
     # Streams (docs/data.md): read on the fly, mixed by weight, resumed exactly on any number of ranks.
     streaming: bool = Field(
         False,
-        description="Stream the training data: files read, tokenised and packed as training goes (text "
-        "format), instead of tokenised up front; needs max_steps.",
+        description="Stream the training data: files read, tokenised and packed as training goes, instead "
+        "of tokenised up front; needs max_steps.",
     )
     dataset_mixture: list[MixtureSource] | None = Field(
         None,
@@ -197,10 +197,5 @@ class DataArguments(ArgsModel):
         if self.streaming and self.max_train_samples:
             raise ValueError(
                 "max_train_samples, streaming: a stream is not cut to a size; max_steps bounds the run"
-            )
-        if self.streaming and self.data_format != "text":
-            raise ValueError(
-                f"streaming, data_format: streams read text documents; data_format {self.data_format} is "
-                "tokenised up front (set streaming false)"
             )
         return self

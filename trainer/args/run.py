@@ -68,6 +68,15 @@ class RunConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _streams_of_documents(self) -> RunConfig:
+        if self.data.streaming and self.training.objective != "causal_lm":
+            raise ValueError(
+                f"streaming, objective: preference pairs ({self.training.objective}) are read up front, not "
+                "streamed; set streaming false"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _sequence_split(self) -> RunConfig:
         sp, block = self.training.sequence_parallel_size, self.data.block_size
         if sp > 1 and self.training.pipeline_parallel_size > 1:

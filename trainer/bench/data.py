@@ -1,14 +1,16 @@
 """The data benchmark's parts (``scripts/bench_data.py``): a corpus ``scale`` times the default job's,
 the time from launch to the first step (streamed against map-style), the cost of resuming a stream
-at a step (ours against re-reading to it and against ``datasets``' own ``state_dict``), and the
-loader's tokens/s against the model's."""
+at a step (ours against re-reading to it, against HF's Trainer resuming run_clm's streamed pipeline
+and against ``datasets``' own ``state_dict``), and the loader's tokens/s against the model's."""
 
 from __future__ import annotations
 
 import json
 import random
 import subprocess
+import tempfile
 import time
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -102,11 +104,49 @@ def resume_costs(
             "ours_s": ours,
             "uninterrupted_s": steady,
             "reread_s": reread,
+            "hf_trainer_s": hf_trainer_resume_seconds(
+                files, tokenizer, data_args.block_size, global_batch, step
+            ),
             "datasets_state_dict_s": time.perf_counter() - start,
             "ours_same_block": got == want,
             "datasets_same_row": first == next(it),
         }
     return costs
+
+
+def hf_trainer_resume_seconds(
+    files: list[str], tokenizer: Any, block_size: int, batch: int, step: int
+) -> float:
+    """What HF's Trainer does with the data to resume at ``step`` (one process, no accumulation):
+    its train DataLoader over run_clm's ``--streaming`` pipeline (the files streamed by
+    ``load_dataset``, tokenised, grouped into blocks), ``step`` batches skipped by accelerate's
+    ``skip_first_batches`` as its resume skips them, then its next batch."""
+    import datasets
+    import transformers
+    from accelerate import skip_first_batches
+
+    def group(examples: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+        joined = {k: list(chain(*examples[k])) for k in examples}
+        usable = len(joined["input_ids"]) // block_size * block_size
+        return {
+            k: [ids[i : i + block_size] for i in range(0, usable, block_size)] for k, ids in joined.items()
+        }
+
+    raw = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+    blocks = raw.map(lambda b: tokenizer(b["text"]), batched=True, remove_columns=["text"]).map(
+        group, batched=True
+    )
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=step + 1,
+                                              report_to="none", use_cpu=True)  # fmt: skip
+        trainer = transformers.Trainer(model=transformers.LlamaForCausalLM(config), args=args, train_dataset=blocks,
+                                       data_collator=transformers.default_data_collator)  # fmt: skip
+        loader = trainer.get_train_dataloader()
+        start = time.perf_counter()
+        next(iter(skip_first_batches(loader, step)))
+        return time.perf_counter() - start
 
 
 def documents_read(saved: dict[str, Any], stream: Any) -> int:

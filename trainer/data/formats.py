@@ -168,6 +168,14 @@ def _strings(value: Any) -> Iterator[str]:
                     yield f"<|{role}|>\n"
 
 
+def row_strings(fmt: str, row: dict[str, Any]) -> Iterator[str]:
+    """One instruction row's raw strings, as ``iter_texts`` gives a set's."""
+    for col in format_columns(fmt, list(row)):
+        yield from _strings(row[col])
+    if fmt == "alpaca":
+        yield from ("<|user|>\n", "<|assistant|>\n")
+
+
 def iter_texts(
     ds: Any, data_format: str, text_column: str, source: str = "dataset", batch_size: int = 256
 ) -> Iterator[str]:

@@ -129,5 +129,8 @@ def stream_windows(position: StreamPosition, collate_fn: Callable, args: Any) ->
 
 
 def row_length(dataset: Any) -> int:
-    """A training row's tokens: a stream's block size, else the first row's length."""
-    return dataset.block_size if isinstance(dataset, StreamedDataset) else len(dataset[0]["input_ids"])
+    """A training row's tokens: a stream's block size, else the first row's length (a stream of
+    samples: its first sample's)."""
+    if isinstance(dataset, StreamedDataset):
+        return dataset.block_size or len(next(iter(dataset))["input_ids"])
+    return len(dataset[0]["input_ids"])

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from trainer.data.processing import tokenise_rows_batch
 from trainer.data.sources import DataError
 from trainer.runtime.distributed import dist_info
 from trainer.runtime.resilience import fault_plan
@@ -93,8 +94,10 @@ class StreamSource:
     """One source of a stream: its files (sorted), its weight in the mixture, the column holding its
     text, and what happens when a lane runs out of it: ``stop`` (the stream ends), ``repeat`` (it
     starts over in a new order) or ``drop`` (the other sources share its weight). A file is a shard:
-    the unit lanes are dealt, read from a row and a byte offset. ``text_column`` None: the rows are
-    samples already (tokenised), taken whole, one a block."""
+    the unit lanes are dealt, read from a row and a byte offset. ``row_format``: ``text`` (documents
+    in ``text_column``, packed token by token), an instruction format (``alpaca``, ``messages``, ...:
+    rows tokenised with their labels, packed whole) or ``rows`` (samples already tokenised, taken
+    whole, one a block)."""
 
     name: str
     files: tuple[Path, ...]
@@ -102,9 +105,15 @@ class StreamSource:
     text_column: str = "text"
     on_end: str = "stop"
     key: str = ""  # the argument that names it, for errors (default: dataset_mixture.<name>)
+    row_format: str = "text"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", self.key or f"dataset_mixture.{self.name}")
+
+    @property
+    def column(self) -> str | None:
+        """The column a row's text is in; None: the whole row is read."""
+        return self.text_column if self.row_format == "text" else None
 
     @property
     def shards(self) -> tuple[Any, ...]:
@@ -116,7 +125,7 @@ class StreamSource:
     def rows(self, shard: Any, row: int, at: Any) -> Iterator[tuple[int, Any, Any, Any]]:
         """(row index, where it starts, where the next starts, its value) from row ``row`` of
         ``shard``, which starts at ``at`` (a byte offset here); see ``read_rows``."""
-        return read_rows(shard, self.text_column, row, at)
+        return read_rows(shard, self.column, row, at)
 
     def fingerprint(self) -> list[Any]:
         return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in self.files]
@@ -145,7 +154,7 @@ class DatasetSource(StreamSource):
         try:
             for index, value in enumerate(part, start=row):
                 after = part.state_dict()
-                yield index, at, after, value if self.text_column is None else value.get(self.text_column)
+                yield index, at, after, value if self.column is None else value.get(self.column)
                 at = after
         except (OSError, ValueError):
             raise
@@ -170,12 +179,10 @@ def row_text(value: Any, column: str | None) -> Any:
     return value if isinstance(value, dict if column is None else str) else None
 
 
-def read_rows(
-    path: Path, column: str, row: int, offset: int
-) -> Iterator[tuple[int, int, int, str | bytes | None]]:
-    """(row index, its byte offset, the next row's, its text, or a JSON line's bytes for
-    ``row_text``) from row ``row`` on, which starts at byte ``offset`` in a line file. A text file
-    is one row; JSON lines and tables a row a record."""
+def read_rows(path: Path, column: str | None, row: int, offset: int) -> Iterator[tuple[int, int, int, Any]]:
+    """(row index, its byte offset, the next row's, its text (``column`` None: the record), or a
+    JSON line's bytes for ``row_text``) from row ``row`` on, which starts at byte ``offset`` in a
+    line file. A text file is one row; JSON lines and tables a row a record."""
     suffix = path.suffix.lower()
     if suffix in TEXT_SUFFIXES:
         if row == 0:
@@ -192,15 +199,16 @@ def read_rows(
     from pyarrow import ipc
 
     if suffix == ".parquet":
-        batches: Any = pq.ParquetFile(path).iter_batches(columns=[column], batch_size=1024)
+        batches: Any = pq.ParquetFile(path).iter_batches(columns=column and [column], batch_size=1024)
     else:  # datasets' .arrow files are Arrow streams
         batches = ipc.open_stream(path.open("rb"))
     index = 0
     for batch in batches:
         if index + batch.num_rows > row:
-            for value in batch.column(column).to_pylist()[max(row - index, 0) :]:
+            values = batch.column(column).to_pylist() if column else batch.to_pylist()
+            for value in values[max(row - index, 0) :]:
                 at = max(index, row)
-                yield at, 0, 0, value if isinstance(value, str) else None
+                yield at, 0, 0, value if isinstance(value, str | dict) else None
                 index = at + 1
         else:
             index += batch.num_rows
@@ -250,8 +258,8 @@ class _SourceInLane:
                 for index, start, after, value in self.rows:
                     c["row"], c["byte"] = index, start
                     mine = c["seen"] % self.every == self.lane % self.every
-                    if mine and (text := row_text(value, self.source.text_column)):
-                        ids = self.stream.encode(text)
+                    if mine and (text := row_text(value, self.source.column)):
+                        ids = self.stream.encode(text, self.source.row_format, index)
                         if c["used"] < len(ids):
                             self.ids, self.next = ids[c["used"] :], (index + 1, after)
                             return True
@@ -277,6 +285,24 @@ class _SourceInLane:
                 row, byte = self.next
                 self.cursor.update(row=row, byte=byte, seen=self.cursor["seen"] + 1, used=0)
         return ids, positions
+
+    def take_rows(self, budget: int) -> tuple[list[dict[str, Any]], list[int]]:
+        """Whole rows: the next one, and more while their tokens fit ``budget`` (0: one row)."""
+        rows: list[dict[str, Any]] = []
+        used = 0
+        while self.ids or self._load():
+            row = self.ids[0]
+            n = len(row["input_ids"]) if budget else 0
+            if rows and used + n > budget:
+                break
+            rows.append(row)
+            used += n
+            self.ids = []
+            index, byte = self.next
+            self.cursor.update(row=index, byte=byte, seen=self.cursor["seen"] + 1, used=0)
+            if used >= budget:
+                break
+        return rows, []
 
     def next_epoch(self) -> None:
         self.restart({**_fresh(), "epoch": self.cursor["epoch"] + 1})
@@ -310,29 +336,23 @@ class _Lane:
         return self.active[-1]
 
     def block(self) -> dict[str, Any] | None:
-        """The lane's next block, or None once a source under ``stop`` (or every source) ran out.
-        Without packing (``block_size`` None) a block is the next row, a sample."""
-        size = self.stream.block_size or 1
+        """The lane's next block, or None once a source under ``stop`` (or every source) ran out."""
         while self.active:
             name = self._draw()
             part = self.parts[name]
-            ids, positions = part.take(size)
-            if not ids:
+            items, positions = self.stream.take(part)
+            if not items:
                 policy = self.stream.on_end[name]
                 if policy == "stop":
                     return None
                 if policy == "repeat":
                     part.next_epoch()
-                    ids, positions = part.take(size)
-                if not ids:  # dropped, or repeated and still empty
+                    items, positions = self.stream.take(part)
+                if not items:  # dropped, or repeated and still empty
                     self.active.remove(name)
                     continue
             self.drawn += 1
-            if self.stream.block_size is None:
-                return {**ids[0], "source": name}
-            index = np.arange(len(ids))
-            position_ids = np.minimum(np.asarray(positions), index % size).tolist()
-            return {"input_ids": ids, "position_ids": position_ids, "source": name}
+            return {**self.stream.block(items, positions, part.source.row_format), "source": name}
         if self.drawn == 0:  # the global order cannot pass over a lane: say why it would end here
             raise DataError(
                 [("stream_lanes", f"lane {self.lane} of {self.stream.lanes} has no rows of any source (a source "
@@ -371,7 +391,8 @@ class StreamedDataset(IterableDataset):
     """A stream of packed blocks from ``sources`` (see the module's docstring). ``length``: the
     global samples the run plans to read (its steps times its global batch), which the loop counts
     epochs by; a stream has no length of its own. ``block_size`` None: the sources' rows are samples
-    already, taken one a block (no tokenizer)."""
+    already, taken one a block (no tokenizer). ``packing`` and ``long_rows``: the instruction
+    formats' (``DataArguments``)."""
 
     sources: list[StreamSource]
     tokenizer: Any
@@ -383,6 +404,8 @@ class StreamedDataset(IterableDataset):
     seed: int = 0
     unreadable: str = "stop"
     data_changed: str = "refuse"
+    packing: bool = True
+    long_rows: str = "truncate"
     weights: dict[str, float] = field(init=False)
     on_end: dict[str, str] = field(init=False)
 
@@ -398,16 +421,47 @@ class StreamedDataset(IterableDataset):
     def __len__(self) -> int:
         return self.length
 
-    def encode(self, text: Any) -> list[Any]:
-        """A document's tokens and EOS, as the map-style tokenisation makes them; without packing,
-        the row itself (one item)."""
-        if self.block_size is None:
+    def encode(self, text: Any, row_format: str, index: int) -> list[Any]:
+        """A document's tokens and EOS, as the map-style tokenisation makes them; an instruction
+        row (row ``index`` of its shard) as one item, its ``input_ids`` and ``labels`` (none when
+        ``long_rows`` drops it; a row that cannot be used is a ValueError); a sample as it is."""
+        if row_format == "rows":
             return [text]
+        if row_format != "text":
+            made = tokenise_rows_batch({k: [v] for k, v in text.items()}, [index], self.tokenizer, row_format,
+                                       self.block_size, self.long_rows)  # fmt: skip
+            if made["problem"] and made["problem"][0]:
+                raise ValueError(f"row {index}: {made['problem'][0]}")
+            return [
+                {"input_ids": ids, "labels": labels}
+                for ids, labels in zip(made["input_ids"], made["labels"], strict=True)
+            ]
         eos = self.tokenizer.eos_token_id
         ids = self.tokenizer(text, add_special_tokens=True, split_special_tokens=True, verbose=False)[
             "input_ids"
         ]
         return ids if ids and ids[-1] == eos else [*ids, eos]
+
+    def take(self, part: _SourceInLane) -> tuple[list[Any], list[int]]:
+        """A block's items of one source: tokens and their positions (text), or whole rows."""
+        if part.source.row_format == "text":
+            return part.take(self.block_size)
+        return part.take_rows(self.block_size if self.packing and part.source.row_format != "rows" else 0)
+
+    def block(self, items: list[Any], positions: list[int], row_format: str) -> dict[str, Any]:
+        """A block of ``take``'s items: ``position_ids`` restart at each document (and at the block)
+        and at each instruction row; a sample is the block."""
+        if row_format == "text":
+            index = np.arange(len(items))
+            position_ids = np.minimum(np.asarray(positions), index % self.block_size).tolist()
+            return {"input_ids": items, "position_ids": position_ids}
+        if row_format == "rows" or not self.packing:
+            return items[0]
+        return {
+            "input_ids": [t for row in items for t in row["input_ids"]],
+            "labels": [t for row in items for t in row["labels"]],
+            "position_ids": [i for row in items for i in range(len(row["input_ids"]))],
+        }
 
     def fingerprint(self) -> dict[str, Any]:
         return self._fingerprint

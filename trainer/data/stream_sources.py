@@ -9,12 +9,14 @@ from __future__ import annotations
 import glob
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from torch.utils.data import IterableDataset
 
 from trainer.args import DataArguments
+from trainer.data.formats import resolve_format, row_strings
 from trainer.data.loader import data_seed
 from trainer.data.sources import STDLIB, DataError, corpus_files, looks_local
 from trainer.data.stream import (
@@ -54,7 +56,7 @@ def _files(spec: str, key: str) -> tuple[Path, ...] | None:
     return tuple(files)
 
 
-def _remote(spec: str, key: str, column: str, config: str | None) -> Any:
+def _remote(spec: str, key: str, column: str | None, config: str | None) -> Any:
     """``datasets``' stream of a hub name or a URL's files (their suffix says how to read them)."""
     import datasets
 
@@ -78,7 +80,7 @@ def _remote(spec: str, key: str, column: str, config: str | None) -> Any:
         raise DataError(
             [(key, f"{spec!r} is not a local path, and datasets could not stream it: {first}")]
         ) from None
-    if dataset.column_names is not None and column not in dataset.column_names:
+    if column and dataset.column_names is not None and column not in dataset.column_names:
         raise DataError(
             [(key, f"{spec} has no column {column!r} (its columns: {', '.join(dataset.column_names)})")]
         )
@@ -86,14 +88,23 @@ def _remote(spec: str, key: str, column: str, config: str | None) -> Any:
 
 
 def _source(
-    spec: str, key: str, name: str, weight: float, column: str, on_end: str, config: str | None
+    spec: str, key: str, name: str, weight: float, column: str, on_end: str, data_args: DataArguments
 ) -> StreamSource:
-    files = _files(spec, key)
+    """One source: its files, or datasets' stream of it; the instruction format told from its first row's
+    columns (``data_format sft``), or checked against them."""
+    files, fmt = _files(spec, key), data_args.data_format
+    named = key if key == "dataset" else ""  # a mixture's source is named by its name once it reads
     if files is not None:
-        return StreamSource(name, files, weight, column, on_end, key=key)
-    return DatasetSource(
-        name, (), weight, column, on_end, key=key, dataset=_remote(spec, key, column, config)
+        source = StreamSource(name, files, weight, column, on_end, key=named, row_format=fmt)
+    else:
+        dataset = _remote(spec, key, column if fmt == "text" else None, data_args.dataset_config)
+        source = DatasetSource(name, (), weight, column, on_end, key=named, row_format=fmt, dataset=dataset)
+    if fmt == "text":
+        return source
+    first = next(
+        (row_text(v, None) for shard in source.shards[:1] for *_, v in source.rows(shard, 0, 0)), None
     )
+    return replace(source, row_format=resolve_format(fmt, list(first or {}), spec, column))
 
 
 def _name(spec: str) -> str:
@@ -106,9 +117,7 @@ def stream_sources(data_args: DataArguments) -> list[StreamSource]:
     """The sources of a streamed run, their files listed and checked (one DataError naming the key)."""
     if not data_args.dataset_mixture:
         spec, name = data_args.dataset, _name(data_args.dataset) or "dataset"
-        return [
-            _source(spec, "dataset", name, 1.0, data_args.text_column, "repeat", data_args.dataset_config)
-        ]
+        return [_source(spec, "dataset", name, 1.0, data_args.text_column, "repeat", data_args)]
     sources, names = [], set()
     for i, item in enumerate(data_args.dataset_mixture):
         key = f"dataset_mixture.{i}.dataset"
@@ -116,7 +125,9 @@ def stream_sources(data_args: DataArguments) -> list[StreamSource]:
         if name in names:
             raise DataError([(f"dataset_mixture.{i}.name", f"{name!r} names two sources; give each a name")])
         names.add(name)
-        sources.append(_source(item.dataset, key, name, item.weight, item.text_column, item.on_end, None))
+        sources.append(
+            _source(item.dataset, key, name, item.weight, item.text_column, item.on_end, data_args)
+        )
     return sources
 
 
@@ -148,7 +159,9 @@ def iterable_stream(dataset: Any, args: Any, seed: int) -> StreamedDataset:
         raise ValueError(
             "max_steps: a streamed train_dataset has no length to count epochs by; set max_steps"
         )
-    source = DatasetSource("train_dataset", (), 1.0, None, "stop", key="train_dataset", dataset=dataset)
+    source = DatasetSource(
+        "train_dataset", (), 1.0, "", "stop", key="train_dataset", row_format="rows", dataset=dataset
+    )
     shuffle = args.train_sampling_strategy != "sequential"
     return StreamedDataset(
         [source], None, None, STREAM_LENGTH, window=16 if shuffle else 1, shuffle=shuffle, seed=seed
@@ -170,6 +183,8 @@ def build_stream(
         seed=seed,
         unreadable=data_args.unreadable_shards,
         data_changed=data_args.data_changed,
+        packing=data_args.packing,
+        long_rows=data_args.long_rows,
     )
 
 
@@ -179,8 +194,8 @@ def stream_texts(sources: list[StreamSource], policy: str = "stop") -> Iterator[
         for shard in source.shards:
             try:
                 for _, _, _, value in source.rows(shard, 0, 0):
-                    if text := row_text(value, source.text_column):
-                        yield text
+                    text = row_text(value, source.column)
+                    yield from [text] if isinstance(text, str) else row_strings(source.row_format, text or {})
             except (OSError, ValueError) as err:
                 unreadable(source, shard, err, policy)
 

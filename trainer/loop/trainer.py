@@ -590,9 +590,8 @@ class Trainer(HFMethods, ResultsAPI):
     def _load_checkpoint(self, path: Path, weights_only: bool = False) -> None:
         saved = ckpt.load(self.engine, path, self.dist, restore_rng=not weights_only)
         if not weights_only:
-            self.state = resumed_state(
-                saved, self.state, len(self.train_dataset), self._data_ranks, self.args
-            )
+            samples = len(self.train_dataset)
+            self.state = resumed_state(saved, self.state, samples, self._data_ranks, self.args)
 
     def _flops_per_token(self) -> float | None:
         """A causal LM's model FLOPs per token (MFU); None for other models, whose rows are not token blocks."""
