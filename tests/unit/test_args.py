@@ -194,9 +194,13 @@ def test_a_setting_without_its_switch_is_refused_before_the_run(tmp_path, capsys
 
 
 def test_preference_pairs_are_not_streamed():
-    with pytest.raises(ConfigError, match=r"streaming, objective: preference pairs \(dpo\) are read up front"):
+    with pytest.raises(
+        ConfigError, match=r"streaming, objective: preference pairs \(dpo\) are read up front"
+    ):
         parse_run_config(["--objective", "dpo", "--streaming", "true", "--max_steps", "2"])
-    assert parse_run_config(["--streaming", "true", "--max_steps", "2", "--data_format", "sft"]).data.streaming
+    assert parse_run_config(
+        ["--streaming", "true", "--max_steps", "2", "--data_format", "sft"]
+    ).data.streaming
 
 
 def test_the_same_settings_with_their_switches_are_accepted():

@@ -29,7 +29,7 @@ from trainer.data.stream import (
     StreamSource,
     _Lane,
 )
-from trainer.data.stream_sources import as_stream, stream_sources
+from trainer.data.stream_sources import readable, stream_sources
 from trainer.data.tokenizer import train_bpe_tokenizer
 
 # Small modules of the standard library, in a fixed order: documents of a few hundred tokens.
@@ -264,27 +264,29 @@ def test_a_trainers_iterable_dataset_is_a_resumable_stream_of_its_rows():
     Trainer reads an IterableDataset), shuffled 16 at a time otherwise; a resume on another number
     of ranks continues either order."""
     args = TrainingArguments(output_dir="unused", max_steps=5, train_sampling_strategy="sequential")
-    stream = as_stream(_samples(200, 4), args)
+    stream = readable(_samples(200, 4), args)
     first = lambda block: block["input_ids"][0]  # noqa: E731
     assert [first(b) for b in stream][:200] == list(range(200))
     random = args.model_copy(update={"train_sampling_strategy": "random"})
-    shuffled = lambda: as_stream(_samples(200, 4), random)  # noqa: E731
+    shuffled = lambda: readable(_samples(200, 4), random)  # noqa: E731
     order = [first(b) for _, b in zip(range(200), shuffled(), strict=False)]
     assert sorted(order) == list(range(200)) and order != list(range(200))
     _, positions = _ranks(shuffled, 2, 60)
     again, _ = _ranks(shuffled, 4, 25, start=25, saved=_saved(positions, 50))
     assert [row[0] for row in again] == order[100:200]
     assert set(next(iter(stream))) == {"input_ids", "labels", "source"}
+    held = readable(_samples(8, 2), args, evaluation=True)  # an evaluation set: read whole
+    assert isinstance(held, datasets.Dataset) and held.to_list() == list(_samples(8, 1))
 
 
 def test_streams_the_trainer_refuses(corpus, tmp_path):
     args = TrainingArguments(output_dir="unused", max_steps=5)
     with pytest.raises(ValueError, match="train_dataset: a torch IterableDataset has no shards"):
-        as_stream(_RowsOnly(), args)
+        readable(_RowsOnly(), args)
     with pytest.raises(ValueError, match="max_steps: a streamed train_dataset has no length"):
-        as_stream(_samples(8, 1), TrainingArguments(output_dir="unused"))
+        readable(_samples(8, 1), TrainingArguments(output_dir="unused"))
     with pytest.raises(ValueError, match="train_sampling_strategy: group_by_length needs every row's length"):
-        as_stream(_samples(8, 1), args.model_copy(update={"train_sampling_strategy": "group_by_length"}))
+        readable(_samples(8, 1), args.model_copy(update={"train_sampling_strategy": "group_by_length"}))
     url = f"file://{corpus['a']}/*.jsonl"
     with pytest.raises(DataError, match=r"dataset: .* has no column 'content' \(its columns: text, other\)"):
         stream_sources(DataArguments(streaming=True, dataset=url, text_column="content"))

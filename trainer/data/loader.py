@@ -24,7 +24,7 @@ def sample_lengths(dataset: Any, args: Any) -> list[int] | None:
     takes them: the ``length_column_name`` column where the dataset has one, else each row's
     ``input_ids`` length (a preference pair's: its longer sequence). Read before the dataset is cut
     to the model's inputs."""
-    # A stream (an IterableDataset) has no lengths: trainer.data.stream_sources.as_stream refuses it.
+    # A stream (an IterableDataset) has no lengths: trainer.data.stream_sources.readable refuses it.
     if (
         dataset is None
         or args.train_sampling_strategy != "group_by_length"

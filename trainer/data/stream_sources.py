@@ -131,10 +131,16 @@ def stream_sources(data_args: DataArguments) -> list[StreamSource]:
     return sources
 
 
-def as_stream(dataset: Any, args: Any) -> Any:
-    """``dataset`` as the ``Trainer`` reads it: an ``IterableDataset`` made a stream, others as they are."""
+def readable(dataset: Any, args: Any, evaluation: bool = False) -> Any:
+    """``dataset`` as the ``Trainer`` reads it: an ``IterableDataset`` made a stream to train on, or
+    read whole into memory to evaluate on (an evaluation set is finite, and every rank takes its
+    share of the same rows); others as they are."""
     if not isinstance(dataset, IterableDataset) or isinstance(dataset, StreamedDataset):
         return dataset
+    if evaluation:
+        import datasets
+
+        return datasets.Dataset.from_list(list(dataset))
     return iterable_stream(dataset, args, data_seed(args))
 
 

@@ -34,7 +34,7 @@ from trainer.checkpoint.export import export_hf
 from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
 from trainer.data.loader import accumulation_windows, row_length, sample_lengths, train_sampler
-from trainer.data.stream_sources import as_stream
+from trainer.data.stream_sources import readable
 from trainer.engine import Engine, Objective, build_engine, is_causal_lm, objective_for
 from trainer.loop.auto_batch import AutoBatchSize
 from trainer.loop.callbacks import (
@@ -126,8 +126,8 @@ class Trainer(HFMethods, ResultsAPI):
         if getattr(model, "config", None) is not None:  # as HF's: no cache in training or evaluation
             model.config.use_cache = getattr(self.args, "use_cache", False)
         self._lengths = sample_lengths(train_dataset, self.args)  # before a length column is cut
-        self.train_dataset = as_stream(self._model_columns(train_dataset, "training"), self.args)
-        self.eval_dataset = self._model_columns(eval_dataset, "evaluation")
+        self.train_dataset = readable(self._model_columns(train_dataset, "training"), self.args)
+        self.eval_dataset = readable(self._model_columns(eval_dataset, "evaluation"), self.args, True)
         self.processing_class = processing_class or tokenizer
         self.data_collator = data_collator or default_collator_for(model, self.processing_class)
         self.compute_metrics = compute_metrics
