@@ -67,7 +67,7 @@ TEST_NODES = {
         "tests/e2e/test_tensor_parallel.py::test_a_group_of_two_follows_one_process"
     ),
     "python scripts/train.py --config scripts/recipes/stream_mixture.yaml": (
-        "tests/e2e/test_streaming.py::test_the_offline_mixture_recipe_streams"
+        "tests/e2e/test_streaming_one_process.py::test_the_offline_mixture_recipe_streams"
     ),
     "python scripts/train.py --report_to wandb mlflow tensorboard --run_name demo": (
         "tests/e2e/test_report_to.py::test_wandb_offline_run_holds_the_metrics"

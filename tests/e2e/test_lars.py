@@ -1,7 +1,7 @@
 """``--optim lars`` through the user's command.
 
-One process trains four steps with the global batch in two micro-batches; two ranks under the
-deepspeed launcher train the same four steps under ZeRO-2 and ZeRO-3, where DeepSpeed hands LARS
+One process trains four steps with the global batch in two micro-batches; two ranks under torchrun
+train the same four steps under ZeRO-2 and ZeRO-3, where DeepSpeed hands LARS
 flat slices of many parameters. A copy of the ZeRO-2 run's checkpoint-2 is resumed by the same
 command. The runs are shared by the tests below.
 """
@@ -33,11 +33,11 @@ def runs(tmp_path_factory):
     )
     for stage in STAGES:
         out[stage] = root / f"zero{stage}"
-        launch([*COMMON, "--output_dir", str(out[stage]), "--zero_stage", str(stage)], launcher="deepspeed")
+        launch([*COMMON, "--output_dir", str(out[stage]), "--zero_stage", str(stage)])
     resumed = out["resumed"] = root / "resumed"
     resumed.mkdir()
     shutil.copytree(out[2] / "checkpoint-2", resumed / "checkpoint-2")
-    launch([*COMMON, "--output_dir", str(resumed), "--zero_stage", "2"], launcher="deepspeed")
+    launch([*COMMON, "--output_dir", str(resumed), "--zero_stage", "2"])
     return out
 
 

@@ -1,12 +1,12 @@
 """Streamed mixtures through the user's command, with ``--log_data_fingerprint``: every step's row
 carries a hash of its global batch, so runs are compared token for token.
 
-One process (two accumulated micro-batches, two DataLoader workers) and two ranks under the
-deepspeed launcher read a mixture of JSON-lines shards and Markdown files. The two-rank run killed
-after step 4, and killed inside a DataLoader worker, is started again by the same command; its
-checkpoint-3 resumes on one process. A map-style run, an unshuffled one-lane stream of the same
-files and the same files as a ``file://`` URL, streamed by ``datasets``, read the same blocks. The
-runs are shared by the tests below.
+One process (two accumulated micro-batches, two DataLoader workers) and two ranks under torchrun
+read a mixture of JSON-lines shards and Markdown files. The two-rank run killed after step 4, and
+killed inside a DataLoader worker, is started again by the same command; its checkpoint-3 resumes on
+one process. The runs are shared by the tests below; the one-process streams (a single lane against
+the map-style run, a URL, instruction rows, the mixture recipe, a bad shard) are in
+``test_streaming_one_process.py``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from transformers import AutoTokenizer
 
 from tests.helpers.launch import ROOT, launch, run_env
 from tests.helpers.scaffold import assert_same_weights, tiny_flags, train_rows
-from tests.helpers.sft_data import SYSTEM, TURNS, sharegpt_row, write_jsonl
-from tests.helpers.sft_data import tokenizer as sft_tokenizer
 from trainer.args import DataArguments
 from trainer.data.sources import corpus_files
 from trainer.data.stream import STREAM_LENGTH, StreamedDataset
@@ -59,36 +57,23 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("streams")
     corpus = _corpus(root)
     stream = [*COMMON, *_mixture(corpus)]
-    out = {
-        name: root / name for name in ("one", "two", "killed", "worker", "elsewhere", "map", "lane", "url")
-    }
+    out = {name: root / name for name in ("one", "two", "killed", "worker", "elsewhere")}
     launch([*stream, "--output_dir", str(out["one"]), "--gradient_accumulation_steps", "2",
             "--dataloader_num_workers", "2"], launcher="python")  # fmt: skip
-    launch([*stream, "--output_dir", str(out["two"])], launcher="deepspeed")
+    launch([*stream, "--output_dir", str(out["two"])])
     faults = {"killed": ("crash:rank=1:step=4", []),
               "worker": ("crash:rank=1:phase=worker:sample=18", ["--dataloader_num_workers", "2"])}  # fmt: skip
     for name, (fault, extra) in faults.items():
         cmd = [*stream, "--output_dir", str(out[name]), *extra]
-        first = launch(cmd, launcher="deepspeed", check=False, env=run_env(TRAINER_FAULT=fault))
+        first = launch(cmd, check=False, env=run_env(TRAINER_FAULT=fault))
         out[f"{name}_rc"], out[f"{name}_steps"] = first.returncode, [r["step"] for r in train_rows(out[name])]
-        launch(cmd, launcher="deepspeed")
+        launch(cmd)
     out["elsewhere"].mkdir()
     shutil.copytree(out["two"] / "checkpoint-3", out["elsewhere"] / "checkpoint-3")
     launch(
         [*stream, "--output_dir", str(out["elsewhere"]), "--gradient_accumulation_steps", "2"],
         launcher="python",
     )
-    sequential = [*COMMON, "--train_sampling_strategy", "sequential", "--dataset", str(corpus["code"]),
-                  "--text_column", "content"]  # fmt: skip
-    launch(
-        [*sequential, "--output_dir", str(out["map"]), "--validation_split_percentage", "0"],
-        launcher="python",
-    )
-    launch([*sequential, "--output_dir", str(out["lane"]), "--streaming", "true", "--stream_lanes", "1"],
-           launcher="python")  # fmt: skip
-    url = [*COMMON, "--train_sampling_strategy", "sequential", "--dataset", f"file://{corpus['code']}/*.jsonl",
-           "--text_column", "content", "--streaming", "true", "--stream_lanes", "1"]  # fmt: skip
-    launch([*url, "--output_dir", str(out["url"])], launcher="python")
     out["corpus"] = corpus
     return out
 
@@ -151,15 +136,6 @@ def test_each_row_logs_the_realised_share_of_each_source(runs, tmp_path):
     assert str(tmp_path / "source_share.png") in plot_runs([str(runs["two"])], str(tmp_path))
 
 
-def test_an_unshuffled_lane_reads_what_the_map_style_run_reads(runs):
-    """And a URL of the same files, which datasets streams (load_dataset(..., streaming=True)),
-    reads what our file reader reads."""
-    assert _prints(runs["lane"]) == _prints(runs["map"]) == _prints(runs["url"])
-    assert [r["loss"] for r in train_rows(runs["lane"])] == pytest.approx(
-        [r["loss"] for r in train_rows(runs["map"])], rel=1e-6
-    )
-
-
 def test_a_changed_source_is_refused_by_name(runs, tmp_path):
     """A page of the mixture's prose rewritten after the run (the launches are all done): resuming
     its checkpoint is refused, naming the source, before anything trains."""
@@ -171,52 +147,3 @@ def test_a_changed_source_is_refused_by_name(runs, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "error: dataset_mixture.prose: its files changed since the checkpoint" in proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
-
-
-def test_an_unreadable_shard_is_named_with_the_rank(runs, tmp_path):
-    shards = tmp_path / "shards"
-    shutil.copytree(runs["corpus"]["code"], shards)
-    (shards / "part-2.jsonl").write_text('{"content": "fine"}\n{not json\n')
-    proc = launch([*COMMON, "--streaming", "true", "--dataset", str(shards), "--text_column", "content",
-                   "--stream_lanes", "1", "--output_dir", str(tmp_path / "run")], launcher="python",
-                  check=False)  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    line = next(x for x in proc.stderr.splitlines() if x.startswith("error: "))
-    assert line.startswith(f"error: dataset: {shards}/part-2.jsonl cannot be read on rank 0 (JSONDecodeError")
-
-
-def test_the_offline_mixture_recipe_streams(tmp_path):
-    """python scripts/train.py --config scripts/recipes/stream_mixture.yaml, sized down: the standard
-    library and the docs streamed, every step's row with its fingerprint, a checkpoint with every
-    lane's cursor, an export."""
-    recipe = ["scripts/train.py", "--config", "scripts/recipes/stream_mixture.yaml"]
-    small = tiny_flags(max_steps=2, save_steps=2, max_train_samples=None, eval_steps=None)
-    launch([*recipe, *small, "--output_dir", str(tmp_path)], launcher="python")
-    rows = train_rows(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2] and all(len(r["data_fingerprint"]) == 16 for r in rows)
-    state = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
-    # 16 blocks read: one from each of lanes 0-15 (the global order takes the 64 in turn); the
-    # other lanes have not started, which the position says by leaving them out.
-    assert sorted(map(int, state["data_position"]["lanes"])) == list(range(16))
-    assert sorted(state["data_position"]["fingerprint"]["sources"]) == ["docs", "stdlib"]
-    assert (tmp_path / "final" / "model.safetensors").exists()
-
-
-def test_instruction_data_streams_as_the_map_style_run_reads_it(tmp_path):
-    """ShareGPT chats (``--data_format sft``) streamed in one unshuffled lane, and tokenised up front:
-    the same packed rows (the fingerprints), the same losses."""
-    chats = [sharegpt_row(TURNS[: 1 + i % 3], system=None if i % 2 else SYSTEM) for i in range(60)]
-    write_jsonl(tmp_path / "chats.jsonl", chats)
-    sft_tokenizer().save_pretrained(tmp_path / "tok")
-    sft = [*COMMON, "--data_format", "sft", "--dataset", str(tmp_path / "chats.jsonl"), "--tokenizer_name_or_path",
-           str(tmp_path / "tok"), "--train_sampling_strategy", "sequential", "--max_steps", "3", "--block_size", "128"]  # fmt: skip
-    launch(
-        [*sft, "--output_dir", str(tmp_path / "map"), "--validation_split_percentage", "0"], launcher="python"
-    )
-    launch([*sft, "--output_dir", str(tmp_path / "stream"), "--streaming", "true", "--stream_lanes", "1"],
-           launcher="python")  # fmt: skip
-    assert _prints(tmp_path / "stream") == _prints(tmp_path / "map")
-    assert len(set(_prints(tmp_path / "map").values())) == 3
-    assert [r["loss"] for r in train_rows(tmp_path / "stream")] == pytest.approx(
-        [r["loss"] for r in train_rows(tmp_path / "map")], rel=1e-6
-    )

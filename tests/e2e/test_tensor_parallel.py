@@ -1,6 +1,6 @@
 """AutoTP tensor parallelism through the user's command.
 
-One process trains four steps (a checkpoint at step 2). Two ranks under the deepspeed launcher with
+One process trains four steps (a checkpoint at step 2). Two ranks under torchrun with
 ``--tensor_parallel_size 2`` train the same four steps under ZeRO 1, 2 and 3: one TP group, each rank
 holding half of every projection and reading the same rows (at ZeRO-2 with the same global batch in
 two micro-batches a step, the tiled loss and activation checkpointing). That run killed after step 3 is
@@ -37,13 +37,13 @@ def runs(tmp_path_factory):
     for stage in STAGES:  # ZeRO-2 with the same global batch in two micro-batches, tiled, recomputed
         out[stage] = root / f"tp_zero{stage}"
         flags = ["--zero_stage", str(stage), *TP, *(COMPOSED if stage == 2 else [])]
-        launch([*COMMON, "--output_dir", str(out[stage]), *flags], launcher="deepspeed")
+        launch([*COMMON, "--output_dir", str(out[stage]), *flags])
     killed = out["killed"] = root / "killed"
     cmd = [*COMMON, "--output_dir", str(killed), "--zero_stage", "2", *TP, *COMPOSED]
-    first = launch(cmd, launcher="deepspeed", check=False, env=run_env(TRAINER_FAULT="crash:rank=1:step=3"))
+    first = launch(cmd, check=False, env=run_env(TRAINER_FAULT="crash:rank=1:step=3"))
     out["killed_rc"] = first.returncode
     out["killed_steps"] = [row["step"] for row in train_rows(killed)]
-    launch(cmd, launcher="deepspeed")
+    launch(cmd)
     elsewhere = out["elsewhere"] = root / "elsewhere"
     elsewhere.mkdir()
     shutil.copytree(out[1] / "checkpoint-2", elsewhere / "checkpoint-2")
