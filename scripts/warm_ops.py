@@ -4,8 +4,9 @@
 Adam of optimizer offload, the CPU FusedAdam of ``optim=adamw_fused``, and the shared-memory
 collective op, which this project's runs never load (it serves DeepSpeed's inference all-reduce) but
 HF's Trainer and plain DeepSpeed on two or more CPU ranks do (the benchmarks' baselines and HF's
-scripts in the tests). ``make test`` runs it; ``make demo`` loads none of them. The builds go to TORCH_EXTENSIONS_DIR (the Makefile pins it to a stable path);
-one already built loads in a second. On a GPU box nothing is forced: ops build on first use there.
+scripts in the tests). ``make test`` runs it; ``make demo`` loads none of them. The builds go to TORCH_EXTENSIONS_DIR (the Makefile pins it to a stable path,
+and ``make test`` to its ``tests`` folder, built without debug info); one already built loads in a
+second. On a GPU box nothing is forced: ops build on first use there.
 """
 
 from __future__ import annotations

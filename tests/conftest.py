@@ -31,6 +31,26 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         group = "ranks" if item.get_closest_marker("distributed") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+    first = {
+        item for item in items if item.get_closest_marker("distributed") and item.path.name in BEFORE_THE_OPS
+    }
+    items.sort(key=lambda item: item not in first)  # a stable sort: the rest keep their order
+
+
+# Distributed modules whose runs load none of DeepSpeed's JIT ops (no offload, no FusedAdam, no run of
+# HF's Trainer or plain DeepSpeed on two ranks), about ten minutes of launches: the distributed
+# worker runs them first, while scripts/warm_ops.py builds the ops the other modules load, which
+# would otherwise wait for the build.
+BEFORE_THE_OPS = (
+    "test_fault_campaign.py",
+    "test_fault_tolerance.py",
+    "test_streaming.py",
+    "test_tensor_parallel.py",
+    "test_lars.py",
+    "test_output_dir_lock.py",
+    "test_pipeline.py",
+    "test_tiling_zero.py",
+)
 
 
 # The worker of one-process tests yields to the distributed one: the launches are the suite's
