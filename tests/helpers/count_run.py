@@ -21,7 +21,7 @@ import deepspeed
 import torch.distributed as dist
 
 import trainer.cli.main
-import trainer.cli.train  # noqa: F401  (every module that binds the functions counted below)
+import trainer.cli.train_job  # noqa: F401  (every module that binds the functions counted below)
 import trainer.config.resolution
 import trainer.engine.sequence_parallel
 import trainer.loop.build

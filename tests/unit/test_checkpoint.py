@@ -17,6 +17,7 @@ import yaml
 from trainer import checkpoint as ckpt
 from trainer.args import RunConfig
 from trainer.cli import train as run_module
+from trainer.cli import train_job
 from trainer.config.errors import ConfigError
 from trainer.runtime.distributed import DistInfo
 
@@ -214,7 +215,7 @@ def test_the_entry_point_reports_a_checkpoint_error_as_bad_input(tmp_path, monke
         raise ckpt.CheckpointError(f"{tmp_path}: not a complete checkpoint")
 
     monkeypatch.setattr(run_module, "parse_run_config", lambda argv: None)
-    monkeypatch.setattr(run_module, "run", refuse)
+    monkeypatch.setattr(train_job, "run", refuse)
     assert run_module.main([]) == run_module.EXIT_BAD_INPUT == 2
     message = f"error: resume_from_checkpoint: {tmp_path}: not a complete checkpoint\n"
     assert capsys.readouterr().err == message  # as before CheckpointError stopped being a ConfigError

@@ -12,7 +12,7 @@ from tests.helpers.launch import ROOT, run_env
 
 PROBE = """
 import sys
-import trainer.cli.train
+import trainer.cli.train_job
 import deepspeed.autotuning.autotuner as autotuner
 print(autotuner.has_mlflow, "mlflow" in sys.modules)
 import mlflow

@@ -93,8 +93,8 @@ def test_a_missing_package_is_named_with_its_extra(monkeypatch):
 
 def test_the_cli_refuses_a_missing_package_before_anything_loads(monkeypatch, capsys):
     monkeypatch.setattr(reporting, "_installed", lambda module: module != "wandb")
-    monkeypatch.setattr("trainer.cli.train.build_run", lambda *a, **k: pytest.fail("a model was built"))
-    monkeypatch.setattr("trainer.cli.train.init_distributed", lambda *a: pytest.fail("the group started"))
+    monkeypatch.setattr("trainer.cli.train_job.build_run", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr("trainer.cli.train_job.init_distributed", lambda *a: pytest.fail("the group started"))
     assert main(["--report_to", "wandb", "--max_steps", "1"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: report_to: wandb needs the wandb package, which is not installed; install it with: "

@@ -84,6 +84,21 @@ def test_trainer_train_takes_field_flags_first():
     assert proc.stderr.strip().splitlines()[-1] == "error: max_step: unknown key; did you mean max_steps?"
 
 
+@pytest.mark.parametrize(
+    ("argv", "code"), [(["--help"], 0), (["--max_step", "3"], 2), (["--max_steps", "three"], 2)], ids=str
+)
+def test_help_and_a_bad_field_are_answered_before_torch_loads(argv, code):
+    """The door parses the arguments first: torch, transformers, DeepSpeed and datasets load only for a
+    run (each command would otherwise take seconds to print its help or name a typo)."""
+    probe = (
+        "import sys\nfrom trainer.cli.train import main\n"
+        f"code = main({argv!r})\n"
+        "print(code, [m for m in ('torch', 'transformers', 'deepspeed', 'datasets') if m in sys.modules])"
+    )
+    proc = launch(["-c", probe], launcher="python", timeout=300)
+    assert proc.stdout.splitlines()[-1] == f"{code} []"
+
+
 def test_a_refused_hf_field_is_refused_at_the_door_before_anything_loads(tmp_path):
     out = tmp_path / "out"
     argv = ["scripts/train.py", "--output_dir", str(out), "--push_to_hub", "--hub_model_id", "me/model"]

@@ -1,7 +1,6 @@
-"""Process-group facts and helpers. The only module that reads RANK / LOCAL_RANK / WORLD_SIZE.
-
-Works the same under the ``deepspeed`` launcher, ``torchrun``, ``accelerate launch``, SLURM
-(``SLURM_PROCID`` and friends) and plain ``python`` (a world of one).
+"""The process group: the hardware a rank computes on, starting and leaving the group, collectives and
+printing from rank 0. A rank's facts (RANK / LOCAL_RANK / WORLD_SIZE, read only in
+``trainer.runtime.ranks``) and the logging set up for it are re-exported from there.
 
 What a run does when something goes wrong (exit codes, preemption, the hang watchdog) lives in
 ``trainer.runtime.resilience``, which builds on this module; this one imports nothing of it, so the
@@ -12,11 +11,8 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import importlib
-import logging
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,33 +21,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import Hardware
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    local_rank: int
-    world_size: int
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def _env_int(*names: str, default: int) -> int:
-    for name in names:
-        if os.environ.get(name, "") != "":
-            return int(os.environ[name])
-    return default
-
-
-def dist_info() -> DistInfo:
-    """Rank facts from the launcher's environment: torchrun/deepspeed, then OpenMPI, then SLURM."""
-    return DistInfo(
-        rank=_env_int("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", default=0),
-        local_rank=_env_int("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", default=0),
-        world_size=_env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", default=1),
-    )
+from trainer.runtime.ranks import DistInfo, configure_logging, dist_info  # noqa: F401  (re-exported)
 
 
 def detect_hardware() -> Hardware:
@@ -73,43 +43,6 @@ def join_process_group() -> None:
     of one is left without one. What HF's ``TrainingArguments`` does when first asked for the world."""
     if dist_info().world_size > 1 and not dist.is_initialized():
         init_distributed(detect_hardware())
-
-
-LOG_HANDLER = "trainer"  # the name of the handler configure_logging adds to the root logger
-
-
-def configure_logging() -> None:
-    """Rank 0 shows the project's INFO lines (tokenizer, tokenisation, cache hits, skipped rows); other
-    ranks only warnings. One plain stderr handler goes on the root logger, replacing an earlier one of
-    ours, so other libraries' warnings share the format. transformers and datasets keep to their
-    warnings; off rank 0 to errors, with no progress bars. Their verbosity variables, if set, win."""
-    info = dist_info()
-    root = logging.getLogger()
-    for handler in [h for h in root.handlers if h.get_name() == LOG_HANDLER]:
-        root.removeHandler(handler)
-    handler = logging.StreamHandler()
-    handler.set_name(LOG_HANDLER)
-    handler.setFormatter(
-        logging.Formatter(f"%(asctime)s [rank {info.rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
-    )
-    root.addHandler(handler)
-    logging.getLogger("trainer").setLevel(logging.INFO if info.is_main else logging.WARNING)
-
-    # Each library reads these variables once, when imported; one imported already is told directly.
-    level = logging.WARNING if info.is_main else logging.ERROR
-    for library in ("transformers", "datasets"):
-        variable = f"{library.upper()}_VERBOSITY"
-        if variable not in os.environ:
-            os.environ[variable] = logging.getLevelName(level).lower()
-            if library in sys.modules:
-                importlib.import_module(f"{library}.utils.logging").set_verbosity(level)
-    if not info.is_main:
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars follow the hub's
-        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-        if "transformers" in sys.modules:
-            importlib.import_module("transformers.utils.logging").disable_progress_bar()
-        if "datasets" in sys.modules:
-            importlib.import_module("datasets").disable_progress_bars()
 
 
 def set_world_env() -> None:
