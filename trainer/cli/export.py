@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainer.checkpoint import CheckpointError
-from trainer.checkpoint.export import export_checkpoint
 from trainer.config.errors import ConfigError
 
 
@@ -24,6 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # torch, transformers and DeepSpeed load here, not for --help
+    from trainer.checkpoint import CheckpointError
+    from trainer.checkpoint.export import export_checkpoint
+
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.merge)
     except (CheckpointError, ConfigError) as err:
