@@ -12,7 +12,7 @@ import transformers
 from tests.unit.test_data_build import SAMPLE_MODULES, STDLIB
 from trainer.args import DataArguments, ModelArguments
 from trainer.data import get_tokenizer, prepare_datasets
-from trainer.runtime.distributed import LOG_HANDLER, configure_logging
+from trainer.runtime.ranks import LOG_HANDLER, configure_logging
 
 ENV = (
     "TRANSFORMERS_VERBOSITY",

@@ -31,9 +31,13 @@ def main(argv: list[str] | None = None, prog: str = "trainer train") -> int:
         run_config = parse_run_config(argv)
     except ConfigError as err:
         return refuse(err)
-    from trainer.cli.train_job import run_job
+    from trainer.cli.train_job import BAD_INPUT, run_job
+    from trainer.data.stream import ShardError
 
-    return run_job(run_config)
+    try:
+        return run_job(run_config)
+    except BAD_INPUT as err:  # a checkpoint, a shard, a setting the hardware refuses
+        return refuse(err, every_rank=isinstance(err, ShardError))  # a shard is met by one rank
 
 
 def refuse(err: Exception, every_rank: bool = False) -> int:

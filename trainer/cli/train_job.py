@@ -18,10 +18,8 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from trainer import checkpoint as ckpt
 from trainer.args import RunConfig
-from trainer.cli.train import refuse
 from trainer.config import Hardware, check, custom_tensor_plan, parallel_sizes
 from trainer.config.errors import ConfigError
-from trainer.data.stream import ShardError
 from trainer.data.stream_sources import check_resumable, stream_sources
 from trainer.engine.sequence_parallel import check_layout
 from trainer.engine.tensor_parallel import check_tensor_layout
@@ -172,12 +170,12 @@ def _sample(model_dir: Path, device, prompt: str = "class Parser:\n    def __ini
     return "Sample completion:\n" + tokenizer.decode(out[0], skip_special_tokens=True)
 
 
+# What the door reports as bad input (one line, exit code 2) rather than as a crash.
+BAD_INPUT = (ConfigError, ckpt.CheckpointError)
+
+
 def run_job(run_config: RunConfig) -> int:
-    """``run``, with bad input met on the way (a checkpoint, a shard, a setting the hardware refuses)
-    as one line and exit code 2."""
     try:
         return run(run_config)
-    except (ConfigError, ckpt.CheckpointError) as err:
-        return refuse(err, every_rank=isinstance(err, ShardError))  # a shard is met by one rank
     finally:
         leave_process_group(wait=False)  # after an error exit too: no gloo teardown at interpreter exit
