@@ -31,10 +31,10 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         group = "ranks" if item.get_closest_marker("distributed") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
-    first = {
-        item for item in items if item.get_closest_marker("distributed") and item.path.name in BEFORE_THE_OPS
-    }
-    items.sort(key=lambda item: item not in first)  # a stable sort: the rest keep their order
+    # A stable sort: the modules of BEFORE_THE_OPS first, everything else in its order.
+    items.sort(
+        key=lambda item: not (item.get_closest_marker("distributed") and item.path.name in BEFORE_THE_OPS)
+    )
 
 
 # Distributed modules whose runs load none of DeepSpeed's JIT ops (no offload, no FusedAdam, no run of
