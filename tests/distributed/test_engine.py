@@ -22,6 +22,14 @@ def test_no_shared_memory_op_or_buffer_in_a_cpu_run(trainer_scenarios):
     assert json.loads((out / "shm_left.json").read_text()) == []
 
 
+def test_the_op_loads_ask_for_the_cpu_once(trainer_scenarios):
+    """Each op load (CPU Adam under offload, FusedAdam) asks py-cpuinfo twice for the CPU; each
+    answer is a fresh interpreter (1.2 s). Kept after the first, a rank asks once."""
+    _, res = trainer_scenarios
+    hits, misses, *_ = res["cpu_info_asked"]
+    assert misses == 1 and hits >= 3, res["cpu_info_asked"]
+
+
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
