@@ -32,7 +32,7 @@ else
 DEMO_LAUNCH ?= $(LAUNCH)
 endif
 
-.PHONY: install install-dev demo sft-dpo test test-all lint format bench presets clean
+.PHONY: install install-dev demo sft-dpo test test-cpu test-all lint format bench presets clean
 
 # `install`: the project and what a run needs; `install-dev` adds what the tests and lint use (pytest,
 # ruff, the optional integrations they exercise: peft, wandb, MLflow, and pytorch_optimizer, the LARS
@@ -79,6 +79,13 @@ test: install-dev
 	$(TEST_OPS) $(BIN)/python scripts/warm_ops.py & ops=$$!; \
 	$(TEST_OPS) $(PYTEST) -m "not slow and not gpu" -n 2 --dist loadgroup tests; rc=$$?; \
 	wait $$ops && exit $$rc
+
+# Where the suite's CPU goes: the same run, every Python process logging its own CPU time and test
+# at exit (scripts/cpu_account/sitecustomize.py), then the table by program and test module.
+test-cpu: install-dev
+	mkdir -p output && rm -f output/suite_cpu.jsonl
+	SUITE_CPU_LOG=$(CURDIR)/output/suite_cpu.jsonl PYTHONPATH=$(CURDIR)/scripts/cpu_account $(MAKE) test
+	$(BIN)/python scripts/suite_cpu.py output/suite_cpu.jsonl
 
 test-all: install-dev
 	$(BIN)/python scripts/warm_ops.py

@@ -51,6 +51,7 @@ SIZING_FLAGS = {"--multi_gpu"}
 # Commands a test other than the launch matrix runs (scaled down): the test node, whose module must
 # pass the script (or module) and every option of the command.
 TEST_NODES = {
+    "scripts/suite_cpu.py": "tests/unit/test_suite_cpu.py::test_the_report_sums_by_program_and_by_test_module",
     "scripts/bench.py": "tests/e2e/test_bench.py::test_json_holds_the_five_systems_with_the_contract_keys",
     "scripts/bench_checkpoint.py": "tests/e2e/test_bench_checkpoint.py::test_reports_save_and_raw_speeds_and_blocked_times",
     "scripts/bench_comm.py": "tests/e2e/test_bench_comm.py::test_two_gloo_ranks_write_the_json_report",
@@ -94,6 +95,7 @@ MAKE_TARGETS = {
     "make demo": "tests/e2e/test_launch_matrix.py::test_command_trains_and_exports_a_loadable_model[deepspeed-default]",
     "make test": ".ci/run",
     "make install": "prerequisite of make demo",
+    "make test-cpu": "not run by the tests: make test again (over half an hour), each process logging its CPU",
     "make test-all": "not run by the tests: the whole suite, slow and GPU tests included (hours on CPU)",
     "make lint": "not run by the tests: ruff over the tree, run before each commit",
     "make bench": "not run by the tests: the full benchmark (minutes); test_bench.py runs it scaled down",

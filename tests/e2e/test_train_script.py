@@ -116,9 +116,8 @@ def test_impossible_batch_for_world_size_fails_before_model_build(tmp_path):
             "--output_dir",
             str(tmp_path / "o"),
             "--deepspeed",
-            json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}),
+            json.dumps({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2}),  # 6 / (2 x 2 ranks)
         ],
-        nproc=3,
         launcher="deepspeed",  # torchrun prints a traceback of its own for a failed rank
         check=False,
     )
