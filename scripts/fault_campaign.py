@@ -26,6 +26,7 @@ Runs use their own tokenisation cache under ``--out`` (seeded from the user's), 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -397,9 +398,18 @@ def fill(mount: Path, filler: Path, expected: int, needed: int) -> dict[str, Any
         mode, target = "fails while writing", (expected + needed) // 2
     else:
         mode, target = "refused before writing", expected - 16 * PAGE
-    free = shutil.disk_usage(mount).free
-    with open(filler, "wb") as f:
-        os.posix_fallocate(f.fileno(), 0, max(free - target, PAGE) // PAGE * PAGE)
+    for attempt in range(1, 4):  # the job may write to the disk between the measure and the allocation
+        free = shutil.disk_usage(mount).free
+        size = max(free - target, PAGE) // PAGE * PAGE
+        try:
+            with open(filler, "wb") as f:  # a failed attempt's blocks are freed here
+                os.posix_fallocate(f.fileno(), 0, size)
+            break
+        except OSError as err:
+            if err.errno != errno.ENOSPC or attempt == 3:
+                raise OSError(
+                    err.errno, f"filler of {size} bytes with {free} free on {mount}: {err}"
+                ) from err
     left = shutil.disk_usage(mount).free
     return {"planned": mode, "expected_bytes": expected, "checkpoint_bytes": needed, "free_bytes": left}
 
