@@ -26,7 +26,6 @@ Runs use their own tokenisation cache under ``--out`` (seeded from the user's), 
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import math
 import os
@@ -41,7 +40,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,6 +150,24 @@ class Job:
             except psutil.Error:
                 continue
         return found
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The agent and its ranks stopped (SIGSTOP) for the block's duration, resumed after."""
+        try:
+            agent = psutil.Process(self.proc.pid)
+            procs = [agent, *agent.children(recursive=True)]
+        except psutil.Error:
+            procs = []
+        for proc in procs:
+            with suppress(psutil.Error):
+                proc.suspend()
+        try:
+            yield
+        finally:
+            for proc in procs:
+                with suppress(psutil.Error):
+                    proc.resume()
 
     def wait(self, timeout: float) -> int | None:
         """The launch's exit code; None when it ran past ``timeout`` and was killed."""
@@ -371,7 +389,8 @@ def fault_disk(run: Run, sizes: dict[str, int]) -> None:
             if save == SAVE_STEPS
             else checkpoint_bytes(run.output_dir / f"checkpoint-{save - SAVE_STEPS}")
         )
-        run.details.update(fill(mount, filler, expected, sizes["checkpoint"]))
+        with job.paused():  # nothing the job writes lands between the measure and the allocation
+            run.details.update(fill(mount, filler, expected, sizes["checkpoint"]))
     run.finish(job)
     failed = run.seen(r"error: checkpoint-\d+ not saved: ")
     run.fault_t = failed[0][0] if failed else None
@@ -398,18 +417,13 @@ def fill(mount: Path, filler: Path, expected: int, needed: int) -> dict[str, Any
         mode, target = "fails while writing", (expected + needed) // 2
     else:
         mode, target = "refused before writing", expected - 16 * PAGE
-    for attempt in range(1, 4):  # the job may write to the disk between the measure and the allocation
-        free = shutil.disk_usage(mount).free
-        size = max(free - target, PAGE) // PAGE * PAGE
-        try:
-            with open(filler, "wb") as f:  # a failed attempt's blocks are freed here
-                os.posix_fallocate(f.fileno(), 0, size)
-            break
-        except OSError as err:
-            if err.errno != errno.ENOSPC or attempt == 3:
-                raise OSError(
-                    err.errno, f"filler of {size} bytes with {free} free on {mount}: {err}"
-                ) from err
+    free = shutil.disk_usage(mount).free
+    size = max(free - target, PAGE) // PAGE * PAGE
+    try:
+        with open(filler, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, size)
+    except OSError as err:
+        raise OSError(err.errno, f"a filler of {size} bytes with {free} free on {mount}: {err}") from err
     left = shutil.disk_usage(mount).free
     return {"planned": mode, "expected_bytes": expected, "checkpoint_bytes": needed, "free_bytes": left}
 
