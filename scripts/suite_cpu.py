@@ -17,11 +17,8 @@ from pathlib import Path
 
 
 def program(argv: list[str]) -> str:
-    """A process's program: the script's file name, or ``-m module`` / ``-c``."""
-    if not argv:
-        return "?"
-    name = Path(argv[0]).name
-    return name if name not in ("-m", "-c", "") else " ".join(argv[:2])
+    """A process's program: the file name of its script (of its module's file under ``-m``), or ``-c``."""
+    return Path(argv[0]).name if argv else "?"
 
 
 def table(rows: list[dict], key, top: int) -> list[str]:

@@ -29,7 +29,11 @@ def test_the_report_sums_by_program_and_by_test_module(tmp_path):
     rows = [
         {"argv": ["/r/scripts/train.py", "--x"], "cpu_s": 8.0, "test": "tests/e2e/test_a.py::t1 (setup)"},
         {"argv": ["/r/scripts/train.py"], "cpu_s": 9.0, "test": "tests/e2e/test_b.py::t2 (call)"},
-        {"argv": ["-m", "torch.distributed.run"], "cpu_s": 1.5, "test": "tests/e2e/test_a.py::t1 (setup)"},
+        {
+            "argv": ["/v/torch/distributed/run.py", "--nproc_per_node"],
+            "cpu_s": 1.5,
+            "test": "tests/e2e/test_a.py::t1 (setup)",
+        },
         {"argv": ["-c"], "cpu_s": 60.0, "test": ""},
     ]
     log.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -38,7 +42,7 @@ def test_the_report_sums_by_program_and_by_test_module(tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[0] == "4 Python processes, 1.3 CPU-minutes of their own"
     programs = lines[lines.index("| program | processes | CPU s |") + 2 :][:3]
-    assert programs == ["| -c | 1 | 60 |", "| train.py | 2 | 17 |", "| -m torch.distributed.run | 1 | 2 |"]
+    assert programs == ["| -c | 1 | 60 |", "| train.py | 2 | 17 |", "| run.py | 1 | 2 |"]
     modules = lines[lines.index("| test module | processes | CPU s |") + 2 :]
     assert modules == [
         "| (outside a test) | 1 | 60 |",
