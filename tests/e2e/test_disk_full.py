@@ -110,7 +110,7 @@ def test_a_save_that_would_not_fit_is_skipped_and_training_goes_on(tmp_path, und
         assert "Traceback" not in text
 
 
-def test_a_disk_that_fills_during_a_save_stops_the_run_with_one_line(tmp_path):
+def test_a_disk_that_fills_during_a_save_stops_the_run_and_its_rerun_until_there_is_room(tmp_path):
     # The first save's estimate fits, the checkpoint itself (its tokenizer files too) does not.
     with mounted_tmpfs(tmp_path / "disk", estimate() + 150 * KIB) as disk:
         out = disk / "run"
@@ -128,6 +128,28 @@ def test_a_disk_that_fills_during_a_save_stops_the_run_with_one_line(tmp_path):
         assert ckpt.complete_checkpoints(out) == []
         assert not list(out.glob(".staging-*"))
         assert "Traceback" not in text
+
+        # A rerun into the same full disk stops at its door, before anything loads: its one line is
+        # all it prints, and nothing is trained or written.
+        metrics = (out / "metrics.jsonl").read_bytes()
+        code, text = train(out, "--max_steps", "4")
+        assert code == 74, text
+        assert re.fullmatch(
+            r"error: the disk is still full: checkpoint-2 was not saved for lack of space, it needs more "
+            r"than the [\d.]+ MiB it did not fit in, and the filesystem of output_dir has [\d.]+ MiB free "
+            r"\(output_dir/full_disk\.json\)\. Free space, then rerun: it resumes from the newest "
+            r"complete checkpoint\.",
+            text.strip(),
+        ), text
+        assert (out / "metrics.jsonl").read_bytes() == metrics
+
+        # With the space there, the rerun trains to its end and the note is gone.
+        subprocess.run(["mount", "-o", f"remount,size={3 * estimate() + 4096 * KIB}", str(disk)], check=True)
+        code, text = train(out, "--max_steps", "4")
+        assert code == 0, text
+        assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+        assert (out / "final" / "model.safetensors").is_file()
+        assert not (out / "full_disk.json").exists()
 
 
 # A checkpoint's optimizer file holds 12 bytes a parameter (fp32 weights and Adam's two moments), the

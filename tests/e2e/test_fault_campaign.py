@@ -86,8 +86,10 @@ def test_a_full_disk_stops_the_job_with_one_line_and_a_restart_resumes(campaign)
         pytest.skip(f"the disk kind needs a tmpfs, and none can be mounted here: {no_tmpfs}")
     (disk,) = records_of(report, "disk")
     assert disk["exit_codes"][-1] == 0 and len(disk["exit_codes"]) == 2, disk
-    errors = {line for line in disk["stop_lines"] if line.startswith("error:")}
-    assert len(errors) == 1 and "not saved: the disk is full" in errors.pop(), disk
+    first, *restarts = [line for line in disk["stop_lines"] if line.startswith("error:")]
+    assert "not saved: the disk is full" in first, disk
+    # torchrun restarts the ranks into the same full disk: each attempt stops at the door, untrained.
+    assert restarts and all(line.startswith("error: the disk is still full: ") for line in restarts), disk
     # From a flash snapshot taken before the failed save: the one of the step before it, or of the
     # step before that when its background write was not committed yet (docs/fault-tolerance.md).
     assert disk["resumed_from"].startswith("/dev/shm/"), disk

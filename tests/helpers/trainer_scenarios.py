@@ -41,7 +41,7 @@ from trainer.runtime.distributed import (
     dist_info,
     init_distributed,
 )
-from trainer.runtime.resilience import EXIT_NONFINITE
+from trainer.runtime.ranks import EXIT_NONFINITE
 
 VOCAB = 256
 TINY = dict(

@@ -8,18 +8,10 @@ states (``trainer.planner.model_state_bytes``; gradients are not saved).
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 from trainer.planner import model_state_bytes
+from trainer.runtime.full_disk import free_bytes, size
 
-
-def free_bytes(path: str | Path) -> int:
-    """Free bytes (for this user) on the filesystem that holds ``path`` or its nearest existing parent."""
-    path = Path(path).absolute()
-    while not path.exists():
-        path = path.parent
-    return shutil.disk_usage(path).free
+__all__ = ["estimated_checkpoint_bytes", "free_bytes", "full_disk", "size"]
 
 
 def estimated_checkpoint_bytes(n_params: int, precision: str) -> int:
@@ -38,11 +30,3 @@ def full_disk(needed: int, source: str, free: int) -> str:
         f"the disk is full: a checkpoint needs about {size(needed)} ({source}), and the filesystem of "
         f"output_dir has {size(free)} free: {size(needed - free)} short"
     )
-
-
-def size(n: float) -> str:
-    units = ["bytes", "KiB", "MiB", "GiB", "TiB"]
-    i = 0
-    while n >= 1024 and i < len(units) - 1:
-        n, i = n / 1024, i + 1
-    return f"{n:,.0f} bytes" if i == 0 else f"{n:,.1f} {units[i]}"

@@ -54,7 +54,13 @@ class CheckpointError(Exception):
 
 
 class CheckpointWriteError(RuntimeError):
-    """A rank could not write its part of a checkpoint; nothing was committed."""
+    """A rank could not write its part of a checkpoint; nothing was committed. ``full_disk``: its
+    name, the bytes it was expected to take and the bytes free, where the disk was full (rank 0
+    knows)."""
+
+    def __init__(self, message: str, full_disk: tuple[str, int, int] | None = None):
+        super().__init__(message)
+        self.full_disk = full_disk
 
 
 # ---- discovery -----------------------------------------------------------------------------------

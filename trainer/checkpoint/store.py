@@ -128,7 +128,7 @@ class Saver:
         self._expected = self._expected_size(engine)
         room = disk.free_bytes(args.output_dir) >= self._expected[0] if dist.is_main else True
         if not all(all_gather_object(room)):  # every rank learns rank 0's answer
-            raise CheckpointWriteError(f"{final.name} not saved: {self._full_disk()}")
+            raise self._full_disk(final)
         if dist.is_main:
             remove_stale_staging(args.output_dir)
             staging.mkdir(parents=True)
@@ -211,8 +211,9 @@ class Saver:
             full = disk.free_bytes(staging) < DISK_FULL_BYTES
             shutil.rmtree(staging, ignore_errors=True)
         barrier("save:abort")
-        reason = self._full_disk() if full else failure
-        raise CheckpointWriteError(f"{final.name} not saved: {reason}; its partial files were removed")
+        if full:
+            raise self._full_disk(final, "; its partial files were removed")
+        raise CheckpointWriteError(f"{final.name} not saved: {failure}; its partial files were removed")
 
     def _expected_size(self, engine: Engine) -> tuple[int, str]:
         """Bytes the next checkpoint takes, and where that figure comes from."""
@@ -225,6 +226,11 @@ class Saver:
         estimate = disk.estimated_checkpoint_bytes(n_params, precision_of(self.ds_config))
         return estimate, "estimated: weights and optimizer states"
 
-    def _full_disk(self) -> str:
+    def _full_disk(self, final: Path, removed: str = "") -> CheckpointWriteError:
+        """The error of a save the disk had no room for, with its figures (``full_disk``)."""
         needed, source = self._expected
-        return disk.full_disk(needed, source, disk.free_bytes(self.args.output_dir))
+        free = disk.free_bytes(self.args.output_dir)
+        line = disk.full_disk(needed, source, free)
+        return CheckpointWriteError(
+            f"{final.name} not saved: {line}{removed}", full_disk=(final.name, needed, free)
+        )

@@ -4,7 +4,8 @@ The door of a training job: ``--help``, and arguments that cannot make a run (an
 value, a recipe file that does not parse), are answered from the run schema alone, in under a second;
 torch, transformers and DeepSpeed load only for a run (``trainer.cli.train_job``). Its flags are the
 run schema's fields, so the dispatcher hands argv over untouched; argparse would stop at the first
-``--field`` it does not know.
+``--field`` it does not know. A rerun whose output_dir's last stop was a full disk that is still full
+stops here too (``trainer.runtime.full_disk``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import sys
 
 from trainer.args.recipe import HELP_FLAGS, parse_run_config, run_help
 from trainer.config.errors import ConfigError
-from trainer.runtime.ranks import configure_logging, dist_info
+from trainer.runtime.full_disk import still_full
+from trainer.runtime.ranks import EXIT_SAVE_FAILED, configure_logging, dist_info
 
 RAW_ARGV = True
 
@@ -31,6 +33,11 @@ def main(argv: list[str] | None = None, prog: str = "trainer train") -> int:
         run_config = parse_run_config(argv)
     except ConfigError as err:
         return refuse(err)
+    args = run_config.training
+    if args.save_failure_policy == "stop" and (line := still_full(args.output_dir, dist_info().is_main)):
+        if dist_info().is_main:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        return EXIT_SAVE_FAILED
     from trainer.cli.train_job import BAD_INPUT, run_job
     from trainer.data.stream import ShardError
 

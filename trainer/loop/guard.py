@@ -16,7 +16,7 @@ from trainer import checkpoint as ckpt
 from trainer.engine import Engine
 from trainer.loop.vote import poll
 from trainer.runtime.distributed import print_main, warn
-from trainer.runtime.resilience import EXIT_NONFINITE
+from trainer.runtime.ranks import EXIT_NONFINITE
 from trainer.runtime.state import TrainerControl, TrainerState
 
 

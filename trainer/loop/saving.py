@@ -17,7 +17,8 @@ from trainer.data import ResumableDistributedSampler
 from trainer.data.loader import data_seed
 from trainer.data.stream import StreamPosition
 from trainer.loop.vote import Participant
-from trainer.runtime.distributed import all_gather_object
+from trainer.runtime.distributed import all_gather_object, dist_info
+from trainer.runtime.full_disk import note_full_disk
 from trainer.runtime.resilience import save_failed
 from trainer.runtime.state import TrainerState
 
@@ -85,6 +86,8 @@ class Checkpoints:
         try:
             checkpoint = save()
         except ckpt.CheckpointWriteError as err:
+            if err.full_disk is not None and self.args.save_failure_policy == "stop" and dist_info().is_main:
+                note_full_disk(self.args.output_dir, *err.full_disk)  # the rerun's door reads it
             return save_failed(err, self.args.save_failure_policy)
         if checkpoint is not None:
             self.on_save(checkpoint)

@@ -1,6 +1,7 @@
-"""This process's place in the job, read from the launcher's environment, and the logging set up for
-it. Nothing here imports torch: a command answers ``--help`` or refuses bad input with these alone
-(``trainer.runtime.distributed``, which starts and leaves the process group, re-exports them).
+"""This process's place in the job, read from the launcher's environment, the logging set up for
+it, and the codes it exits with. Nothing here imports torch: a command answers ``--help`` or refuses
+bad input with these alone (``trainer.runtime.distributed``, which starts and leaves the process
+group, re-exports them).
 
 Works the same under the ``deepspeed`` launcher, ``torchrun``, ``accelerate launch``, SLURM
 (``SLURM_PROCID`` and friends) and plain ``python`` (a world of one).
@@ -40,6 +41,14 @@ def dist_info() -> DistInfo:
         local_rank=_env_int("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", default=0),
         world_size=_env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", default=1),
     )
+
+
+# Distinct exit codes, so a supervisor (SLURM requeue, torchrun restarts) can tell a stop to resume from
+# a failure to look at.
+EXIT_SAVE_FAILED = 74  # a checkpoint could not be written (a full disk...) with save_failure_policy=stop
+EXIT_PREEMPTED = 75  # saved a checkpoint on SIGTERM/SIGUSR1 and stopped; restart to continue
+EXIT_HANG = 76  # a labelled phase timed out; stack dumps are in output_dir/hang-<rank>.txt
+EXIT_NONFINITE = 77  # non-finite loss or gradient norm with nonfinite_policy=stop
 
 
 LOG_HANDLER = "trainer"  # the name of the handler configure_logging adds to the root logger

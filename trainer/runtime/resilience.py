@@ -1,5 +1,5 @@
-"""What a run does when something goes wrong, and how it ends: its exit codes, the preemption flag,
-the hang watchdog.
+"""What a run does when something goes wrong, and how it ends: the preemption flag, the hang
+watchdog (its exit codes are in ``trainer.runtime.ranks``, where the door reads them without torch).
 
 Kept apart from ``trainer.runtime.distributed`` so that module stays about joining and using the process
 group. This one builds on it (rank facts, named barriers) and never the other way round.
@@ -22,16 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer.runtime.distributed import barrier, dist_info, print_main
-
-# ---- exit codes ---------------------------------------------------------------------------------
-# Distinct codes, so a supervisor (SLURM requeue, torchrun restarts) can tell a stop to resume from
-# a failure to look at.
-
-EXIT_SAVE_FAILED = 74  # a checkpoint could not be written (a full disk...) with save_failure_policy=stop
-EXIT_PREEMPTED = 75  # saved a checkpoint on SIGTERM/SIGUSR1 and stopped; restart to continue
-EXIT_HANG = 76  # a labelled phase timed out; stack dumps are in output_dir/hang-<rank>.txt
-EXIT_NONFINITE = 77  # non-finite loss or gradient norm with nonfinite_policy=stop
-
+from trainer.runtime.ranks import EXIT_HANG, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED  # noqa: F401  (re-exported)
 
 # ---- planned faults (tests) ----------------------------------------------------------------------
 

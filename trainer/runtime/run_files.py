@@ -12,6 +12,7 @@ DS_CONFIG = "ds_config.json"  # the resolved DeepSpeed config the run used
 RUN_CONFIG = "run_config.yaml"  # the whole run's arguments, as a recipe that reproduces it
 METRICS = "metrics.jsonl"  # one JSON row per logging step and evaluation
 FINAL = "final"  # the HF export of the finished run
+FULL_DISK = "full_disk.json"  # the last stop was a save a full disk refused (trainer.runtime.full_disk)
 
 
 def write_whole(path: Path, write: Callable[[Path], object]) -> None:

@@ -1,0 +1,34 @@
+"""The note a full disk leaves in output_dir, read at the rerun's door (``trainer.runtime.full_disk``);
+the whole path, a tmpfs filled by a real save, is in ``tests/e2e/test_disk_full.py``."""
+
+from __future__ import annotations
+
+import json
+
+from trainer.runtime.full_disk import free_bytes, note_full_disk, still_full
+
+
+def test_a_checkpoint_refused_before_writing_needs_its_expected_bytes(tmp_path):
+    free = free_bytes(tmp_path)
+    note_full_disk(tmp_path, "checkpoint-6", expected=free + (1 << 40), free=free)
+    assert json.loads((tmp_path / "full_disk.json").read_text())["checkpoint"] == "checkpoint-6"
+    line = still_full(tmp_path, is_main=True)
+    assert line.startswith(
+        "the disk is still full: checkpoint-6 was not saved for lack of space, it needs about "
+    )
+    assert (tmp_path / "full_disk.json").exists()
+
+
+def test_a_checkpoint_that_filled_the_disk_needs_more_than_was_free(tmp_path):
+    free = free_bytes(tmp_path)
+    note_full_disk(tmp_path, "checkpoint-2", expected=1, free=free + (1 << 40))
+    assert "it needs more than the " in still_full(tmp_path, is_main=True)
+
+
+def test_once_there_is_room_rank_0_removes_the_note(tmp_path):
+    note_full_disk(tmp_path, "checkpoint-2", expected=1, free=0)
+    assert still_full(tmp_path, is_main=False) is None
+    assert (tmp_path / "full_disk.json").exists()  # another rank only reads it
+    assert still_full(tmp_path, is_main=True) is None
+    assert not (tmp_path / "full_disk.json").exists()
+    assert still_full(tmp_path, is_main=True) is None  # no note, no refusal
