@@ -71,12 +71,13 @@ PYTEST := $(BIN)/python -m pytest -q
 # ranks each) one at a time, the other the rest, a file at a time and at a lower priority, filling
 # the cores a launch leaves idle. DeepSpeed's JIT ops that the tests load (offload's CPU Adam,
 # adamw_fused's FusedAdam, and the collective op of HF's Trainer on CPU ranks) build meanwhile, two at
-# a time; a run that needs one first waits for its build. The demo needs none of them.
+# a time, at the one-process worker's lower priority (the launches come first); a run that needs one
+# first waits for its build. The demo needs none of them.
 test: install-dev
 # Byte-compiled once here, the project's modules load faster in each of the hundreds of processes
 # the tests start (where PYTHONDONTWRITEBYTECODE is set, none would write its own).
 	$(BIN)/python -m compileall -q -j 2 trainer tests >/dev/null
-	$(TEST_OPS) $(BIN)/python scripts/warm_ops.py & ops=$$!; \
+	$(TEST_OPS) nice -n 10 $(BIN)/python scripts/warm_ops.py & ops=$$!; \
 	$(TEST_OPS) $(PYTEST) -m "not slow and not gpu" -n 2 --dist loadgroup tests; rc=$$?; \
 	wait $$ops && exit $$rc
 

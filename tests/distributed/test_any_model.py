@@ -16,7 +16,7 @@ import math
 import pytest
 
 from tests.helpers.any_model_scenario import TASKS
-from tests.helpers.launch import launch
+from tests.helpers.launch import launch, together
 
 pytestmark = pytest.mark.distributed
 
@@ -35,17 +35,19 @@ PREDICTIONS = {  # predict() on 5 rows: the predictions' and labels' shapes, as 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    found = {}
-    for ranks, grad_acc in ((2, 2), (1, 4)):
+    specs = [f"{stage}:{','.join(names)}" for stage, names in STAGES.items()]
+
+    def run(ranks: int, grad_acc: int) -> dict:
         out = tmp_path_factory.mktemp(f"any_model_{ranks}")
-        specs = [f"{stage}:{','.join(names)}" for stage, names in STAGES.items()]
         launch(
             [SCRIPT, str(out), str(grad_acc), *specs],
             nproc=ranks,
             launcher="torchrun" if ranks > 1 else "python",
         )
-        found[ranks] = {run: json.loads((out / f"{run[1]}-zero{run[0]}.json").read_text()) for run in RUNS}
-    return found
+        return {run: json.loads((out / f"{run[1]}-zero{run[0]}.json").read_text()) for run in RUNS}
+
+    two, one = together(lambda: run(2, 2), lambda: run(1, 4))  # the one process beside the two ranks
+    return {2: two, 1: one}
 
 
 @pytest.mark.parametrize(("stage", "name"), RUNS, ids=[f"{n}-zero{s}" for s, n in RUNS])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import ROOT, launch, run_env
+from tests.helpers.launch import ROOT, launch, run_env, together
 from tests.helpers.scaffold import bpe_tokenizer, train_rows
 from trainer.data.sources import corpus_files
 
@@ -46,12 +46,20 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     env = run_env(HF_DATASETS_CACHE=str(root / "hf_datasets"))
     common = [str(root / "shards"), str(root / "tok")]
     out = {name: root / name for name in ("hf", "ours", "resumed")}
-    launch([str(SCRIPT), str(out["hf"]), *common], launcher="python", env=env)
-    launch([str(root / "ours.py"), str(out["ours"]), *common], launcher="python", env=env)
-    out["resumed"].mkdir()
-    shutil.copytree(out["ours"] / "checkpoint-18", out["resumed"] / "checkpoint-18")
-    checkpoint = str(out["resumed"] / "checkpoint-18")
-    launch([str(root / "ours.py"), str(out["resumed"]), *common, checkpoint], launcher="deepspeed", env=env)
+
+    def ours_then_resumed() -> None:
+        launch([str(root / "ours.py"), str(out["ours"]), *common], launcher="python", env=env)
+        out["resumed"].mkdir()
+        shutil.copytree(out["ours"] / "checkpoint-18", out["resumed"] / "checkpoint-18")
+        checkpoint = str(out["resumed"] / "checkpoint-18")
+        launch(
+            [str(root / "ours.py"), str(out["resumed"]), *common, checkpoint], launcher="deepspeed", env=env
+        )
+
+    # HF's run (one process) beside ours and its resume.
+    together(
+        lambda: launch([str(SCRIPT), str(out["hf"]), *common], launcher="python", env=env), ours_then_resumed
+    )
     return out
 
 

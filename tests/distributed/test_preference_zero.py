@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from tests.helpers.launch import launch
+from tests.helpers.launch import launch, together
 from tests.helpers.preference_scenarios import EXTRA_METRICS, METRICS
 
 pytestmark = pytest.mark.distributed
@@ -28,10 +28,14 @@ SCRIPT = "tests/helpers/preference_scenarios.py"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("preference_zero")
-    launch([SCRIPT, str(out), "zero_stages"], launcher="torchrun", timeout=900)
     singles = ("sigmoid_text", "orpo_accumulated", "simpo", "other_reference")
-    launch([SCRIPT, str(out), *singles], launcher="python", timeout=900)
-    launch(["tests/helpers/sft_scenarios.py", str(out), "text_packed"], launcher="python", timeout=900)
+
+    def one_process() -> None:
+        launch([SCRIPT, str(out), *singles], launcher="python", timeout=900)
+        launch(["tests/helpers/sft_scenarios.py", str(out), "text_packed"], launcher="python", timeout=900)
+
+    # The one-process references beside the launch of two ranks.
+    together(lambda: launch([SCRIPT, str(out), "zero_stages"], launcher="torchrun", timeout=900), one_process)
     return {
         name: json.loads((out / f"{name}.json").read_text())
         for name in ("zero_stages", *singles, "text_packed")

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import TrainerState as HFTrainerState
 
-from tests.helpers.launch import ROOT, free_port, launch, run_env
+from tests.helpers.launch import ROOT, free_port, launch, run_env, together
 from tests.helpers.scaffold import bpe_tokenizer
 
 pytestmark = pytest.mark.distributed
@@ -132,8 +132,7 @@ def flags(args: dict) -> list[str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def ours(prepared) -> tuple[Path, str]:
+def run_ours(prepared) -> tuple[Path, str]:
     """The script with our import on 2 ranks, under the deepspeed launcher, from flags."""
     out = prepared["root"] / "ours"
     args = flags({**prepared["args"], "output_dir": str(out)})
@@ -141,8 +140,7 @@ def ours(prepared) -> tuple[Path, str]:
     return out, proc.stdout
 
 
-@pytest.fixture(scope="module")
-def hf(prepared) -> tuple[Path, str]:
+def run_hf(prepared) -> tuple[Path, str]:
     """The original script, transformers' Trainer, on one process with the same ZeRO-3 file."""
     out = prepared["root"] / "hf"
     env = {
@@ -156,6 +154,23 @@ def hf(prepared) -> tuple[Path, str]:
     args = flags({**prepared["args"], "output_dir": str(out)})
     proc = launch([str(SCRIPT), *args], launcher="python", env=env)
     return out, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def ours_and_hf(prepared) -> dict[str, tuple[Path, str]]:
+    """Both runs at once: HF's one process beside our two ranks."""
+    ours, hf = together(lambda: run_ours(prepared), lambda: run_hf(prepared))
+    return {"ours": ours, "hf": hf}
+
+
+@pytest.fixture(scope="module")
+def ours(ours_and_hf) -> tuple[Path, str]:
+    return ours_and_hf["ours"]
+
+
+@pytest.fixture(scope="module")
+def hf(ours_and_hf) -> tuple[Path, str]:
+    return ours_and_hf["hf"]
 
 
 @pytest.fixture(scope="module")

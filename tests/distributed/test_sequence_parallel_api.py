@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import launch
+from tests.helpers.launch import launch, together
 from tests.helpers.scaffold import bpe_tokenizer
 
 pytestmark = pytest.mark.distributed
@@ -41,8 +41,10 @@ def source_rows(path: Path) -> Path:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sp_api")
     rows = source_rows(root / "rows.json")
-    launch([SCRIPT, str(rows), str(root / "one"), "1"], launcher="python")
-    launch([SCRIPT, str(rows), str(root / "sp"), "2"])
+    together(
+        lambda: launch([SCRIPT, str(rows), str(root / "one"), "1"], launcher="python"),
+        lambda: launch([SCRIPT, str(rows), str(root / "sp"), "2"]),
+    )
     one = json.loads((root / "one" / "rank0.json").read_text())
     return one, [json.loads((root / "sp" / f"rank{r}.json").read_text()) for r in range(2)]
 

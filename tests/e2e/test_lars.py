@@ -3,7 +3,7 @@
 One process trains four steps with the global batch in two micro-batches; two ranks under torchrun
 train the same four steps under ZeRO-2 and ZeRO-3, where DeepSpeed hands LARS
 flat slices of many parameters. A copy of the ZeRO-2 run's checkpoint-2 is resumed by the same
-command. The runs are shared by the tests below.
+command. The runs are shared by the tests below; the one-process run goes beside the ZeRO-2 launch.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from tests.helpers.launch import launch
+from tests.helpers.launch import launch, together
 from tests.helpers.scaffold import assert_same_weights, tiny_flags, train_rows
 
 pytestmark = pytest.mark.distributed
@@ -28,12 +28,14 @@ STAGES = (2, 3)
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lars")
     out = {"one": root / "one"}
-    launch(
-        [*COMMON, "--output_dir", str(out["one"]), "--gradient_accumulation_steps", "2"], launcher="python"
-    )
-    for stage in STAGES:
-        out[stage] = root / f"zero{stage}"
+    out.update({stage: root / f"zero{stage}" for stage in STAGES})
+
+    def zero(stage: int) -> None:
         launch([*COMMON, "--output_dir", str(out[stage]), "--zero_stage", str(stage)])
+
+    one = [*COMMON, "--output_dir", str(out["one"]), "--gradient_accumulation_steps", "2"]
+    together(lambda: launch(one, launcher="python"), lambda: zero(2))
+    zero(3)
     resumed = out["resumed"] = root / "resumed"
     resumed.mkdir()
     shutil.copytree(out[2] / "checkpoint-2", resumed / "checkpoint-2")

@@ -1,5 +1,5 @@
 """LoRA through ``scripts/train.py`` on a local base model (an HF directory built here): ZeRO-3 on 2
-ranks under the deepspeed launcher; ZeRO-0, ZeRO-1 and ZeRO-2 with CPU offload and activation
+ranks under torchrun (the deepspeed launcher's own start-up is the launch matrix's); ZeRO-0, ZeRO-1 and ZeRO-2 with CPU offload and activation
 checkpointing on one process, training the adapters alike; rslora, DoRA, modules to save and
 dropout. final/ is a peft adapter that peft loads onto the base, equal to the trained weights;
 ``trainer export --merge`` gives a full model with the same logits; a resume is bit-exact; the
@@ -31,10 +31,10 @@ def base(tmp_path_factory) -> dict[str, Path]:
     return make_base(tmp_path_factory.mktemp("lora"))
 
 
-def train(base, out: Path, *extra: str, launcher: str = "deepspeed", check: bool = True):
+def train(base, out: Path, *extra: str, launcher: str = "torchrun", check: bool = True):
     args = ["scripts/train.py", "--output_dir", str(out), "--model_name_or_path", str(base["base"]),
             "--dataset", str(base["corpus"]), *RUN, *extra]  # fmt: skip
-    return launch(args, launcher=launcher, check=check, **({"nproc": 2} if launcher == "deepspeed" else {}))
+    return launch(args, launcher=launcher, check=check)
 
 
 @pytest.fixture(scope="module")

@@ -5,17 +5,19 @@ API: tests/distributed/test_preference_zero.py.)
 
 One launch each, shared by the tests: DPO on one process (the reference run), DPO on 2 ranks under
 ZeRO-3 with a tiled loss of 7 tokens a tile (the same global batches; tiled or not, the same steps),
-DPO on 2 ranks with sequence parallelism (both ranks every pair, each half of every sequence), DPO with LoRA on 2 ranks under ZeRO-3 with the optimizer offloaded
-to the CPU, ORPO on one process with
-two accumulated micro-batches, SimPO on one process in padding-free batches."""
+DPO on 2 ranks with sequence parallelism (both ranks every pair, each half of every sequence), DPO
+with LoRA on 2 ranks under ZeRO-3 with the optimizer offloaded to the CPU, ORPO on one process with
+two accumulated micro-batches, SimPO on one process in padding-free batches. Each one-process run
+goes beside a launch of two ranks."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 
-from tests.helpers.launch import launch
+from tests.helpers.launch import launch, together
 from tests.helpers.preference_scenarios import EXTRA_METRICS, METRICS, base, pairs
 from tests.helpers.scaffold import read_metrics
 
@@ -51,11 +53,17 @@ def runs(tmp_path_factory):
         "simpo_one": ("python", 1, ["--objective", "simpo", "--beta", "2.0", "--per_device_train_batch_size", "4",
                                     "--padding_free", "true"]),
     }  # fmt: skip
-    out = {}
-    for name, (launcher, nproc, extra) in specs.items():
-        out[name] = root / name
+    out = {name: root / name for name in specs}
+
+    def run(name: str) -> None:
+        launcher, nproc, extra = specs[name]
         proc = launch([*start, "--output_dir", str(out[name]), *extra], nproc=nproc, launcher=launcher)
         out[f"{name}.stdout"] = proc.stdout
+
+    ones = [name for name in specs if specs[name][1] == 1]
+    ranks = [name for name in specs if specs[name][1] > 1]
+    for pair in zip(ones, ranks, strict=True):  # each one-process run beside a launch of two ranks
+        together(*(functools.partial(run, name) for name in pair))
     return out
 
 

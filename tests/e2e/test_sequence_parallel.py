@@ -5,7 +5,8 @@ One process trains two steps; two ranks under the deepspeed launcher with
 row; a third run resumes the SP run's checkpoint-1 with the tiled loss, tiled MLPs, activation
 offload and activation checkpointing on, and a fourth resumes it on one process. No warmup: the
 first step already moves the weights, so the second step's loss and grad norm and the evaluation
-check the update. The runs are shared by the tests below.
+check the update. The runs are shared by the tests below; each one-process run goes beside a launch
+of two ranks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from tests.helpers.launch import BIN, free_port, launch
+from tests.helpers.launch import BIN, free_port, launch, together
 from tests.helpers.scaffold import assert_same_weights, read_metrics, tiny_flags, train_rows
 
 pytestmark = pytest.mark.distributed
@@ -63,18 +64,21 @@ def _peak(out: Path, cmd: list[str], nproc: int) -> int:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sp")
     one, sp = root / "one", root / "sp"
-    peaks = {
-        "one": _peak(one, [*COMMON, "--output_dir", str(one)], 1),
-        "sp": _peak(sp, [*COMMON, "--output_dir", str(sp), "--sequence_parallel_size", "2"], 2),
-    }
+    # Each peak is of a run's own processes: the two running at once does not change them.
+    peak_one, peak_sp = together(
+        lambda: _peak(one, [*COMMON, "--output_dir", str(one)], 1),
+        lambda: _peak(sp, [*COMMON, "--output_dir", str(sp), "--sequence_parallel_size", "2"], 2),
+    )
+    peaks = {"one": peak_one, "sp": peak_sp}
     resumed = root / "resumed"
-    resumed.mkdir()
-    shutil.copytree(sp / "checkpoint-1", resumed / "checkpoint-1")
-    launch([*COMMON, "--output_dir", str(resumed), "--sequence_parallel_size", "2", *TILED])
     elsewhere = root / "elsewhere"  # the same checkpoint on one process, without sequence parallelism
-    elsewhere.mkdir()
-    shutil.copytree(sp / "checkpoint-1", elsewhere / "checkpoint-1")
-    launch([*COMMON, "--output_dir", str(elsewhere)], launcher="python")
+    for out in (resumed, elsewhere):
+        out.mkdir()
+        shutil.copytree(sp / "checkpoint-1", out / "checkpoint-1")
+    together(
+        lambda: launch([*COMMON, "--output_dir", str(resumed), "--sequence_parallel_size", "2", *TILED]),
+        lambda: launch([*COMMON, "--output_dir", str(elsewhere)], launcher="python"),
+    )
     return {"one": one, "sp": sp, "resumed": resumed, "elsewhere": elsewhere, "peaks": peaks}
 
 

@@ -4,9 +4,9 @@ carries a hash of its global batch, so runs are compared token for token.
 One process (two accumulated micro-batches, two DataLoader workers) and two ranks under torchrun
 read a mixture of JSON-lines shards and Markdown files. The two-rank run killed after step 4, and
 killed inside a DataLoader worker, is started again by the same command; its checkpoint-3 resumes on
-one process. The runs are shared by the tests below; the one-process streams (a single lane against
-the map-style run, a URL, instruction rows, the mixture recipe, a bad shard) are in
-``test_streaming_one_process.py``.
+one process. The runs are shared by the tests below, each one-process run beside a launch of two
+ranks; the one-process streams (a single lane against the map-style run, a URL, instruction rows,
+the mixture recipe, a bad shard) are in ``test_streaming_one_process.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tests.helpers.launch import ROOT, launch, run_env
+from tests.helpers.launch import ROOT, launch, run_env, together
 from tests.helpers.scaffold import assert_same_weights, tiny_flags, train_rows
 from trainer.args import DataArguments
 from trainer.data.sources import corpus_files
@@ -58,22 +58,31 @@ def runs(tmp_path_factory):
     corpus = _corpus(root)
     stream = [*COMMON, *_mixture(corpus)]
     out = {name: root / name for name in ("one", "two", "killed", "worker", "elsewhere")}
-    launch([*stream, "--output_dir", str(out["one"]), "--gradient_accumulation_steps", "2",
-            "--dataloader_num_workers", "2"], launcher="python")  # fmt: skip
-    launch([*stream, "--output_dir", str(out["two"])])
-    faults = {"killed": ("crash:rank=1:step=4", []),
-              "worker": ("crash:rank=1:phase=worker:sample=18", ["--dataloader_num_workers", "2"])}  # fmt: skip
-    for name, (fault, extra) in faults.items():
-        cmd = [*stream, "--output_dir", str(out[name]), *extra]
-        first = launch(cmd, check=False, env=run_env(TRAINER_FAULT=fault))
-        out[f"{name}_rc"], out[f"{name}_steps"] = first.returncode, [r["step"] for r in train_rows(out[name])]
-        launch(cmd)
-    out["elsewhere"].mkdir()
-    shutil.copytree(out["two"] / "checkpoint-3", out["elsewhere"] / "checkpoint-3")
-    launch(
-        [*stream, "--output_dir", str(out["elsewhere"]), "--gradient_accumulation_steps", "2"],
-        launcher="python",
-    )
+    together(
+        lambda: launch([*stream, "--output_dir", str(out["one"]), "--gradient_accumulation_steps", "2",
+                        "--dataloader_num_workers", "2"], launcher="python"),
+        lambda: launch([*stream, "--output_dir", str(out["two"])]),
+    )  # fmt: skip
+
+    def killed_and_started_again() -> None:
+        faults = {"killed": ("crash:rank=1:step=4", []),
+                  "worker": ("crash:rank=1:phase=worker:sample=18", ["--dataloader_num_workers", "2"])}  # fmt: skip
+        for name, (fault, extra) in faults.items():
+            cmd = [*stream, "--output_dir", str(out[name]), *extra]
+            first = launch(cmd, check=False, env=run_env(TRAINER_FAULT=fault))
+            out[f"{name}_rc"], out[f"{name}_steps"] = (
+                first.returncode,
+                [r["step"] for r in train_rows(out[name])],
+            )
+            launch(cmd)
+
+    def elsewhere() -> None:  # the two ranks' checkpoint-3 on one process
+        out["elsewhere"].mkdir()
+        shutil.copytree(out["two"] / "checkpoint-3", out["elsewhere"] / "checkpoint-3")
+        launch([*stream, "--output_dir", str(out["elsewhere"]), "--gradient_accumulation_steps", "2"],
+               launcher="python")  # fmt: skip
+
+    together(killed_and_started_again, elsewhere)
     out["corpus"] = corpus
     return out
 

@@ -5,11 +5,12 @@ One process trains four steps (a checkpoint at step 2). Two ranks under torchrun
 holding half of every projection and reading the same rows (at ZeRO-2 with the same global batch in
 two micro-batches a step, the tiled loss and activation checkpointing). That run killed after step 3 is
 started again by the same command; the ZeRO-1 run's checkpoint-2 resumes on one process. The runs
-are shared by the tests below.
+are shared by the tests below; each one-process run goes beside a launch of two ranks.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from tests.e2e.test_sequence_parallel import _curves, assert_same_curves
-from tests.helpers.launch import launch, run_env
+from tests.helpers.launch import launch, run_env, together
 from tests.helpers.scaffold import assert_same_weights, load_weights, tiny_flags, train_rows
 
 pytestmark = pytest.mark.distributed
@@ -32,22 +33,35 @@ COMPOSED = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    out = {"one": root / "one"}
-    launch([*COMMON, "--output_dir", str(out["one"]), "--zero_stage", "1"], launcher="python")
-    for stage in STAGES:  # ZeRO-2 with the same global batch in two micro-batches, tiled, recomputed
-        out[stage] = root / f"tp_zero{stage}"
+    out = {"one": root / "one", **{stage: root / f"tp_zero{stage}" for stage in STAGES}}
+
+    def tensor_parallel(
+        stage: int,
+    ) -> None:  # ZeRO-2: the same global batch in two micro-batches, tiled, recomputed
         flags = ["--zero_stage", str(stage), *TP, *(COMPOSED if stage == 2 else [])]
         launch([*COMMON, "--output_dir", str(out[stage]), *flags])
-    killed = out["killed"] = root / "killed"
-    cmd = [*COMMON, "--output_dir", str(killed), "--zero_stage", "2", *TP, *COMPOSED]
-    first = launch(cmd, check=False, env=run_env(TRAINER_FAULT="crash:rank=1:step=3"))
-    out["killed_rc"] = first.returncode
-    out["killed_steps"] = [row["step"] for row in train_rows(killed)]
-    launch(cmd)
-    elsewhere = out["elsewhere"] = root / "elsewhere"
-    elsewhere.mkdir()
-    shutil.copytree(out[1] / "checkpoint-2", elsewhere / "checkpoint-2")
-    launch([*COMMON, "--output_dir", str(elsewhere), "--zero_stage", "1"], launcher="python")
+
+    def killed_and_started_again() -> None:
+        killed = out["killed"] = root / "killed"
+        cmd = [*COMMON, "--output_dir", str(killed), "--zero_stage", "2", *TP, *COMPOSED]
+        first = launch(cmd, check=False, env=run_env(TRAINER_FAULT="crash:rank=1:step=3"))
+        out["killed_rc"] = first.returncode
+        out["killed_steps"] = [row["step"] for row in train_rows(killed)]
+        launch(cmd)
+
+    def elsewhere() -> None:  # the ZeRO-1 run's checkpoint-2 on one process
+        out["elsewhere"] = root / "elsewhere"
+        out["elsewhere"].mkdir()
+        shutil.copytree(out[1] / "checkpoint-2", out["elsewhere"] / "checkpoint-2")
+        launch([*COMMON, "--output_dir", str(out["elsewhere"]), "--zero_stage", "1"], launcher="python")
+
+    one = functools.partial(
+        launch, [*COMMON, "--output_dir", str(out["one"]), "--zero_stage", "1"], launcher="python"
+    )
+    together(one, lambda: tensor_parallel(1))
+    together(elsewhere, lambda: tensor_parallel(2))
+    tensor_parallel(3)
+    killed_and_started_again()
     return out
 
 

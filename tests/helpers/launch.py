@@ -7,10 +7,14 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+T = TypeVar("T")
 
 
 def run_env(**extra: str) -> dict[str, str]:
@@ -60,6 +64,17 @@ def launch(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def together(*runs: Callable[[], T]) -> list[T]:
+    """Independent runs at once, their results in order; the first failure is raised once all are
+    done. For a launch of several ranks with a one-process run beside it: the ranks leave a core idle
+    while their launcher starts, while they wait on each other and while rank 0 alone exports, and
+    the one-process run fills it."""
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        futures = [pool.submit(run) for run in runs]
+        wait(futures)
+    return [future.result() for future in futures]
 
 
 def shm_buffers() -> set[str]:
