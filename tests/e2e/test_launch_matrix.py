@@ -56,6 +56,10 @@ def test_command_trains_and_exports_a_loadable_model(matrix_runs, name):
     logits = model(ids).logits
     assert logits.shape[-1] == len(tokenizer) and torch.isfinite(logits).all()
     assert "Sample completion:" in run.stdout
+    # The plots of the run, drawn (by the last rank) once every row was written.
+    plots = {p.name: p for p in (run.out / "plots").glob("*.png")}
+    assert {"loss.png", "learning_rate.png", "throughput.png"} <= set(plots), sorted(plots)
+    assert min(p.stat().st_mtime_ns for p in plots.values()) >= (run.out / "metrics.jsonl").stat().st_mtime_ns
 
 
 def assert_same_run(got: Run, ref: Run, rtol: float) -> None:

@@ -214,9 +214,8 @@ def test_the_entry_point_reports_a_checkpoint_error_as_bad_input(tmp_path, monke
     def refuse(run_config):
         raise ckpt.CheckpointError(f"{tmp_path}: not a complete checkpoint")
 
-    monkeypatch.setattr(run_module, "parse_run_config", lambda argv: None)
     monkeypatch.setattr(train_job, "run", refuse)
-    assert run_module.main([]) == run_module.EXIT_BAD_INPUT == 2
+    assert run_module.main(["--output_dir", str(tmp_path)]) == run_module.EXIT_BAD_INPUT == 2
     message = f"error: resume_from_checkpoint: {tmp_path}: not a complete checkpoint\n"
     assert capsys.readouterr().err == message  # as before CheckpointError stopped being a ConfigError
 

@@ -3,9 +3,13 @@ the whole path, a tmpfs filled by a real save, is in ``tests/e2e/test_disk_full.
 
 from __future__ import annotations
 
+import errno
 import json
 
+import pytest
+
 from trainer.runtime.full_disk import free_bytes, note_full_disk, still_full
+from trainer.runtime.run_files import write_whole
 
 
 def test_a_checkpoint_refused_before_writing_needs_its_expected_bytes(tmp_path):
@@ -32,3 +36,15 @@ def test_once_there_is_room_rank_0_removes_the_note(tmp_path):
     assert still_full(tmp_path, is_main=True) is None
     assert not (tmp_path / "full_disk.json").exists()
     assert still_full(tmp_path, is_main=True) is None  # no note, no refusal
+
+
+def test_a_note_the_disk_has_no_room_for_leaves_no_partial_file(tmp_path):
+    """``write_whole`` removes its partial file when the write fails (here: a full disk's ENOSPC)."""
+
+    def full(path):
+        path.write_text("{")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        write_whole(tmp_path / "full_disk.json", full)
+    assert list(tmp_path.iterdir()) == []

@@ -73,9 +73,11 @@ def run(run_config: RunConfig) -> int:
         loss = evals[-1]["eval_loss"]
         perplexity = f"  perplexity {safe_exp(loss):.2f}" if args.objective == "causal_lm" else ""
         print_main(f"eval_loss {loss:.4f}{perplexity}")
-    final = trainer.save_model(str(Path(args.output_dir) / FINAL))
-    if dist_info().is_main:
+    final = trainer.save_model(str(Path(args.output_dir) / FINAL))  # ends when every rank is there
+    info = dist_info()
+    if info.rank == info.world_size - 1:  # the last rank draws the plots while rank 0 samples
         plot_runs([args.output_dir])
+    if info.is_main:
         print_main(f"Exported the model to {final}")
         print_main(_sample(final, torch.device("cpu")))
     leave_process_group()

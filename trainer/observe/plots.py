@@ -4,7 +4,7 @@ and a streamed mixture's realised share of each source.
 Several runs are overlaid in each plot, one colour per run. Figures are built with matplotlib's
 object API on the Agg canvas, so plotting needs no display and touches no global pyplot state.
 matplotlib is imported when a figure is built: every rank of a run imports this module, and only
-rank 0 plots, at the end.
+the last rank plots, at the end, while rank 0 samples from the export.
 """
 
 from __future__ import annotations

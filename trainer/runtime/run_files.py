@@ -20,7 +20,11 @@ def write_whole(path: Path, write: Callable[[Path], object]) -> None:
     which is synced and renamed into place. A reader (another rank too) never sees half a file, and
     a crash leaves the old file or none."""
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    write(partial)
-    with partial.open("rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(partial, path)
+    try:
+        write(partial)
+        with partial.open("rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)  # a failed write (a full disk) leaves nothing behind
+        raise
