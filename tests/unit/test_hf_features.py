@@ -260,9 +260,32 @@ def test_group_by_length_reads_hfs_length_grouped_order_and_resumes_it(results):
 
 @uses("torch_compile")
 def test_torch_compile_trains_the_same_steps(results):
-    """torch_compile (backend inductor, compiled on this CPU): DeepSpeed's engine compiles the model,
-    dynamo captures its graphs, and the per-step losses and grad norms equal the uncompiled run's."""
-    run = results["torch_compile"]
+    """torch_compile with the aot_eager backend: DeepSpeed's engine compiles the model, dynamo
+    captures its graphs, and the per-step losses and grad norms equal the uncompiled run's."""
+    assert_compiled_like_eager(results["torch_compile"])
+
+
+@pytest.mark.slow
+@uses("torch_compile_inductor")
+def test_torch_compile_with_inductor_trains_the_same_steps(results):
+    """The default backend, its kernels built on this CPU: the same steps as the uncompiled run."""
+    assert_compiled_like_eager(results["torch_compile_inductor"])
+
+
+def test_torch_compile_is_inductor_unless_another_backend_is_named():
+    from trainer.args import TrainingArguments
+    from trainer.loop.steps import torch_compile_for
+
+    assert torch_compile_for(TrainingArguments(output_dir="o")) is None
+    assert torch_compile_for(TrainingArguments(output_dir="o", torch_compile=True)).backend == "inductor"
+    named = torch_compile_for(TrainingArguments(output_dir="o", torch_compile_backend="aot_eager"))
+    assert named.backend == "aot_eager"
+    assert torch_compile_for(
+        TrainingArguments(output_dir="o", torch_compile_mode="max-autotune")
+    ).options == {"mode": "max-autotune"}
+
+
+def assert_compiled_like_eager(run: dict[str, Any]) -> None:
     for key in ("loss", "grad_norm"):
         assert close(run["compiled"][key], run["eager"][key]), (key, run)
     assert run["compiled"]["is_compiled"] and not run["eager"]["is_compiled"]
