@@ -48,3 +48,9 @@ def test_a_note_the_disk_has_no_room_for_leaves_no_partial_file(tmp_path):
     with pytest.raises(OSError, match="No space left"):
         write_whole(tmp_path / "full_disk.json", full)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("text", ["{", "[]", '{"checkpoint": "checkpoint-2"}'])
+def test_a_note_that_is_not_one_of_ours_refuses_nothing(tmp_path, text):
+    (tmp_path / "full_disk.json").write_text(text)
+    assert still_full(tmp_path, is_main=True) is None

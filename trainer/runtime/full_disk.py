@@ -49,20 +49,25 @@ def still_full(output_dir: str | Path, is_main: bool) -> str | None:
     path = Path(output_dir) / FULL_DISK
     try:
         note = json.loads(path.read_text())
-    except (OSError, ValueError):
+        checkpoint, expected, was_free = (
+            note["checkpoint"],
+            int(note["expected_bytes"]),
+            int(note["free_bytes"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError):  # no note, or not one of ours: no refusal
         return None
     free = free_bytes(output_dir)
-    if free >= note["expected_bytes"] and free > note["free_bytes"]:
+    if free >= expected and free > was_free:
         if is_main:
             path.unlink(missing_ok=True)
         return None
     needs = (
-        f"about {size(note['expected_bytes'])}"
-        if note["expected_bytes"] > note["free_bytes"]
-        else f"more than the {size(note['free_bytes'])} it did not fit in"
+        f"about {size(expected)}"
+        if expected > was_free
+        else f"more than the {size(was_free)} it did not fit in"
     )
     return (
-        f"the disk is still full: {note['checkpoint']} was not saved for lack of space, it needs {needs}, "
+        f"the disk is still full: {checkpoint} was not saved for lack of space, it needs {needs}, "
         f"and the filesystem of output_dir has {size(free)} free (output_dir/{FULL_DISK}). Free space, "
         "then rerun: it resumes from the newest complete checkpoint."
     )
