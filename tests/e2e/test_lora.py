@@ -1,10 +1,11 @@
 """LoRA through ``scripts/train.py`` on a local base model (an HF directory built here): ZeRO-3 on 2
-ranks under torchrun (the deepspeed launcher's own start-up is the launch matrix's); ZeRO-0, ZeRO-1 and ZeRO-2 with CPU offload and activation
-checkpointing on one process, training the adapters alike; rslora, DoRA, modules to save and
-dropout. final/ is a peft adapter that peft loads onto the base, equal to the trained weights;
-``trainer export --merge`` gives a full model with the same logits; a resume is bit-exact; the
-optimizer holds state for the adapters only; and what LoRA cannot do is refused by name. Only the
-tests of the 2-rank run are ``distributed``: the one-process ones run two at a time in make test."""
+ranks under torchrun (the deepspeed launcher's own start-up is the launch matrix's); ZeRO-0, ZeRO-1
+and ZeRO-2 with CPU offload and activation checkpointing on one process, training the adapters alike;
+rslora, DoRA, modules to save and dropout. final/ is a peft adapter that peft loads onto the base,
+equal to the trained weights; ``trainer export --merge`` gives a full model with the same logits; a
+resume is bit-exact; the optimizer holds state for the adapters only; and what LoRA cannot do is
+refused by name. Only the tests of the 2-rank run are ``distributed``: the one-process ones run two
+at a time in make test."""
 
 from __future__ import annotations
 

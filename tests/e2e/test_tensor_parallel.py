@@ -10,7 +10,6 @@ are shared by the tests below; each one-process run goes beside a launch of two 
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 
@@ -35,9 +34,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     out = {"one": root / "one", **{stage: root / f"tp_zero{stage}" for stage in STAGES}}
 
-    def tensor_parallel(
-        stage: int,
-    ) -> None:  # ZeRO-2: the same global batch in two micro-batches, tiled, recomputed
+    def tensor_parallel(stage: int) -> None:
+        """The group of two at ``stage``; at ZeRO-2 the same global batch in two micro-batches, tiled, recomputed."""
         flags = ["--zero_stage", str(stage), *TP, *(COMPOSED if stage == 2 else [])]
         launch([*COMMON, "--output_dir", str(out[stage]), *flags])
 
@@ -55,10 +53,8 @@ def runs(tmp_path_factory):
         shutil.copytree(out[1] / "checkpoint-2", out["elsewhere"] / "checkpoint-2")
         launch([*COMMON, "--output_dir", str(out["elsewhere"]), "--zero_stage", "1"], launcher="python")
 
-    one = functools.partial(
-        launch, [*COMMON, "--output_dir", str(out["one"]), "--zero_stage", "1"], launcher="python"
-    )
-    together(one, lambda: tensor_parallel(1))
+    one = [*COMMON, "--output_dir", str(out["one"]), "--zero_stage", "1"]
+    together(lambda: launch(one, launcher="python"), lambda: tensor_parallel(1))
     together(elsewhere, lambda: tensor_parallel(2))
     tensor_parallel(3)
     killed_and_started_again()

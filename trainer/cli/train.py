@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None, prog: str = "trainer train") -> int:
         run_config = parse_run_config(argv)
     except ConfigError as err:
         return refuse(err)
-    args = run_config.training
-    if args.save_failure_policy == "stop" and (line := still_full(args.output_dir, dist_info().is_main)):
-        if dist_info().is_main:
+    args, is_main = run_config.training, dist_info().is_main
+    if args.save_failure_policy == "stop" and (line := still_full(args.output_dir, is_main)):
+        if is_main:
             print(f"error: {line}", file=sys.stderr, flush=True)
         return EXIT_SAVE_FAILED
     from trainer.cli.train_job import BAD_INPUT, run_job
