@@ -37,21 +37,26 @@ endif
 # `install`: the project and what a run needs; `install-dev` adds what the tests and lint use (pytest,
 # ruff, the optional integrations they exercise: peft, wandb, MLflow, and pytorch_optimizer, the LARS
 # the tests follow).
+# Both take the versions in .ci/constraints.txt (the ones the suite last passed with); a new release
+# of a dependency reaches the venv when that file is refreshed, not on the day it is published.
+# `make CONSTRAINTS= install` takes the newest instead.
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
+CONSTRAINTS ?= .ci/constraints.txt
+PIP_INSTALL = $(BIN)/python -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -d $(VENV) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 # The distribution was called `trainer` before (a name PyPI gives to another project, which also
 # installs a `trainer` package): remove that one from an old venv first.
 	$(BIN)/python -m pip uninstall -q -y trainer 2>/dev/null || true
-	$(BIN)/python -m pip install -q -e .
+	$(PIP_INSTALL) -e .
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(PIP_INSTALL) -e ".[dev]"
 	touch $@
 
 demo: install
