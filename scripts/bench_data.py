@@ -29,10 +29,7 @@ import tempfile
 from pathlib import Path
 
 from trainer.args import DataArguments
-from trainer.bench.data import first_step_seconds, loader_tokens_per_second, resume_costs, write_corpus
 from trainer.bench.launch import free_port
-from trainer.data.sources import corpus_files
-from trainer.data.tokenizer import train_bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -68,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, work: Path) -> dict:
+    # Here, not at the top: --help and a bad argument are answered without torch and the tokenizers.
+    from trainer.bench.data import first_step_seconds, loader_tokens_per_second, resume_costs, write_corpus
+    from trainer.data.sources import corpus_files
+    from trainer.data.tokenizer import train_bpe_tokenizer
+
     tokenizer = train_bpe_tokenizer((p.read_text() for p in corpus_files()), 4096)
     tokenizer.save_pretrained(work / "tokenizer")
     corpus = write_corpus(work, args.scale, max_files=args.max_files)

@@ -254,7 +254,6 @@ def helps(command: str) -> list[tuple[tuple[str, ...] | None, list[str]]]:
 
 
 @functools.cache
-@functools.cache
 def help_text(program: tuple[str, ...]) -> str:
     """A program's ``--help``, run once per program (each run imports torch and more: seconds)."""
     proc = subprocess.run(

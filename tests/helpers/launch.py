@@ -14,6 +14,7 @@ from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+SITE = ROOT / "tests" / "helpers" / "site"  # its sitecustomize: see there
 T = TypeVar("T")
 
 
@@ -24,7 +25,7 @@ def run_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in rendezvous}
     env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(SITE), env.get("PYTHONPATH", "")])
     env.update(
         OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"
     )
