@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import functools
 import os
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import Hardware
+from trainer.runtime.cpu_info import keep_the_first_cpu_info
 from trainer.runtime.ranks import DistInfo, configure_logging, dist_info  # noqa: F401  (re-exported)
 
 
@@ -97,19 +97,6 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
         # threads to interpreter exit.
         atexit.register(_leave_at_exit)
     return info
-
-
-def keep_the_first_cpu_info() -> None:
-    """DeepSpeed's op builders ask py-cpuinfo for the CPU's architecture and vector width each time
-    an op loads (twice per op, cached build or not), and py-cpuinfo answers from a fresh interpreter:
-    1.2 s a question here, 2.4 s per op per rank. The CPU does not change under a process, so its
-    first answer is kept."""
-    try:
-        import cpuinfo
-    except ImportError:  # DeepSpeed then reads lscpu
-        return
-    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
-        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
 def leave_process_group(wait: bool = True) -> None:

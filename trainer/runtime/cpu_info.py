@@ -1,0 +1,76 @@
+"""The CPU's description that DeepSpeed's op loads ask py-cpuinfo for, asked once per machine.
+
+An op's builder asks ``cpuinfo.get_cpu_info()`` for the architecture and vector width each time the op
+loads (CPU Adam, FusedAdam: twice per op, cached build or not), and CPU Adam asks for the vendor. Each
+answer is a fresh interpreter: 1.2 s and about a CPU-second here, per question. The answer is kept for
+the process and in a file for the processes after it, named by what identifies the CPU in
+``/proc/cpuinfo`` (vendor, family, model, stepping, flags); a machine with another CPU, a node of a
+cluster that shares the home directory, reads another file. Without ``/proc/cpuinfo`` the answer is
+kept for the process only.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+
+from trainer.runtime.run_files import write_whole
+
+IDENTITY = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainer" / "cpu_info"
+
+
+def identity(cpuinfo_text: str) -> str | None:
+    """A name for the CPU that ``/proc/cpuinfo``'s text describes (its first processor's fields in
+    IDENTITY, and the machine's architecture); None if it has none of them."""
+    first = cpuinfo_text.split("\n\n", 1)[0]
+    fields = {}
+    for line in first.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in IDENTITY:
+            fields[key.strip()] = value.strip()
+    if not fields:
+        return None
+    fields["machine"] = platform.machine()
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def keep_the_first_cpu_info() -> None:
+    """Make ``cpuinfo.get_cpu_info`` answer from this process's first answer, or the machine's file."""
+    try:
+        import cpuinfo
+    except ImportError:  # DeepSpeed then reads lscpu
+        return
+    if hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        return
+    ask = cpuinfo.get_cpu_info
+    try:
+        name = identity(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        name = None
+    path = cache_dir() / f"{name}.json" if name else None
+
+    @functools.cache
+    def get_cpu_info() -> dict:
+        if path is not None:
+            try:
+                return json.loads(path.read_text())
+            except (OSError, ValueError):  # not asked yet on this machine, or a damaged file
+                pass
+        info = ask()
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_whole(path, lambda p: p.write_text(json.dumps(info)))
+            except OSError:  # a read-only home: asked again by the next process
+                pass
+        return info
+
+    cpuinfo.get_cpu_info = get_cpu_info
