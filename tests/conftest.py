@@ -65,6 +65,17 @@ def pytest_runtest_setup(item) -> None:
             os.setpriority(os.PRIO_PROCESS, 0, ONE_PROCESS_NICENESS)
 
 
+def pytest_configure(config) -> None:
+    """pytest 9.2 keeps a test's id where xdist 3.8 does not write its group: under ``--dist
+    loadgroup`` no test would be in a group, and launches would run on both workers at once, four
+    ranks on two cores (a suite of 46 minutes instead of 33). Stop before anything runs."""
+    if config.getoption("dist", "no") == "loadgroup" and pytest.version_tuple >= (9, 2):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} breaks xdist's --dist loadgroup; install the pytest of "
+            ".ci/constraints.txt (make install-dev does)"
+        )
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Runs of plain DeepSpeed (the benchmark baselines) leave their all-reduce buffers in RAM-backed
     /dev/shm; a long suite would otherwise leak gigabytes. Under xdist, once, after every worker is
