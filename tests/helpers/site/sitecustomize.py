@@ -6,14 +6,13 @@ Under ``make test-cpu`` it also loads the CPU accounting this module shadows."""
 
 import importlib.util
 import os
+from pathlib import Path
 
 from trainer.runtime import import_guard
 
 import_guard.install()
 
 if os.environ.get("SUITE_CPU_LOG"):
-    _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    _spec = importlib.util.spec_from_file_location(
-        "cpu_account", os.path.join(_ROOT, "scripts", "cpu_account", "sitecustomize.py")
-    )
+    _ACCOUNT = Path(__file__).resolve().parents[3] / "scripts" / "cpu_account" / "sitecustomize.py"
+    _spec = importlib.util.spec_from_file_location("cpu_account", _ACCOUNT)
     _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
