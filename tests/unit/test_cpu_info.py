@@ -4,6 +4,7 @@ after the first."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,8 @@ def test_the_cpus_name_follows_what_identifies_it_and_nothing_else():
 
 @pytest.fixture
 def fresh_cpuinfo(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.get_cpu_info)  # put back afterwards
+    """py-cpuinfo's own function, whatever an earlier test of this process kept (put back after)."""
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", sys.modules["cpuinfo.cpuinfo"].get_cpu_info)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     if cpu_info.identity(Path("/proc/cpuinfo").read_text()) is None:
         pytest.skip("no /proc/cpuinfo")
