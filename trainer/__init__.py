@@ -64,5 +64,8 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        with import_guard.heavy_imports():
+            value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # loaded once: the next use does not come back here
+        return value
     raise AttributeError(f"module 'trainer' has no attribute {name!r}")

@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from trainer.config.errors import ConfigError
+from trainer.runtime.import_guard import heavy_imports
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,9 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # torch, transformers and DeepSpeed load here, not for --help
-    from trainer.checkpoint import CheckpointError
-    from trainer.checkpoint.export import export_checkpoint
+    with heavy_imports():  # torch, transformers and DeepSpeed load here, not for --help
+        from trainer.checkpoint import CheckpointError
+        from trainer.checkpoint.export import export_checkpoint
 
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.merge)

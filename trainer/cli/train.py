@@ -15,6 +15,7 @@ import sys
 from trainer.args.recipe import HELP_FLAGS, parse_run_config, run_help
 from trainer.config.errors import ConfigError
 from trainer.runtime.full_disk import still_full
+from trainer.runtime.import_guard import heavy_imports
 from trainer.runtime.ranks import EXIT_SAVE_FAILED, configure_logging, dist_info
 
 RAW_ARGV = True
@@ -38,8 +39,9 @@ def main(argv: list[str] | None = None, prog: str = "trainer train") -> int:
         if is_main:
             print(f"error: {line}", file=sys.stderr, flush=True)
         return EXIT_SAVE_FAILED
-    from trainer.cli.train_job import BAD_INPUT, run_job
-    from trainer.data.stream import ShardError
+    with heavy_imports():
+        from trainer.cli.train_job import BAD_INPUT, run_job
+        from trainer.data.stream import ShardError
 
     try:
         return run_job(run_config)

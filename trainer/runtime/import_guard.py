@@ -1,4 +1,12 @@
-"""Keeps DeepSpeed's autotuner from importing mlflow, which costs every process about 2 s.
+"""What a process pays to import its libraries: the collector paused while they load
+(``heavy_imports``), and DeepSpeed's autotuner kept from importing mlflow (``install``).
+
+torch, transformers and DeepSpeed leave about 460,000 objects behind as they import, and the cyclic
+collector walks them again and again while they load (about 1,100 collections, 7 of them full) and
+at every full collection after. Pausing it for the imports, then moving what they made to the
+permanent generation (``gc.freeze``, as a fork server does), took a one-process run of the tiny test
+model from 7.8 to 5.4 CPU-seconds here. Modules live as long as the process, so nothing collectable is
+kept.
 
 DeepSpeed imports its autotuner whenever it reads a config, and the autotuner imports mlflow at import
 time if it is installed: 2.2 s of a 4.8 s ``import deepspeed`` here, paid by every rank of every
@@ -8,8 +16,11 @@ nothing; every other importer, ``--report_to mlflow`` included, gets mlflow as u
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib.abc
 import sys
+from collections.abc import Iterator
 
 AUTOTUNER = "deepspeed.autotuning.autotuner"
 
@@ -33,3 +44,17 @@ def _imported_by(module: str) -> bool:
 def install() -> None:
     if not any(isinstance(f, HideMlflowFromTheAutotuner) for f in sys.meta_path):
         sys.meta_path.insert(0, HideMlflowFromTheAutotuner())
+
+
+@contextlib.contextmanager
+def heavy_imports() -> Iterator[None]:
+    """Import torch and the libraries above it with the cyclic collector paused; what they made is
+    then frozen (never walked again) and the collector is back as it was."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.freeze()
+            gc.enable()
