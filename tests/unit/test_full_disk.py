@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from trainer.runtime.full_disk import free_bytes, note_full_disk, still_full
+from trainer.runtime import full_disk
+from trainer.runtime.full_disk import SLACK_BYTES, free_bytes, note_full_disk, still_full
 from trainer.runtime.run_files import write_whole
 
 
@@ -27,6 +28,17 @@ def test_a_checkpoint_that_filled_the_disk_needs_more_than_was_free(tmp_path):
     free = free_bytes(tmp_path)
     note_full_disk(tmp_path, "checkpoint-2", expected=1, free=free + (1 << 40))
     assert "it needs more than the " in still_full(tmp_path, is_main=True)
+
+
+@pytest.mark.parametrize("gained", [0, 4096, SLACK_BYTES - 1])
+def test_a_few_pages_more_than_the_save_had_are_not_room(tmp_path, monkeypatch, gained):
+    """A checkpoint that filled the disk: the run's own small files (its lock, the note) move the free
+    space by a page or two before the rerun, which would not hold the checkpoint either."""
+    note_full_disk(tmp_path, "checkpoint-4", expected=50 << 20, free=64 << 20)
+    monkeypatch.setattr(full_disk, "free_bytes", lambda path: (64 << 20) + gained)
+    assert "it needs more than the 64.0 MiB it did not fit in" in still_full(tmp_path, is_main=True)
+    monkeypatch.setattr(full_disk, "free_bytes", lambda path: (64 << 20) + SLACK_BYTES)
+    assert still_full(tmp_path, is_main=True) is None
 
 
 def test_once_there_is_room_rank_0_removes_the_note(tmp_path):

@@ -18,6 +18,10 @@ from pathlib import Path
 
 from trainer.runtime.run_files import FULL_DISK, write_whole
 
+# The run's own small files (its lock, this note, a metrics row) move the free space by a few pages
+# between the failed save and the rerun's door, either way: a gain below this is not space freed.
+SLACK_BYTES = 1 << 20
+
 
 def free_bytes(path: str | Path) -> int:
     """Free bytes (for this user) on the filesystem that holds ``path`` or its nearest existing parent."""
@@ -45,7 +49,7 @@ def note_full_disk(output_dir: str | Path, checkpoint: str, expected: int, free:
 def still_full(output_dir: str | Path, is_main: bool) -> str | None:
     """The door's line when the last stop in ``output_dir`` was a full disk and the filesystem still
     lacks the space: at least what the checkpoint was expected to take, and more than was free when it
-    did not fit. None otherwise; then rank 0 (``is_main``) removes the note."""
+    did not fit (by ``SLACK_BYTES``). None otherwise; then rank 0 (``is_main``) removes the note."""
     path = Path(output_dir) / FULL_DISK
     try:
         note = json.loads(path.read_text())
@@ -57,7 +61,7 @@ def still_full(output_dir: str | Path, is_main: bool) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):  # no note, or not one of ours: no refusal
         return None
     free = free_bytes(output_dir)
-    if free >= expected and free > was_free:
+    if free >= max(expected, was_free + SLACK_BYTES):
         if is_main:
             path.unlink(missing_ok=True)
         return None
