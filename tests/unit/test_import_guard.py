@@ -46,8 +46,9 @@ TRAIN = (  # refused once the run's modules are in: the checkpoint to resume fro
 def collector_after(door: str, *args: str, before: str = "") -> tuple[bool, int, int]:
     """(collector on, objects frozen, full collections) as a process that went through ``door`` exits."""
     probe = COLLECTOR.format(before=before, door=door)
+    env = run_env(PYTHONPATH=str(ROOT))  # the collector as a user's process has it: no tests' sitecustomize
     proc = subprocess.run(
-        [sys.executable, "-c", probe, *args], cwd=ROOT, env=run_env(), capture_output=True, text=True
+        [sys.executable, "-c", probe, *args], cwd=ROOT, env=env, capture_output=True, text=True
     )
     enabled, frozen, full = proc.stdout.split()[-3:]
     return enabled == "True", int(frozen), int(full)
