@@ -50,7 +50,9 @@ def collector_after(door: str, *args: str, before: str = "") -> tuple[bool, int,
     proc = subprocess.run(
         [sys.executable, "-c", probe, *args], cwd=ROOT, env=env, capture_output=True, text=True
     )
-    enabled, frozen, full = proc.stdout.split()[-3:]
+    words = proc.stdout.split()
+    assert len(words) >= 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    enabled, frozen, full = words[-3:]
     return enabled == "True", int(frozen), int(full)
 
 

@@ -7,7 +7,7 @@ them, run without the cyclic collector: ``deepspeed --help`` took 2.0-2.2 CPU-se
 1.5-1.9 without. The others collect every 100,000 allocations instead of 700: transformers' and TRL's
 Trainers, and the tests' scripts written as a user's, import torch and transformers at their top,
 outside this package's ``heavy_imports()`` (importing transformers' Trainer took 5.6-6.1 CPU-seconds
-with the default and 4.6-4.7 without collections). Under ``make test-cpu`` it also loads the CPU
+with the default and 4.6-4.7 with the collector off). Under ``make test-cpu`` it also loads the CPU
 accounting this module shadows."""
 
 import gc
