@@ -10,7 +10,7 @@ recipe, whose learning rate and length are the pretraining job's.
 import sys
 from pathlib import Path
 
-from trainer.cli.main import exit_now
+from trainer.cli.main import run_then_exit
 from trainer.cli.train import main
 
 DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "default.yaml"
@@ -32,4 +32,4 @@ if __name__ == "__main__":
         argv = ["--config", str(DEFAULT_RECIPE), *argv]
     if flag(argv, "resume_from_checkpoint") is None:
         argv = [*argv, "--resume_from_checkpoint", "auto"]
-    exit_now(main(argv, prog="scripts/train.py"))
+    run_then_exit(main, argv, prog="scripts/train.py")

@@ -4,6 +4,7 @@ DeepSpeed all-reduce buffers a run leaves in /dev/shm."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,11 @@ def run_env(**extra: str) -> dict[str, str]:
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(SITE), env.get("PYTHONPATH", "")])
     env.update(
-        OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONFAULTHANDLER="1",  # a rank that aborts prints its Python stacks
     )
     env.update(extra)
     return env
@@ -63,8 +68,20 @@ def launch(
     if check:
         assert proc.returncode == 0, (
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+            f"\n---- why, from the whole stderr ----\n{why_it_failed(proc.stderr)}"
         )
     return proc
+
+
+# Lines that say why a rank died: a C++ abort, faulthandler's stacks (PYTHONFAULTHANDLER is set in
+# run_env) and Python's tracebacks.
+_WHY = re.compile(r"terminate called|Fatal Python error|Error|Exception|Thread 0x|Current thread|File \"")
+
+
+def why_it_failed(stderr: str, keep: int = 60) -> str:
+    """The last ``keep`` lines of ``stderr`` that say why a process died, last in the assertion
+    message: a rank's abort is otherwise lost among thousands of lines of its peers' logs."""
+    return "\n".join([line for line in stderr.splitlines() if _WHY.search(line)][-keep:])
 
 
 def together(*runs: Callable[[], T]) -> list[T]:

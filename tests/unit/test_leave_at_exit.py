@@ -65,3 +65,52 @@ def test_a_rank_waits_for_the_others_unless_it_failed(rank1):
     else:
         assert rc1 == 1
         assert t1 < t0 - linger / 2, f"the failed rank 1 waited: {t1:.1f}s, rank 0 {t0:.1f}s"
+
+
+# A thread that calls itself a gloo worker, computes for a while without the GIL (hashing a large
+# buffer), then sleeps as an idle worker does.
+WORKER = """
+import ctypes, hashlib, sys, threading, time
+from trainer.runtime.ranks import GLOO_WORKER, settle_gloo_workers
+
+def worker(seconds, done):
+    ctypes.CDLL(None).prctl(15, GLOO_WORKER.encode())  # PR_SET_NAME: this thread's name in /proc
+    data = bytes(8 << 20)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        hashlib.sha256(data).digest()
+    done.append(time.monotonic())
+    time.sleep(60)
+
+done = []
+threading.Thread(target=worker, args=(float(sys.argv[1]), done), daemon=True).start()
+time.sleep(0.2)  # the worker has named itself and is computing
+settle_gloo_workers(timeout_s=float(sys.argv[2]))
+print(len(done), time.monotonic() - done[0] if done else -1.0)
+"""
+
+
+def _settle(work_s: float, timeout_s: float) -> tuple[int, float]:
+    """(whether the worker had finished computing when settle_gloo_workers returned, seconds since)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER, str(work_s), str(timeout_s)],
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    finished, since = proc.stdout.split()
+    return int(finished), float(since)
+
+
+def test_exit_waits_while_a_gloo_worker_runs_then_returns_once_it_sleeps():
+    """A gloo worker still running at exit (it may yet ask for the GIL, which aborts the process
+    once finalization began) holds the exit back until it sleeps; an idle one does not."""
+    finished, since = _settle(work_s=1.5, timeout_s=10)
+    assert finished == 1 and since < 1.0, (finished, since)
+
+
+def test_exit_gives_up_on_a_worker_that_never_sleeps():
+    finished, _ = _settle(work_s=30, timeout_s=0.5)
+    assert finished == 0

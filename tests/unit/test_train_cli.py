@@ -126,3 +126,22 @@ def test_a_command_ends_after_its_exit_handlers_with_its_code():
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "unflushedhandler ran\n", "to stderr")
+
+
+@pytest.mark.parametrize(("stop", "code", "stderr"), [("74", 74, ""), ("'no room'", 1, "no room\n")])
+def test_a_command_stopped_by_system_exit_skips_finalization_too(stop, code, stderr):
+    """A rank's own stop (a full disk's 74, a non-finite loss's 77) is raised as SystemExit deep in
+    the run; run_then_exit still ends the process after its exit handlers and without the
+    interpreter's finalization, which would free a module's objects (here: print 'finalized')."""
+    script = (
+        "import atexit\n"
+        "from trainer.cli.main import run_then_exit\n"
+        "class Kept:\n"
+        "    def __del__(self): print('finalized')\n"
+        "kept = Kept()\n"
+        "atexit.register(lambda: print('handler ran'))\n"
+        "def main(): raise SystemExit(%s)\n"
+        "run_then_exit(main)\n"
+    ) % stop
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (code, "handler ran\n", stderr)

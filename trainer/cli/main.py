@@ -8,8 +8,9 @@ import atexit
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from contextlib import suppress
-from typing import NoReturn
+from typing import Any, NoReturn
 
 # name -> (module, one-line help). Each module defines add_arguments(parser) and run(args) -> int,
 # or sets RAW_ARGV and defines main(argv) -> int to parse its own arguments.
@@ -40,18 +41,23 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.run(args) or 0)
 
 
-def exit_now(code: int | None = 0) -> NoReturn:
+def exit_now(code: int | str | None = 0) -> NoReturn:
     """End a command's process once its work is done: the exit handlers run (the process group is
     left, the reporting integrations and logging flush), then the process ends without the
-    interpreter's finalization.
+    interpreter's finalization. ``code`` is read as ``SystemExit`` reads it (None is 0; a message is
+    printed and exits 1).
 
-    Finalization frees every object left alive in arbitrary order. With gloo groups created (some
-    still referenced by DeepSpeed after the group is left) it was seen to abort a rank that had
-    finished its run ("terminate called without an active exception", exit -6). It also walks
-    millions of module-level objects, 3-4 s on 2 cores that every launch would pay. Only a process's
-    entry point calls this, with what its ``main`` returned; a user's own script keeps Python's
-    usual shutdown, and an exception still ends a process the usual way.
+    Finalization frees every object left alive in arbitrary order, and a thread that asks for the
+    GIL meanwhile is ended inside C++: with gloo groups created (some still referenced by DeepSpeed
+    after the group is left) it was seen to abort a rank that had finished its run ("terminate
+    called without an active exception", exit -6; trainer/runtime/distributed.py says how). It also
+    walks millions of module-level objects, 3-4 s on 2 cores that every launch would pay. Only a
+    process's entry point calls this; a user's own script keeps Python's usual shutdown, and an
+    uncaught exception still ends a process the usual way.
     """
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with suppress(Exception):
@@ -59,9 +65,19 @@ def exit_now(code: int | None = 0) -> NoReturn:
     os._exit(int(code or 0))
 
 
+def run_then_exit(main: Callable[..., int | None], *args: Any, **kwargs: Any) -> NoReturn:
+    """``exit_now(main(...))``, also when ``main`` stops the rank with ``SystemExit`` (a save on a
+    full disk exits 74 that way, a non-finite loss 77): that exit skips finalization too."""
+    try:
+        code = main(*args, **kwargs)
+    except SystemExit as stop:
+        code = stop.code
+    exit_now(code)
+
+
 def entry() -> NoReturn:
     """The ``trainer`` console script."""
-    exit_now(main())
+    run_then_exit(main)
 
 
 if __name__ == "__main__":

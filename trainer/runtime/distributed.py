@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from trainer.config import Hardware
 from trainer.runtime.cpu_info import keep_the_first_cpu_info
-from trainer.runtime.ranks import DistInfo, configure_logging, dist_info  # noqa: F401  (re-exported)
+from trainer.runtime.ranks import DistInfo, configure_logging, dist_info, settle_gloo_workers  # noqa: F401  (re-exported)
 
 
 def detect_hardware() -> Hardware:
@@ -112,10 +112,10 @@ def leave_process_group(wait: bool = True) -> None:
 
 def _leave_at_exit() -> None:
     """Leave the group as the interpreter exits. A script that ends normally waits for the other
-    ranks first, as a command's run does: a rank done early that tears its group down while rank 0
-    still writes the export was seen to abort ("terminate called without an active exception").
-    One that ends on an uncaught exception does not wait for ranks that may never come."""
+    ranks first, as a command's run does; one that ends on an uncaught exception does not wait for
+    ranks that may never come. Then gloo's workers are let finish before finalization begins."""
     leave_process_group(wait=getattr(sys, "last_value", None) is None)
+    settle_gloo_workers()
 
 
 # ---- DeepSpeed's CPU all-reduce buffers ---------------------------------------------------------

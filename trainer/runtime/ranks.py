@@ -13,7 +13,9 @@ import importlib
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -86,3 +88,42 @@ def configure_logging() -> None:
             importlib.import_module("transformers.utils.logging").disable_progress_bar()
         if "datasets" in sys.modules:
             importlib.import_module("datasets").disable_progress_bars()
+
+
+# ---- the end of a rank ---------------------------------------------------------------------------
+
+GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives a gloo group's worker threads
+
+
+def settle_gloo_workers(timeout_s: float = 2.0, poll_s: float = 0.005) -> None:
+    """Wait, the GIL released, until no gloo worker thread of this process is running.
+
+    Leaving the group does not stop its workers while DeepSpeed still holds the group (the engine,
+    every ZeRO-3 parameter). A worker drops each collective it ran after the caller has its result;
+    when that collective's tensor lives on only as a Python object (the caller let go of it first),
+    dropping it takes the GIL. A worker that asks for the GIL once the interpreter is finalizing is
+    ended by Python inside a C++ destructor, and the process aborts: "terminate called without an
+    active exception", exit -6, after a run that had finished (a rank descheduled on a busy machine
+    lands there). A worker that is idle or waits for the GIL sleeps; sleeping here hands the GIL over;
+    so the wait ends once every worker was seen asleep at two polls in a row. Without workers (a
+    world of one, or no /proc) it returns at once."""
+    tasks = Path("/proc/self/task")
+    deadline, calm = time.monotonic() + timeout_s, 0
+    while calm < 2 and time.monotonic() < deadline:
+        states = _thread_states(tasks, GLOO_WORKER)
+        if not states:
+            return
+        calm = calm + 1 if "R" not in states else 0
+        time.sleep(poll_s)
+
+
+def _thread_states(tasks: Path, name: str) -> list[str]:
+    """The scheduler states ("R" running, "S" asleep...) of this process's threads called ``name``."""
+    states = []
+    for task in tasks.glob("[0-9]*") if tasks.is_dir() else ():
+        try:
+            if (task / "comm").read_text().strip() == name:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):  # the thread ended meanwhile
+            continue
+    return states
