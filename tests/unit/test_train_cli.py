@@ -140,8 +140,8 @@ def test_a_command_stopped_by_system_exit_skips_finalization_too(stop, code, std
         "    def __del__(self): print('finalized')\n"
         "kept = Kept()\n"
         "atexit.register(lambda: print('handler ran'))\n"
-        "def main(): raise SystemExit(%s)\n"
+        f"def main(): raise SystemExit({stop})\n"
         "run_then_exit(main)\n"
-    ) % stop
+    )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stdout, proc.stderr) == (code, "handler ran\n", stderr)
