@@ -50,7 +50,7 @@ def exit_now(code: int | str | None = 0) -> NoReturn:
     Finalization frees every object left alive in arbitrary order, and a thread that asks for the
     GIL meanwhile is ended inside C++: with gloo groups created (some still referenced by DeepSpeed
     after the group is left) it was seen to abort a rank that had finished its run ("terminate
-    called without an active exception", exit -6; trainer/runtime/distributed.py says how). It also
+    called without an active exception", exit -6; docs/fault-tolerance.md says how). It also
     walks millions of module-level objects, 3-4 s on 2 cores that every launch would pay. Only a
     process's entry point calls this; a user's own script keeps Python's usual shutdown, and an
     uncaught exception still ends a process the usual way.

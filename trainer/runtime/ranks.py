@@ -1,7 +1,7 @@
 """This process's place in the job, read from the launcher's environment, the logging set up for
-it, and the codes it exits with. Nothing here imports torch: a command answers ``--help`` or refuses
-bad input with these alone (``trainer.runtime.distributed``, which starts and leaves the process
-group, re-exports them).
+it, the codes it exits with and its last wait for gloo's worker threads. Nothing here imports torch:
+a command answers ``--help`` or refuses bad input with these alone (``trainer.runtime.distributed``,
+which starts and leaves the process group, re-exports them).
 
 Works the same under the ``deepspeed`` launcher, ``torchrun``, ``accelerate launch``, SLURM
 (``SLURM_PROCID`` and friends) and plain ``python`` (a world of one).
@@ -105,8 +105,8 @@ def settle_gloo_workers(timeout_s: float = 2.0, poll_s: float = 0.005) -> None:
     ended by Python inside a C++ destructor, and the process aborts: "terminate called without an
     active exception", exit -6, after a run that had finished (a rank descheduled on a busy machine
     lands there). A worker that is idle or waits for the GIL sleeps; sleeping here hands the GIL over;
-    so the wait ends once every worker was seen asleep at two polls in a row. Without workers (a
-    world of one, or no /proc) it returns at once."""
+    so the wait ends once every worker was seen asleep at two polls in a row. Without workers (no
+    gloo group, or no /proc) it returns at once."""
     tasks = Path("/proc/self/task")
     deadline, calm = time.monotonic() + timeout_s, 0
     while calm < 2 and time.monotonic() < deadline:
