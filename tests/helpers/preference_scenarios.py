@@ -134,7 +134,7 @@ def run_trl(
 ) -> dict[str, list[float]]:
     """TRL's run; ``evaluated``: filled with its evaluation of ``eval_pairs`` after training."""
     unset_hf_deepspeed_config()
-    set_seed(0)  # both trainers wrap LoRA before they seed: its initial A matrices come from here
+    set_seed(0)
     config, trainer_class = trl_classes(method)
     args = config(output_dir=str(out / "trl"), use_cpu=True, **{**COMMON, **fields})
     model, tok = base(out), None

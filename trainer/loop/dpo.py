@@ -60,7 +60,12 @@ class DPOTrainer(PreferenceTrainer):
     ):
         """TRL's order: the model, the reference, then ``PreferenceTrainer``'s arguments."""
         if isinstance(ref_model, str):
-            ref_model, _ = load_model(ref_model, args or DPOConfig(), kwargs.get("processing_class"))
+            ref_model, _ = load_model(
+                ref_model,
+                args or DPOConfig(),
+                kwargs.get("processing_class"),
+                kwargs.get("quantization_config"),
+            )
         if ref_model is not None and (args is None or args.disable_dropout):
             disable_dropout(ref_model)
         super().__init__(model, args, *rest, **kwargs)

@@ -1,5 +1,6 @@
 """HF Trainer's public methods beyond the loop, mixed into our ``Trainer``: the data loaders, the
-callbacks list, ``log``, the optimizer and scheduler, the model card, and the two HF features this
+callbacks list, ``log``, the optimizer and scheduler, the model card, ``accelerator`` and ``end()``
+(what HF's and TRL's scripts call last; ``trainer.runtime.processes``), and the two HF features this
 trainer refuses (``push_to_hub``, ``hyperparameter_search``), each with HF's signature.
 
 The loaders are the ones the loop and the evaluation read: ``get_train_dataloader`` is this rank's
@@ -41,6 +42,7 @@ from trainer.loop.model_card import (
     task_of,
 )
 from trainer.loop.steps import plan_steps
+from trainer.runtime.processes import Processes
 
 if TYPE_CHECKING:
     from trainer.args import RunConfig, TrainingArguments
@@ -88,6 +90,16 @@ class HFMethods:
 
     def is_local_process_zero(self) -> bool:
         return self.dist.local_rank == 0
+
+    @cached_property
+    def accelerator(self) -> Processes:
+        """What scripts ask of HF's ``trainer.accelerator`` (``print``, ``is_main_process``, ...)."""
+        return Processes()
+
+    def end(self) -> None:
+        """HF's last call of a script: every rank waits for the others, then leaves the process
+        group. Nothing that communicates (train, evaluate, save_model) works after it."""
+        self.accelerator.end_training()
 
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers import set_seed
 
 from trainer.args.preference import CPOConfig, ORPOConfig, PreferenceConfig
 from trainer.args.trl import TRLConfig
@@ -41,6 +42,7 @@ class PreferenceTrainer(Trainer):
         callbacks: list | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
         peft_config: Any = None,
+        quantization_config: Any = None,
         **kwargs: Any,
     ):
         """TRL's arguments; ``kwargs``: the Trainer's own (``run_config``, ``plan``: a run that
@@ -49,8 +51,8 @@ class PreferenceTrainer(Trainer):
         args = args or config()
         if not isinstance(args, config):
             raise TypeError(f"{name}: args must be {config.__name__}, got {type(args).__name__}")
-        if isinstance(model, str):
-            model, processing_class = load_model(model, args, processing_class)
+        set_seed(args.seed)  # as TRL: a peft_config's adapters are drawn from this state
+        model, processing_class = load_model(model, args, processing_class, quantization_config)
         if processing_class is None:
             raise ValueError(f"{name}: give processing_class (the tokenizer) with a model object")
         if peft_config is not None:
@@ -120,11 +122,30 @@ class CPOTrainer(PreferenceTrainer):
         return CPO(args.beta, args.loss_type, args.cpo_alpha, args.simpo_gamma, args.label_smoothing)
 
 
-def load_model(name: str, args: TRLConfig, processing_class: Any) -> tuple[torch.nn.Module, Any]:
-    """A causal LM and its tokenizer by name or path, with the config's ``model_init_kwargs``."""
+def load_model(
+    model: str | torch.nn.Module, args: TRLConfig, processing_class: Any, quantization_config: Any = None
+) -> tuple[torch.nn.Module, Any]:
+    """A causal LM and its tokenizer by name or path, with the config's ``model_init_kwargs`` and
+    TRL's ``quantization_config`` argument (as TRL, applied only to a model loaded here); a model
+    object is returned as it is."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
+    init_kwargs = dict(args.model_init_kwargs or {})
+    if not isinstance(model, str):
+        if quantization_config is not None:
+            raise ValueError(
+                "quantization_config: the model is already built, so it cannot be quantised here; "
+                "give the model by name or path, or quantise it when you load it"
+            )
+        return model, processing_class
+    if quantization_config is not None:
+        if "quantization_config" in init_kwargs:
+            raise ValueError(
+                "quantization_config: given both as the trainer's argument and in model_init_kwargs; give it once"
+            )
+        init_kwargs["quantization_config"] = quantization_config
+    kwargs = {"trust_remote_code": args.trust_remote_code, **init_kwargs}
+    name = model
     model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     tokenizer = processing_class or AutoTokenizer.from_pretrained(
         name, trust_remote_code=args.trust_remote_code

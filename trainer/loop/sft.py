@@ -46,6 +46,7 @@ class SFTTrainer(Trainer):
         preprocess_logits_for_metrics: Callable | None = None,
         peft_config: Any = None,
         formatting_func: Callable[[dict[str, Any]], str] | None = None,
+        quantization_config: Any = None,
         **kwargs: Any,
     ):
         """TRL's arguments; ``kwargs``: the Trainer's own (``run_config``, ``plan``)."""
@@ -61,8 +62,7 @@ class SFTTrainer(Trainer):
         if train_dataset is None:
             raise ValueError("SFTTrainer: train_dataset is required")
         set_seed(args.seed)  # as TRL: adapters are initialised from this state
-        if isinstance(model, str):
-            model, processing_class = load_model(model, args, processing_class)
+        model, processing_class = load_model(model, args, processing_class, quantization_config)
         tokenizer = processing_class
         if not isinstance(tokenizer, PreTrainedTokenizerBase):
             raise TypeError(
