@@ -91,6 +91,12 @@ def test_rerun_resumes_from_newest_complete_checkpoint(default_run, tmp_path):
     )
     assert f"Resumed from {out / f'checkpoint-{STEPS}'} at step {STEPS}" in proc.stdout
     assert loss_steps(out)[-1] == more
+    # The summary's best eval loss counts every evaluation, the final one (at step 6) included.
+    evals = [row for row in read_metrics(out) if "eval_loss" in row]
+    assert [row["step"] for row in evals] == [STEPS, more]
+    best = min(evals, key=lambda row: row["eval_loss"])
+    assert f"best eval loss    {best['eval_loss']:.4f} (step {best['step']})" in proc.stdout
+    assert f"eval_loss {evals[-1]['eval_loss']:.4f}" in proc.stdout
 
 
 def _plain(args: list[str], **env) -> tuple[int, str]:

@@ -24,6 +24,7 @@ from trainer.data.stream_sources import check_resumable, stream_sources
 from trainer.engine.sequence_parallel import check_layout
 from trainer.engine.tensor_parallel import check_tensor_layout
 from trainer.loop.build import build_run
+from trainer.loop.callbacks import FinalEvaluationCallback
 from trainer.loop.evaluation import safe_exp
 from trainer.loop.faults import FaultInjection
 from trainer.model.modeling import model_config
@@ -54,7 +55,7 @@ def run(run_config: RunConfig) -> int:
     if _nothing_to_resume(run_config):
         leave_process_group()
         return 0
-    callbacks = [FaultInjection(plan)] if (plan := fault_plan()) else None
+    callbacks = [FinalEvaluationCallback(), *([FaultInjection(plan)] if (plan := fault_plan()) else [])]
     trainer = build_run(  # the checks and the claim above are the run's only ones
         run_config,
         callbacks=callbacks,

@@ -94,6 +94,16 @@ class DefaultFlowCallback(TrainerCallback):
         return control
 
 
+class FinalEvaluationCallback(TrainerCallback):
+    """The command line's evaluation of the trained model, at the last step inside training: its
+    row is logged there, so the run summary's best eval loss and a checkpoint saved at that step see it."""
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step >= state.max_steps or control.should_training_stop:
+            control.should_evaluate = True
+        return control
+
+
 class ProgressCallback(TrainerCallback):
     """A tqdm bar on the main rank with the ETA and the latest loss."""
 
