@@ -62,6 +62,15 @@ def test_command_trains_and_exports_a_loadable_model(matrix_runs, name):
     assert min(p.stat().st_mtime_ns for p in plots.values()) >= (run.out / "metrics.jsonl").stat().st_mtime_ns
 
 
+def test_a_warning_is_shown_once_per_rank(matrix_runs):
+    """One process under ZeRO-3 calls torch's deprecated collectives in every step. Each call of
+    DeepSpeed's CPU device count forked ``numactl`` through ``subprocess``, whose
+    ``catch_warnings`` made Python forget the warnings it had shown: they printed again every step."""
+    stderr = matrix_runs("python-zero3").stderr
+    shown = [line for line in stderr.splitlines() if "Warning: " in line]
+    assert len(shown) == len(set(shown)), shown
+
+
 def assert_same_run(got: Run, ref: Run, rtol: float) -> None:
     a, b = train_rows(got.out), train_rows(ref.out)
     for x, y in zip(a, b, strict=True):

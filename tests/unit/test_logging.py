@@ -9,6 +9,7 @@ import datasets
 import pytest
 import transformers
 
+from tests.helpers.launch import launch
 from tests.unit.test_data_build import SAMPLE_MODULES, STDLIB
 from trainer.args import DataArguments, ModelArguments
 from trainer.data import get_tokenizer, prepare_datasets
@@ -88,3 +89,20 @@ def test_calling_it_again_keeps_one_handler(monkeypatch):
     configure_logging()
     assert [h.get_name() for h in logging.getLogger().handlers].count(LOG_HANDLER) == 1
     assert os.environ["TRANSFORMERS_VERBOSITY"] == "info"
+
+
+def test_a_warning_shows_once_though_a_catch_warnings_block_forgets_it():
+    """Python alone prints it again after every ``catch_warnings`` block (subprocess has one)."""
+    probe = (
+        "import warnings\n"
+        "from trainer.runtime.ranks import configure_logging\n"
+        "configure_logging()\n"
+        "for _ in range(3):\n"
+        "    warnings.warn('deprecated collective', FutureWarning)\n"
+        "    with warnings.catch_warnings():\n"
+        "        pass\n"
+    )
+    proc = launch(["-c", probe], launcher="python", timeout=120)
+    assert proc.stderr.count("FutureWarning: deprecated collective") == 1
+    chosen = launch(["-W", "always", "-c", probe], launcher="python", timeout=120)  # the user's choice wins
+    assert chosen.stderr.count("FutureWarning: deprecated collective") == 3

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import Hardware
-from trainer.runtime.cpu_info import keep_the_first_cpu_info
+from trainer.runtime.cpu_info import keep_the_first_cpu_info, keep_the_first_numa_answer
 from trainer.runtime.ranks import DistInfo, configure_logging, dist_info, settle_gloo_workers  # noqa: F401  (re-exported)
 
 
@@ -63,6 +63,7 @@ def init_distributed(hardware: Hardware, timeout_s: float = 1800.0) -> DistInfo:
     if hardware.device == "cuda":
         torch.cuda.set_device(info.local_rank)
     keep_the_first_cpu_info()
+    keep_the_first_numa_answer()
     if not dist.is_initialized():
         set_world_env()
         backend = "nccl" if hardware.device == "cuda" else "gloo"

@@ -14,8 +14,10 @@ import logging
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,11 @@ def configure_logging() -> None:
     """Rank 0 shows the project's INFO lines (tokenizer, tokenisation, cache hits, skipped rows); other
     ranks only warnings. One plain stderr handler goes on the root logger, replacing an earlier one of
     ours, so other libraries' warnings share the format. transformers and datasets keep to their
-    warnings; off rank 0 to errors, with no progress bars. Their verbosity variables, if set, win."""
+    warnings; off rank 0 to errors, with no progress bars. Their verbosity variables, if set, win.
+    Each warning shows once per process, unless the user chose how warnings show (``-W``,
+    ``PYTHONWARNINGS``): see ``show_each_warning_once``."""
+    if not sys.warnoptions:
+        show_each_warning_once()
     info = dist_info()
     root = logging.getLogger()
     for handler in [h for h in root.handlers if h.get_name() == LOG_HANDLER]:
@@ -88,6 +94,28 @@ def configure_logging() -> None:
             importlib.import_module("transformers.utils.logging").disable_progress_bar()
         if "datasets" in sys.modules:
             importlib.import_module("datasets").disable_progress_bars()
+
+
+def show_each_warning_once() -> None:
+    """Print a warning's category and message the first time only. Python's own record of the
+    warnings shown is forgotten by every ``warnings.catch_warnings`` block, anywhere in the process
+    (``subprocess`` has one per call), so a warning from a library's every step (torch's for the
+    deprecated collectives DeepSpeed calls) would print again and again."""
+    show = warnings.showwarning
+    if hasattr(show, "shown"):
+        return
+    shown: set[tuple[type, str]] = set()
+
+    def show_once(
+        message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None
+    ):
+        key = (category, str(message))
+        if key not in shown:
+            shown.add(key)
+            show(message, category, filename, lineno, file, line)
+
+    show_once.shown = shown
+    warnings.showwarning = show_once
 
 
 # ---- the end of a rank ---------------------------------------------------------------------------
