@@ -25,9 +25,10 @@ endif
 
 LAUNCH := $(BIN)/deepspeed $(if $(NUM_GPUS),--num_gpus $(NUM_GPUS))
 # The demo on a CPU box: one process using every core beats one single-threaded rank per core
-# (no gloo all-reduce, no launcher start-up). A GPU box launches one rank per GPU.
+# (no gloo all-reduce, no launcher start-up); the cores this process may use, whatever OMP_NUM_THREADS
+# the shell has (nproc honours it). A GPU box launches one rank per GPU.
 ifneq ($(HAS_GPU),1)
-DEMO_LAUNCH ?= OMP_NUM_THREADS=$(shell nproc) $(BIN)/python
+DEMO_LAUNCH ?= OMP_NUM_THREADS=$(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) $(BIN)/python
 else
 DEMO_LAUNCH ?= $(LAUNCH)
 endif

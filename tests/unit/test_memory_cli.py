@@ -132,3 +132,19 @@ def test_bad_input_exits_2_naming_the_flag(capsys, argv, message):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith(f"trainer plan: {message}")
+
+
+def test_a_reader_that_stops_early_ends_the_report_quietly():
+    """``trainer plan ... | head``: the command ends as a writer to a closed pipe does, with no
+    traceback. The reader here (``true``) is gone before the report's first line, whatever the timing."""
+    import subprocess
+    import sys
+
+    from tests.helpers.launch import ROOT, run_env
+
+    plan = [sys.executable, "-c", "from trainer.cli.main import entry; entry()", "plan", *PAPER]
+    proc = subprocess.run(
+        ["bash", "-c", '"$@" | true; echo "status ${PIPESTATUS[0]}" >&2', "pipe", *plan],
+        cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.stderr.splitlines() == ["status 141"]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -73,3 +75,15 @@ def test_the_benchmark_is_packaged_but_not_imported_by_the_package():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or shutil.which("make") is None, reason="one core")
+def test_the_demo_uses_every_core_whatever_the_shell_set():
+    """``nproc`` answers OMP_NUM_THREADS when it is set: a shell with 1 there gave the demo 1 thread."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_THREAD_LIMIT": "1"}
+    proc = subprocess.run(["make", "-n", "-s", "demo"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60, check=True)  # fmt: skip
+    demo = [line for line in proc.stdout.splitlines() if line.endswith("scripts/train.py")]
+    if "deepspeed" in demo[0]:
+        pytest.skip("a GPU box launches one rank per GPU")
+    assert demo == [f"OMP_NUM_THREADS={len(os.sched_getaffinity(0))} .venv/bin/python scripts/train.py"]

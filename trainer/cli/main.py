@@ -65,13 +65,21 @@ def exit_now(code: int | str | None = 0) -> NoReturn:
     os._exit(int(code or 0))
 
 
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a writer that SIGPIPE ended (128 + 13)
+
+
 def run_then_exit(main: Callable[..., int | None], *args: Any, **kwargs: Any) -> NoReturn:
     """``exit_now(main(...))``, also when ``main`` stops the rank with ``SystemExit`` (a save on a
-    full disk exits 74 that way, a non-finite loss 77): that exit skips finalization too."""
+    full disk exits 74 that way, a non-finite loss 77): that exit skips finalization too. A reader
+    that stopped reading (``trainer plan ... | head``) ends the command quietly, as it ends any
+    other program that writes to a closed pipe."""
     try:
         code = main(*args, **kwargs)
     except SystemExit as stop:
         code = stop.code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+        code = EXIT_BROKEN_PIPE
     exit_now(code)
 
 
