@@ -68,23 +68,3 @@ def test_a_damaged_file_is_asked_again_and_rewritten(fresh_cpuinfo):
     cpu_info.keep_the_first_cpu_info()
     answer = cpuinfo.get_cpu_info()
     assert "flags" in answer and json.loads((fresh_cpuinfo / f"{name}.json").read_text()) == answer
-
-
-def test_the_numa_layout_is_asked_once_per_process(monkeypatch):
-    """DeepSpeed's CPU accelerator asks ``numactl`` for the layout on each device count."""
-    import subprocess
-
-    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-    from deepspeed.utils import numa
-
-    from trainer.runtime.cpu_info import keep_the_first_numa_answer
-
-    calls = []
-    original = getattr(numa.get_numa_cores, "__wrapped__", numa.get_numa_cores)
-    monkeypatch.setattr(numa, "get_numa_cores", original)  # the answer asked afresh, restored after
-    layout = b"available: 1 nodes (0)\nnode 0 cpus: 0 1\n"
-    monkeypatch.setattr(subprocess, "check_output", lambda *a, **k: calls.append(a) or layout)
-    monkeypatch.delenv("LOCAL_SIZE", raising=False)
-    keep_the_first_numa_answer()
-    counts = [CPU_Accelerator().device_count() for _ in range(3)]
-    assert counts == [1, 1, 1] and len(calls) == 1

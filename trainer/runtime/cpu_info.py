@@ -1,5 +1,4 @@
-"""The CPU's description that DeepSpeed's op loads ask py-cpuinfo for, asked once per machine, and
-its NUMA layout, asked once per process.
+"""The CPU's description that DeepSpeed's op loads ask py-cpuinfo for, asked once per machine.
 
 An op's builder asks ``cpuinfo.get_cpu_info()`` for the architecture and vector width each time the op
 loads (CPU Adam, FusedAdam: twice per op, cached build or not), and CPU Adam asks for the vendor. Each
@@ -75,15 +74,3 @@ def keep_the_first_cpu_info() -> None:
         return info
 
     cpuinfo.get_cpu_info = get_cpu_info
-
-
-def keep_the_first_numa_answer() -> None:
-    """Make DeepSpeed's NUMA layout answer from this process's first answer. Its CPU accelerator
-    counts its devices by running ``numactl --hardware`` on every ``device_count()`` call, and ZeRO-3
-    asks in every step's gradient reduction: a fork of the whole rank per call, and a subprocess call
-    whose ``warnings.catch_warnings`` makes Python show again the warnings it had shown once (torch's
-    FutureWarning for the deprecated collectives DeepSpeed calls, on every step)."""
-    from deepspeed.utils import numa
-
-    if not hasattr(numa.get_numa_cores, "cache_info"):
-        numa.get_numa_cores = functools.cache(numa.get_numa_cores)

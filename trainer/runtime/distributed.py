@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import os
 import sys
 from pathlib import Path
@@ -19,9 +20,10 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.utils import numa
 
 from trainer.config import Hardware
-from trainer.runtime.cpu_info import keep_the_first_cpu_info, keep_the_first_numa_answer
+from trainer.runtime.cpu_info import keep_the_first_cpu_info
 from trainer.runtime.ranks import DistInfo, configure_logging, dist_info, settle_gloo_workers  # noqa: F401  (re-exported)
 
 
@@ -44,6 +46,16 @@ def join_process_group() -> None:
     of one is left without one. What HF's ``TrainingArguments`` does when first asked for the world."""
     if dist_info().world_size > 1 and not dist.is_initialized():
         init_distributed(detect_hardware())
+
+
+def keep_the_first_numa_answer() -> None:
+    """Make DeepSpeed's NUMA layout answer from this process's first answer. Its CPU accelerator
+    counts its devices by running ``numactl --hardware`` on every ``device_count()`` call, and ZeRO-3
+    asks in every step's gradient reduction: a fork of the whole rank per call, and a subprocess call
+    whose ``warnings.catch_warnings`` makes Python show again the warnings it had shown once (torch's
+    FutureWarning for the deprecated collectives DeepSpeed calls, on every step)."""
+    if not hasattr(numa.get_numa_cores, "cache_info"):
+        numa.get_numa_cores = functools.cache(numa.get_numa_cores)
 
 
 def set_world_env() -> None:
