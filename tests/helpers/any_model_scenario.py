@@ -128,8 +128,6 @@ TASKS = ["single_label", "multi_label", "regression", "token_classification", "m
 
 
 def run(out: Path, name: str, grad_acc: int, stage: int) -> None:
-    model, rows, collator = task(name)
-    data = datasets.Dataset.from_dict(rows).with_format("torch" if name == "image_classification" else None)
     zero = {"stage": stage} | ({"stage3_gather_16bit_weights_on_model_save": True} if stage == 3 else {})
     args = TrainingArguments(
         output_dir=str(out / f"{name}-zero{stage}"),
@@ -151,6 +149,10 @@ def run(out: Path, name: str, grad_acc: int, stage: int) -> None:
             "train_batch_size": "auto",
         },  # fmt: skip
     )
+    # Built after the arguments, as a user's script does: under ZeRO-3 their config is registered, so
+    # a model built directly (its body by from_config, partitioned) is built on every rank.
+    model, rows, collator = task(name)
+    data = datasets.Dataset.from_dict(rows).with_format("torch" if name == "image_classification" else None)
     trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data, data_collator=collator)
     trainer.train()
     metrics = trainer.evaluate()

@@ -224,7 +224,31 @@ def zero3_init(args: Any) -> Any:
         join_process_group()
     else:
         set_world_env()
+    init_on_every_rank()
     return HfDeepSpeedConfig(for_zero_init(config))
+
+
+def init_on_every_rank() -> None:
+    """transformers' ``initialize_weights_zero3`` (what ``from_config`` runs under ZeRO-3) gathers
+    each module, lets rank 0 initialise it, and marks it initialised on rank 0 alone. A model built
+    directly around one built by ``from_config`` (``LlamaForSequenceClassification(config)`` builds
+    its body with ``AutoModel.from_config``) then initialises the body again in its own
+    ``post_init``, on the other ranks only, where the weights are empty partitions: ``weight[pad]``
+    raised there while rank 0 went on and waited. Marked on every rank, the body is left as rank 0
+    initialised it."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    initialize = hf_deepspeed.initialize_weights_zero3
+    if getattr(initialize, "marks_every_rank", False):
+        return
+
+    def initialize_weights_zero3(model: Any) -> None:
+        initialize(model)
+        for module in model.modules():
+            module._is_hf_initialized = True
+
+    initialize_weights_zero3.marks_every_rank = True
+    hf_deepspeed.initialize_weights_zero3 = initialize_weights_zero3
 
 
 _ABSENT = object()
