@@ -52,6 +52,17 @@ def test_an_out_of_memory_first_step_trains_again_at_half_the_micro_batch(one_ra
     assert auto["grad_norms"] == direct["grad_norms"]
 
 
+def test_an_optimizer_step_out_of_memory_after_its_update_restores_the_weights(one_rank):
+    """The failed step had updated the weights before it ran out of memory: the retry at 4, then at
+    2, starts from the weights train() began with, so it trains as the run started at 2."""
+    runs, stdout = one_rank
+    auto, direct = runs["auto_step"], runs["direct"]
+    assert auto["micro_batch"] == 2 and auto["steps"] == [1, 2, 3]
+    assert "out of memory at per_device_train_batch_size 8 (CUDA out of memory" in stdout
+    assert auto["losses"] == direct["losses"]
+    assert auto["grad_norms"] == direct["grad_norms"]
+
+
 def test_without_auto_find_batch_size_the_users_out_of_memory_error_is_raised(one_rank):
     runs, stdout = one_rank
     assert runs["no_auto"]["error"] == [

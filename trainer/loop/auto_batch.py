@@ -4,8 +4,9 @@ from step 0 at half the per-device micro-batch, down to 1.
 DeepSpeed fixes ``train_micro_batch_size_per_gpu`` when its engine is built, so a retry frees the
 engine (``Engine.close``), plans the run again for the smaller micro-batch (``plan_run``: a new
 DeepSpeed dict, step plan and data windows) and builds the engine and the sampler again. The model's
-weights and the random generators are put back as they were when ``train`` started, so the run that
-retried trains as one started at the smaller micro-batch would, step for step.
+weights and the random generators are put back as they were when ``train`` started, and the failed
+step's gradients dropped, so the run that retried trains as one started at the smaller micro-batch
+would, step for step.
 
 As HF's Trainer, the retry keeps ``gradient_accumulation_steps``: the global batch halves with the
 micro-batch (the log line says so). Set the accumulation steps yourself to keep a global batch.
@@ -152,6 +153,9 @@ class AutoBatchSize(TrainerCallback):
                 self._disarm()
                 start_over(smaller, copy.deepcopy(saved))
                 self.model.load_state_dict(self.weights)
+                # A failed backward or optimizer step leaves its gradients on the parameters, which
+                # the next engine's first backward would add to.
+                self.model.zero_grad(set_to_none=True)
                 set_rng_state(start)
                 gc.collect()
                 empty_device_cache()
