@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import deepspeed
 import torch
+from deepspeed import comm as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
-from deepspeed.runtime.utils import clip_grad_norm_
+from deepspeed.runtime.utils import is_model_parallel_parameter
+from deepspeed.runtime.zero.utils import get_norm_dtype
 from deepspeed.utils import groups
 
 from trainer.engine import zero
@@ -85,21 +87,45 @@ class _ThroughWriter(CheckpointEngine):
 def report_grad_norm(ds: Any) -> None:
     """DeepSpeed's ZeRO and mixed-precision optimizers report the gradient norm; plain ZeRO-0 in
     fp32 does not (it clips, when asked, and drops the norm), so ``get_global_grad_norm()`` stays
-    None there. On that path the clipping moves here: one pass of DeepSpeed's own ``clip_grad_norm_``
-    (same parameters, same all-stage, all-rank reduction) before every optimizer step measures the
-    norm and clips, so grad_norm is reported whether clipping is on or off."""
+    None there. On that path the clipping moves here: one pass of ``clip_grad_norm`` (DeepSpeed's
+    parameters and reductions, ZeRO's fp64 sums) before every optimizer step measures the norm and
+    clips, so grad_norm is reported whether clipping is on or off."""
     if ds.zero_optimization() or ds.fp16_enabled() or ds.bfloat16_enabled():
         return
     take_step = ds._take_model_step
 
     def measured_step(*args: Any, **kwargs: Any) -> None:
         max_norm = ds.gradient_clipping() or float("inf")  # inf: measure without clipping
-        norm = clip_grad_norm_(parameters=ds.module.parameters(), max_norm=max_norm, mpu=ds.mpu)
+        norm = clip_grad_norm(list(ds.module.parameters()), max_norm=max_norm, mpu=ds.mpu)
         take_step(*args, **kwargs)
         ds._global_grad_norm = norm
 
     ds._take_model_step = measured_step
     ds.clip_fp32_gradients = lambda: None  # clipped above already; a second pass would only repeat it
+
+
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float, mpu: Any = None) -> torch.Tensor:
+    """DeepSpeed's ``clip_grad_norm_`` (L2) with each gradient's norm taken in fp64, as ZeRO 1-3 take
+    it. Taken in fp32, torch's CPU norm of a million-element gradient was seen 1e-5 off, and one
+    process at ZeRO-0 logged (and clipped by) a norm 8e-5 to 1.8e-4 below ZeRO 1-3's and AutoTP's
+    on the default model's gradients. As in DeepSpeed's: a gradient counts on the model-parallel
+    group's first rank unless it is marked model-parallel (each rank's own slice), the squares are
+    summed over that group, the norm is averaged over the data-parallel group (experts differ
+    there), and every gradient is clipped."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    first = mpu is None or mpu.get_model_parallel_rank() == 0
+    counted = [p.grad for p in parameters if p.grad is not None and (first or is_model_parallel_parameter(p))]
+    norms = [torch.linalg.vector_norm(g.detach().to(get_norm_dtype())) for g in counted]
+    squares = torch.stack(norms).pow(2).sum().float() if norms else torch.zeros((), device=grads[0].device)
+    if mpu is not None:
+        dist.all_reduce(squares, group=mpu.get_model_parallel_group())
+    data = groups._get_data_parallel_group()
+    norm = squares.sqrt() / dist.get_world_size(group=data)
+    dist.all_reduce(norm, group=data)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for grad in grads:
+        grad.detach().mul_(coef)
+    return norm
 
 
 def checkpoints_activations(model: torch.nn.Module) -> bool:
