@@ -6,11 +6,18 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from dataclasses import astuple
 
 import pytest
 import torch
 from pytorch_optimizer import LARS as ReferenceLARS
 
+from tests.helpers.launch import ROOT
 from trainer.args import TrainingArguments
 from trainer.config import ConfigError, Hardware, resolve
 from trainer.engine import weight_decay_groups
@@ -118,12 +125,12 @@ def _whole_layout(params: list[torch.Tensor]) -> Layout:
     return Layout(tuple(pieces), len(params))
 
 
-def test_a_slice_without_the_other_ranks_norms_steps_differently():
-    """What the all-reduce is for: a parameter cut between two slices, each slice stepped on its
-    own squares only (no group to add the other's), takes another step than the whole parameter."""
+def _cut_in_two() -> tuple[list[torch.Tensor], dict[torch.Tensor, Layout], torch.Tensor, torch.Tensor, int]:
+    """Two ranks' flat slices of the model's parameters, cut inside the first matrix, with their
+    layouts; a gradient of the whole; the whole after one process's step on it (no momentum); the cut."""
     model = _model()
     params = list(model.parameters())
-    cut = params[0].numel() // 2  # inside the first matrix
+    cut = params[0].numel() // 2
     slices, layouts = _flat_twin(model, cut)
     whole = torch.cat([p.detach().reshape(-1) for p in params]).requires_grad_()
     grads = torch.randn(whole.numel(), generator=torch.Generator().manual_seed(2))
@@ -134,14 +141,76 @@ def test_a_slice_without_the_other_ranks_norms_steps_differently():
     for flat, grad in zip(slices, (grads[:cut], grads[cut:]), strict=True):
         flat.requires_grad_()
         flat.grad = grad.clone()
+    return slices, layouts, whole.detach(), params[0].numel(), cut
+
+
+def test_a_slice_without_the_other_ranks_norms_steps_differently():
+    """What the all-reduce is for: a parameter cut between two slices, each slice stepped on its
+    own squares only (no group to add the other's), takes another step than the whole parameter."""
+    slices, layouts, whole, first, cut = _cut_in_two()
+    for flat in slices:
         alone = LARS([flat], lr=0.3, momentum=0.0, trust_coefficient=0.02)
         alone.partitioned({flat: layouts[flat]}, None)
         alone.step()
     stepped = torch.cat([s.detach() for s in slices])
-    assert not torch.allclose(stepped[:cut], whole.detach()[:cut], rtol=1e-4)
+    assert not torch.allclose(stepped[:cut], whole[:cut], rtol=1e-4)
     # The parameters no slice cuts take the same step.
-    after = params[0].numel()
-    assert torch.equal(stepped[after:], whole.detach()[after:])
+    assert torch.equal(stepped[first:], whole[first:])
+
+
+# One rank of two: its slice stepped with the group of both. lars.py is loaded alone, without the
+# package's imports (DeepSpeed, transformers), which would take each rank about 10 s here.
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import importlib.util, sys, torch, torch.distributed as dist
+    spec = importlib.util.spec_from_file_location("lars", "trainer/engine/lars.py")
+    lars = sys.modules["lars"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lars)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mine = torch.load(sys.argv[1], weights_only=True)[rank]
+    flat = mine["flat"].requires_grad_()
+    flat.grad = mine["grad"]
+    opt = lars.LARS([flat], lr=0.3, momentum=0.0, trust_coefficient=0.02)
+    layout = lars.Layout(tuple(lars.Piece(*piece) for piece in mine["pieces"]), mine["keys"])
+    opt.partitioned({flat: layout}, dist.group.WORLD)
+    opt.step()
+    torch.save(flat.detach(), f"{sys.argv[2]}.{rank}")
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_two_ranks_add_the_squares_of_a_cut_parameter_up_and_step_as_one_process(tmp_path):
+    """Two gloo ranks, each holding one slice: with the squares summed over the group, the cut
+    matrix takes the whole matrix's step (to fp32 rounding of the two partial sums; alone, the
+    slices are more than 1e-4 off)."""
+    slices, layouts, whole, _, _ = _cut_in_two()
+    data = [
+        {
+            "flat": f.detach(),
+            "grad": f.grad,
+            "pieces": [astuple(p) for p in layouts[f].pieces],
+            "keys": layouts[f].keys,
+        }
+        for f in slices
+    ]
+    torch.save(data, tmp_path / "slices.pt")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, str(tmp_path / "slices.pt"), str(tmp_path / "stepped")],
+            cwd=ROOT,
+            env={**env, "RANK": str(rank)},
+        )
+        for rank in range(2)
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    stepped = torch.cat([torch.load(tmp_path / f"stepped.{rank}", weights_only=True) for rank in range(2)])
+    torch.testing.assert_close(stepped, whole, rtol=1e-6, atol=0)
 
 
 def test_a_resume_from_the_state_dict_continues_bitwise():
