@@ -13,6 +13,8 @@ from transformers import AutoTokenizer
 
 from trainer.args import DataArguments, ModelArguments
 from trainer.data import DataError, build_datasets, corpus_files, get_tokenizer, prepare_datasets
+from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
+from trainer.data.sft import has_generation_marks
 from trainer.data.sources import load_raw
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -95,6 +97,12 @@ def test_trained_tokenizer_round_trips_and_is_cached(code_dir, tmp_path, caplog)
     assert len(cached) == 1
     # A different vocabulary size is a different tokenizer.
     assert len(get_tokenizer(ModelArguments(vocab_size=320), data_args)) == 320
+
+
+def test_a_tokenizer_trained_here_carries_the_marked_chat_template(tokenizer):
+    """A model pretrained here is fine-tuned on conversations next (assistant_only_loss included)."""
+    assert tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE
+    assert has_generation_marks(tokenizer.chat_template)
 
 
 def test_named_tokenizer_directory_is_loaded(tokenizer, tmp_path):

@@ -21,7 +21,7 @@ from tests.helpers.preference_scenarios import tokenizer
 from tests.helpers.sft_scenarios import EVAL_METRICS, MARKED_TEMPLATE, METRICS, SCENARIOS, rows
 from trainer import SFTConfig, SFTTrainer, TrainingArguments
 from trainer.config.errors import ConfigError
-from trainer.data import IGNORE_INDEX
+from trainer.data import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX
 from trainer.data.sft import best_fit_decreasing, prepare_sft
 
 SCRIPT = "tests/helpers/sft_scenarios.py"
@@ -211,21 +211,45 @@ def test_a_training_arguments_keeps_its_values(tmp_path):
     )
 
 
+UNMARKED = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
 @pytest.mark.parametrize(
     "data, fields, setup, message",
     [("text", {"assistant_only_loss": True}, {}, "assistant_only_loss: the train set is not conversational"),
-     ("messages", {"assistant_only_loss": True}, {"unmarked": True}, "the chat template has no {% generation %}"),
+     ("messages", {"assistant_only_loss": True}, {"template": UNMARKED}, "the chat template has no {% generation %}"),
+     ("messages", {}, {"template": None}, "SFTTrainer: the rows are conversations and the tokenizer has no chat template"),
      ("text", {"chat_template_path": "template.txt"}, {}, "chat_template_path: template.txt is not a .jinja"),
      ("text", {}, {"compute_loss_func": lambda *a, **k: 0}, "compute_loss_func is not supported"),
      ("text", {"eos_token": "<nope>"}, {}, "eos_token: '<nope>' is not in the tokenizer's vocabulary")],
 )  # fmt: skip
 def test_what_cannot_be_honoured_is_refused_before_training(tmp_path, data, fields, setup, message):
     model, tok = tiny_model()
-    tok.chat_template = None if setup.pop("unmarked", False) else MARKED_TEMPLATE
+    tok.chat_template = setup.pop("template", MARKED_TEMPLATE)
     args = SFTConfig(output_dir=str(tmp_path), report_to="none", **fields)
     with pytest.raises((ValueError, TypeError)) as err:
         SFTTrainer(model, args=args, train_dataset=rows(data, 4), processing_class=tok, **setup)
     assert message in str(err.value)
+
+
+def test_the_projects_own_template_trains_the_assistants_content_and_eos(tmp_path):
+    """DEFAULT_CHAT_TEMPLATE (what a tokenizer trained here carries) marks the assistant's turns."""
+    model, tok = tiny_model()
+    tok.chat_template = DEFAULT_CHAT_TEMPLATE
+    args = SFTConfig(output_dir=str(tmp_path), report_to="none", assistant_only_loss=True)
+    data = rows("messages", 4)
+    trainer = SFTTrainer(model, args=args, train_dataset=data, processing_class=tok)
+    for row, prepared in zip(data, trainer.train_dataset, strict=True):
+        trained = [
+            t
+            for t, label in zip(prepared["input_ids"], prepared["labels"], strict=True)
+            if label != IGNORE_INDEX
+        ]
+        turns = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        expected = "".join(f"{turn}{tok.eos_token}" for turn in turns)
+        assert tok.decode(trained) == tok.decode(
+            tok(expected)["input_ids"]
+        )  # the tiny vocabulary's <unk>s too
 
 
 def test_a_row_without_assistant_tokens_is_named(tmp_path):

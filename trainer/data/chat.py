@@ -22,9 +22,13 @@ IGNORE_INDEX = -100
 
 # Our template for a tokenizer without one: each message is `<|role|>`, a newline, the content,
 # the tokenizer's EOS token and a newline. The markers are plain text (not special tokens); the
-# EOS is the one special token, so an assistant turn ends as generation should stop.
+# EOS is the one special token, so an assistant turn ends as generation should stop. An assistant's
+# content and EOS are marked `{% generation %}` (they render the same): the tokens this project's
+# chat rows train are the ones TRL's assistant_only_loss trains.
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{{ eos_token }}"
+    "{% endgeneration %}{% else %}{{ message['content'] }}{{ eos_token }}{% endif %}{{ '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

@@ -39,12 +39,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "to
 def get_tokenizer(model_args: ModelArguments, data_args: DataArguments) -> PreTrainedTokenizerFast:
     """The run's tokenizer: a local (or hub) one when named, else a BPE trained on the corpus.
 
-    For instruction data that may be rendered as a chat (every format but ``text`` and
-    ``prompt_response``), a tokenizer without a chat template gets :data:`DEFAULT_CHAT_TEMPLATE`,
-    so what the run saves with the model carries the template it was trained with.
+    A tokenizer trained here, and one without a chat template given instruction data that may be
+    rendered as a chat (every format but ``text`` and ``prompt_response``), get
+    :data:`DEFAULT_CHAT_TEMPLATE`: what the run saves with the model carries the template it was
+    trained with, and a model pretrained here can be fine-tuned on conversations next.
     """
     tokenizer = _load_or_train(model_args, data_args)
-    if data_args.data_format not in ("text", "prompt_response") and not tokenizer.chat_template:
+    trained = not (model_args.tokenizer_name_or_path or model_args.model_name_or_path)
+    chat = data_args.data_format not in ("text", "prompt_response")
+    if (trained or chat) and not tokenizer.chat_template:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     return tokenizer
 

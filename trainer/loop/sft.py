@@ -73,6 +73,11 @@ class SFTTrainer(Trainer):
         sample = next(iter(train_dataset))
         if "image" in sample or "images" in sample:
             raise ValueError("SFTTrainer: vision-language sets (an image or images column) are not supported")
+        if is_conversational(sample) and not tokenizer.chat_template:
+            raise ValueError(
+                "SFTTrainer: the rows are conversations and the tokenizer has no chat template to render "
+                "them; give one (chat_template_path, a .jinja file), or use a tokenizer that has one"
+            )
         if (
             args.assistant_only_loss
             and is_conversational(sample)
