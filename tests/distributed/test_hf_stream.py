@@ -26,8 +26,12 @@ HF_IMPORT = "from transformers import Trainer, TrainingArguments"
 OUR_IMPORT = "from trainer import Trainer, TrainingArguments"
 
 
+def _rows(out: Path) -> list[dict]:
+    return json.loads((out / "history.json").read_text())
+
+
 def _history(out: Path) -> dict[int, dict]:
-    return {row["step"]: row for row in json.loads((out / "history.json").read_text()) if "loss" in row}
+    return {row["step"]: row for row in _rows(out) if "loss" in row}
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +68,16 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_an_iterable_dataset_trains_as_hfs_trainer_trains_it(runs):
-    """Step by step, HF's losses and grad norms on one process: the same blocks in the same order."""
+    """Step by step, HF's losses and grad norms on one process: the same blocks in the same order
+    (the dataset's, as HF reads an IterableDataset, though train_sampling_strategy is "random"), and
+    HF's epoch, max_steps steps to one, to the last bit."""
     hf, ours = _history(runs["hf"]), _history(runs["ours"])
     assert sorted(ours) == sorted(hf) == list(range(1, 25))
     for step, row in hf.items():
         assert ours[step]["loss"] == pytest.approx(row["loss"], rel=1e-5), step
         assert ours[step]["grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-4), step
+        assert ours[step]["epoch"] == row["epoch"] == step / 24, step
+    assert _rows(runs["ours"])[-1]["epoch"] == _rows(runs["hf"])[-1]["epoch"] == 1.0  # train()'s summary
 
 
 def test_its_checkpoint_resumes_on_two_ranks_where_it_stopped(runs):
@@ -81,5 +89,6 @@ def test_its_checkpoint_resumes_on_two_ranks_where_it_stopped(runs):
     assert sorted(resumed) == list(range(19, 25))
     for step, row in resumed.items():
         assert row["loss"] == pytest.approx(ours[step]["loss"], rel=1e-5), step
+        assert row["epoch"] == ours[step]["epoch"], step
     state = json.loads((runs["ours"] / "checkpoint-18" / "trainer_state.json").read_text())
     assert state["source_blocks"] == {"train_dataset": 72.0}

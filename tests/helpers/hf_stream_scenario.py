@@ -1,7 +1,8 @@
 """An HF Trainer script over a streamed corpus, in the shape of run_clm's ``--streaming``: JSON-lines
 shards through ``load_dataset(..., streaming=True)``, tokenised and grouped into blocks by
-``IterableDataset.map``, given to the Trainer with ``max_steps``. Its only trainer-specific line is
-the import below: the test runs it with HF's Trainer and with ours.
+``IterableDataset.map``, given to the Trainer with ``max_steps`` and HF's default
+``train_sampling_strategy`` ("random", which HF's Trainer does not apply to an IterableDataset). Its
+only trainer-specific line is the import below: the test runs it with HF's Trainer and with ours.
 
 Usage: ``hf_stream_scenario.py OUT SHARDS_DIR TOKENIZER_DIR [CHECKPOINT]``; every logged row goes to
 ``OUT/history.json``. With CHECKPOINT the run resumes from it.
@@ -53,7 +54,6 @@ args = TrainingArguments(
     save_steps=18,  # past the 64 lanes' first blocks: a resume reopens lanes mid-way
     report_to="none",
     seed=0,
-    train_sampling_strategy="sequential",  # HF's Trainer reads an IterableDataset in its order
 )
 trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=default_data_collator)
 trainer.train(resume_from_checkpoint=resume[0] if resume else None)

@@ -146,9 +146,10 @@ def readable(dataset: Any, args: Any, evaluation: bool = False) -> Any:
 
 def iterable_stream(dataset: Any, args: Any, seed: int) -> StreamedDataset:
     """The stream a ``Trainer`` reads of a ``datasets.IterableDataset`` of samples (rows already
-    tokenised, as HF's Trainer takes them): its rows dealt to 64 lanes by its shards and shuffled 16
-    at a time (``train_sampling_strategy="sequential"``: not shuffled), resumed exactly on any number
-    of ranks. ``max_steps`` must be set: a stream has no length."""
+    tokenised, as HF's Trainer takes them): its rows dealt to 64 lanes by its shards, in the
+    dataset's own order whatever ``train_sampling_strategy`` says (HF's Trainer ignores it for an
+    ``IterableDataset``), resumed exactly on any number of ranks. ``max_steps`` must be set: a
+    stream has no length."""
     import datasets
 
     if not isinstance(dataset, datasets.IterableDataset):
@@ -168,10 +169,7 @@ def iterable_stream(dataset: Any, args: Any, seed: int) -> StreamedDataset:
     source = DatasetSource(
         "train_dataset", (), 1.0, "", "stop", key="train_dataset", row_format="rows", dataset=dataset
     )
-    shuffle = args.train_sampling_strategy != "sequential"
-    return StreamedDataset(
-        [source], None, None, STREAM_LENGTH, window=16 if shuffle else 1, shuffle=shuffle, seed=seed
-    )
+    return StreamedDataset([source], None, None, STREAM_LENGTH, window=1, shuffle=False, seed=seed)
 
 
 def build_stream(

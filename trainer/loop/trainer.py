@@ -34,6 +34,7 @@ from trainer.checkpoint.export import export_hf
 from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
 from trainer.data.loader import accumulation_windows, row_length, sample_lengths, train_sampler
+from trainer.data.stream import StreamedDataset
 from trainer.data.stream_sources import readable
 from trainer.engine import Engine, Objective, build_engine, is_causal_lm, objective_for
 from trainer.loop.auto_batch import AutoBatchSize
@@ -306,9 +307,12 @@ class Trainer(HFMethods, ResultsAPI):
         state, self._run.steps = self.state, self._run.steps + 1
         state.global_step += 1
         state.samples_into_epoch += samples
-        state.epoch = state.epoch_index + state.samples_into_epoch / max(
-            len(self.train_dataset) / self._data_ranks[0], 1
-        )
+        if isinstance(self.train_dataset, StreamedDataset):  # no length: max_steps an epoch, as HF counts
+            state.epoch = state.global_step / state.max_steps
+        else:
+            state.epoch = state.epoch_index + state.samples_into_epoch / max(
+                len(self.train_dataset) / self._data_ranks[0], 1
+            )
 
     def _reset_window_sums(self) -> None:
         self._loss_sum = torch.zeros((), device=self.engine.device)
@@ -538,7 +542,7 @@ class Trainer(HFMethods, ResultsAPI):
         loss = loss_sum / max(tokens, 1.0)
         logs = {
             "step": self.state.global_step,
-            "epoch": round(self.state.epoch, 4),
+            "epoch": self.state.epoch,  # HF's, unrounded
             "loss": loss,
             "learning_rate": self.engine.learning_rate(),
             "grad_norm": self.engine.grad_norm(),
