@@ -2,7 +2,9 @@
 carries a hash of its global batch, so runs are compared token for token.
 
 One process (two accumulated micro-batches, two DataLoader workers) and two ranks under torchrun
-read a mixture of JSON-lines shards and Markdown files. The two-rank run killed after step 4, and
+read a mixture of JSON-lines shards and Markdown files at the default 64 lanes: both sources have
+fewer rows than lanes (30 modules in 6 shards, 15 pages), so lanes take their rows from later
+epochs. The two-rank run killed after step 4, and
 killed inside a DataLoader worker, is started again by the same command; its checkpoint-3 resumes on
 one process. The runs are shared by the tests below, each one-process run beside a launch of two
 ranks; the one-process streams (a single lane against the map-style run, a URL, instruction rows,
@@ -20,7 +22,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.helpers.launch import ROOT, launch, run_env, together
-from tests.helpers.scaffold import assert_same_weights, tiny_flags, train_rows
+from tests.helpers.scaffold import assert_same_weights, read_metrics, tiny_flags, train_rows
 from trainer.args import DataArguments
 from trainer.data.sources import corpus_files
 from trainer.data.stream import STREAM_LENGTH, StreamedDataset
@@ -35,12 +37,13 @@ COMMON = ["scripts/train.py", *tiny_flags(**STEPS), "--per_device_train_batch_si
 
 
 def _corpus(root: Path) -> dict[str, Path]:
+    """A small sample, as a first try streams: 30 modules in 6 JSON-lines shards, and the docs."""
     code = root / "code"
     code.mkdir()
-    files = [p for p in corpus_files() if p.stat().st_size < 20000][:48]
-    for k in range(4):
+    files = [p for p in corpus_files() if p.stat().st_size < 20000][:30]
+    for k in range(6):
         with (code / f"part-{k}.jsonl").open("w") as f:
-            for path in files[k::4]:
+            for path in files[k::6]:
                 f.write(json.dumps({"content": path.read_text()}) + "\n")
     shutil.copytree(ROOT / "docs", root / "prose", ignore=shutil.ignore_patterns("img"))
     return {"code": code, "prose": root / "prose"}
@@ -48,8 +51,8 @@ def _corpus(root: Path) -> dict[str, Path]:
 
 def _mixture(corpus: dict[str, Path]) -> list[str]:
     sources = [{"dataset": str(corpus["code"]), "weight": 0.7, "text_column": "content"},
-               {"dataset": str(corpus["prose"] / "*.md"), "weight": 0.3, "on_end": "drop"}]  # fmt: skip
-    return ["--streaming", "true", "--dataset_mixture", json.dumps(sources), "--stream_lanes", "4"]
+               {"dataset": str(corpus["prose"] / "*.md"), "weight": 0.3}]  # fmt: skip
+    return ["--streaming", "true", "--dataset_mixture", json.dumps(sources)]
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +96,13 @@ def _prints(out: Path) -> dict[int, str]:
 
 def test_two_ranks_read_one_process_global_batches(runs):
     """The same tokens in every step's global batch, and the same losses: the order depends on the
-    seed and the lanes, not on the ranks or the workers."""
+    seed and the lanes, not on the ranks or the workers. The epoch is HF's for a dataset without a
+    length: max_steps steps make one."""
     one, two = train_rows(runs["one"]), train_rows(runs["two"])
     assert [r["step"] for r in two] == [1, 2, 3, 4, 5, 6]
+    for run in ("one", "two", "elsewhere"):
+        assert [r["epoch"] for r in train_rows(runs[run])] == [r["step"] / 6 for r in train_rows(runs[run])]
+    assert read_metrics(runs["two"])[-1]["epoch"] == 1.0  # the run's summary row
     assert _prints(runs["two"]) == _prints(runs["one"])
     assert len(set(_prints(runs["one"]).values())) == 6
     for a, b in zip(one, two, strict=True):
@@ -120,7 +127,7 @@ def test_a_two_rank_checkpoint_resumes_on_one_process(runs):
     assert sorted(resumed) == [4, 5, 6]
     assert resumed == {step: value for step, value in _prints(runs["two"]).items() if step >= 4}
     state = json.loads((runs["two"] / "checkpoint-3" / "trainer_state.json").read_text())
-    assert sorted(state["data_position"]["lanes"]) == ["0", "1", "2", "3"]
+    assert sorted(map(int, state["data_position"]["lanes"])) == list(range(24))  # lanes 0-23 started
     assert_same_weights(runs["elsewhere"] / "final", runs["two"] / "final", rtol=1e-5, atol=1e-6)
 
 

@@ -220,11 +220,26 @@ def test_sources_from_the_arguments_are_checked_before_reading(corpus, tmp_path)
         )
 
 
-def test_a_lane_without_rows_is_named(tokenizer, tmp_path):
-    """Three documents dealt to 8 lanes: lane 3 has none, and the global order cannot pass over it."""
+def test_a_source_with_fewer_rows_than_lanes(tokenizer, tmp_path):
+    """Three documents dealt to 8 lanes. Repeated (what ``--dataset`` is), the running number goes on
+    over the epochs: lane c's first row is the (c mod 3)-th, every block is full, and a position
+    saved on 2 ranks resumes on 1 and 4. Under drop, lane 3 has none, and the order cannot pass
+    over it: named (under stop, the data ends there)."""
     folder = _shards(tmp_path, "few", STDLIB[:3], 1)
+    stream = _stream(tokenizer, [_source(folder)], shuffle=False, window=1)
+    docs = [stream.encode(json.loads(line)["text"], "text", 0) for line in (folder / "part-00.jsonl").open()]
+    blocks = [b["input_ids"] for _, b in zip(range(8 * 40), stream, strict=False)]
+    assert blocks[:8] == [docs[c % 3][:32] for c in range(8)]
+    assert {len(b) for b in blocks} == {32}
+    make = lambda: _stream(tokenizer, [_source(folder)])  # noqa: E731
+    one = [_key(b) for _, b in zip(range(56), make(), strict=False)]
+    _, positions = _ranks(make, 2, 16)
+    for readers in (1, 4):
+        again, _ = _ranks(make, readers, 32 // readers, start=24 // readers, saved=_saved(positions, 12))
+        assert again == one[24:56], readers
     with pytest.raises(DataError, match="stream_lanes: lane 3 of 8 has no rows of any source"):
-        list(_stream(tokenizer, [_source(folder)]))
+        list(_stream(tokenizer, [_source(folder, on_end="drop")]))
+    assert len(list(_stream(tokenizer, [_source(folder, on_end="stop")]))) == 3
 
 
 def _hf_source(folder: Path, **kw) -> DatasetSource:
@@ -260,20 +275,18 @@ def _samples(n: int, shards: int) -> datasets.IterableDataset:
 
 
 def test_a_trainers_iterable_dataset_is_a_resumable_stream_of_its_rows():
-    """Rows already tokenised, taken whole: in the dataset's order with ``sequential`` (as HF's
-    Trainer reads an IterableDataset), shuffled 16 at a time otherwise; a resume on another number
-    of ranks continues either order."""
-    args = TrainingArguments(output_dir="unused", max_steps=5, train_sampling_strategy="sequential")
-    stream = readable(_samples(200, 4), args)
+    """Rows already tokenised, taken whole, in the dataset's order whatever
+    ``train_sampling_strategy`` says (HF's Trainer reads an IterableDataset so); a resume on another
+    number of ranks continues it."""
+    args = TrainingArguments(output_dir="unused", max_steps=5)  # train_sampling_strategy "random"
     first = lambda block: block["input_ids"][0]  # noqa: E731
-    assert [first(b) for b in stream][:200] == list(range(200))
-    random = args.model_copy(update={"train_sampling_strategy": "random"})
-    shuffled = lambda: readable(_samples(200, 4), random)  # noqa: E731
-    order = [first(b) for _, b in zip(range(200), shuffled(), strict=False)]
-    assert sorted(order) == list(range(200)) and order != list(range(200))
-    _, positions = _ranks(shuffled, 2, 60)
-    again, _ = _ranks(shuffled, 4, 25, start=25, saved=_saved(positions, 50))
-    assert [row[0] for row in again] == order[100:200]
+    for strategy in ("random", "sequential"):
+        stream = readable(_samples(200, 4), args.model_copy(update={"train_sampling_strategy": strategy}))
+        assert [first(b) for b in stream] == list(range(200)), strategy
+    make = lambda: readable(_samples(200, 4), args)  # noqa: E731
+    _, positions = _ranks(make, 2, 60)
+    again, _ = _ranks(make, 4, 25, start=25, saved=_saved(positions, 50))
+    assert [row[0] for row in again] == list(range(100, 200))
     assert set(next(iter(stream))) == {"input_ids", "labels", "source"}
     held = readable(_samples(8, 2), args, evaluation=True)  # an evaluation set: read whole
     assert isinstance(held, datasets.Dataset) and held.to_list() == list(_samples(8, 1))

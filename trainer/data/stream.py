@@ -3,12 +3,15 @@ weight, and resumed exactly on any number of ranks.
 
 **Order.** Every source's rows are dealt to ``lanes`` canonical lanes: with at least as many files as
 lanes, lane ``c`` reads files ``c, c + lanes, ...``; with fewer, every file, keeping its rows whose
-running number in the source is ``c`` modulo the lanes. A lane draws the source of its ``m``-th block
-from a hash of (seed, lane, m) by the sources' weights, packs that source's next ``block_size`` tokens
-(documents joined by EOS, ``position_ids`` restarting at each document and block, as the map-style
-packing does), and shuffles its blocks ``shuffle_window`` at a time by a permutation drawn from (seed,
-lane, window). The global sequence of blocks takes the lanes in turn: block ``k`` is the ``k // lanes``-th
-block of lane ``k % lanes``. Nothing of this depends on the world size.
+running number in the source is ``c`` modulo the lanes. A source that repeats is read epoch after
+epoch, the running number going on: a lane of a source with fewer rows than lanes takes its rows
+from later epochs, and blocks run on from one epoch into the next. A lane draws the source of its
+``m``-th block from a hash of (seed, lane, m) by the sources' weights, packs that source's next
+``block_size`` tokens (documents joined by EOS, ``position_ids`` restarting at each document and
+block, as the map-style packing does), and shuffles its blocks ``shuffle_window`` at a time by a
+permutation drawn from (seed, lane, window). The global sequence of blocks takes the lanes in turn:
+block ``k`` is the ``k // lanes``-th block of lane ``k % lanes``. Nothing of this depends on the world
+size.
 
 **Ranks.** As with the map-style sampler, rank ``r`` of ``R`` readers takes global positions ``r, r + R,
 ...``; with ``lanes`` a multiple of ``R`` these all come from lanes ``r, r + R, ...``, taken in turn, so
@@ -249,7 +252,26 @@ class _SourceInLane:
         return (self._epoch_order[1] if self.stream.shuffle else self.files)[c["file"]]
 
     def _load(self) -> bool:
-        """The current row's tokens from ``used`` on, in ``ids``; False at the end of the epoch."""
+        """The current row's tokens from ``used`` on, in ``ids``; False at the end of the source: of
+        its epoch, or (``repeat``) once the lane passed ``lanes`` of its places without a row, or
+        read a whole epoch without one."""
+        since, whole = self.cursor["seen"], False
+        while True:
+            begun = self.cursor["seen"]
+            if self._epoch_rows():
+                return True
+            # A repeated source goes on in its next epoch, the running number too: a source with
+            # fewer rows than lanes gives a lane its next row a few epochs on.
+            seen = self.cursor["seen"]
+            if self.source.on_end != "repeat" or seen - since >= self.every * self.stream.lanes:
+                return False
+            if whole and seen == begun:  # a whole epoch without rows
+                return False
+            self.next_epoch()
+            whole = True
+
+    def _epoch_rows(self) -> bool:
+        """``_load`` within the epoch: False at its end."""
         c = self.cursor
         while (path := self._path()) is not None:
             if self.rows is None:
@@ -305,7 +327,8 @@ class _SourceInLane:
         return rows, []
 
     def next_epoch(self) -> None:
-        self.restart({**_fresh(), "epoch": self.cursor["epoch"] + 1})
+        """The next epoch's first row; the running number goes on (it deals rows over the epochs)."""
+        self.restart({**_fresh(), "epoch": self.cursor["epoch"] + 1, "seen": self.cursor["seen"]})
 
 
 class _Lane:
@@ -340,23 +363,19 @@ class _Lane:
         while self.active:
             name = self._draw()
             part = self.parts[name]
-            items, positions = self.stream.take(part)
+            items, positions = self.stream.take(part)  # a repeated source runs on into its next epoch
             if not items:
-                policy = self.stream.on_end[name]
-                if policy == "stop":
+                if self.stream.on_end[name] == "stop":
                     return None
-                if policy == "repeat":
-                    part.next_epoch()
-                    items, positions = self.stream.take(part)
-                if not items:  # dropped, or repeated and still empty
-                    self.active.remove(name)
-                    continue
+                self.active.remove(name)  # dropped, or repeated without rows for this lane
+                continue
             self.drawn += 1
             return {**self.stream.block(items, positions, part.source.row_format), "source": name}
         if self.drawn == 0:  # the global order cannot pass over a lane: say why it would end here
             raise DataError(
                 [("stream_lanes", f"lane {self.lane} of {self.stream.lanes} has no rows of any source (a source "
-                  "with fewer files than lanes deals its rows out one a lane); use fewer stream_lanes")]
+                  "under on_end drop with fewer rows than lanes leaves lanes without, as does one without "
+                  "text); use fewer stream_lanes")]
             )  # fmt: skip
         return None
 
