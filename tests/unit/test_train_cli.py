@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.launch import launch
 from trainer.args.recipe import run_help
@@ -145,3 +147,15 @@ def test_a_command_stopped_by_system_exit_skips_finalization_too(stop, code, std
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stdout, proc.stderr) == (code, "handler ran\n", stderr)
+
+
+def test_the_sample_is_drawn_from_the_runs_seed(tmp_path):
+    """The completion a run prints after its export is sampled (a small model's greedy decoding loops on
+    one word) and the same for the same seed, so a rerun of the same run prints the same text."""
+    from tests.helpers.preference_scenarios import base
+    from trainer.cli.train_job import _sample
+
+    model = Path(base(tmp_path))
+    first, again, other = (_sample(model, torch.device("cpu"), seed, "What colour") for seed in (0, 0, 1))
+    assert first.startswith("Sample completion:\nWhat colour") and first == again
+    assert other != first

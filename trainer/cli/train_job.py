@@ -80,7 +80,7 @@ def run(run_config: RunConfig) -> int:
         plot_runs([args.output_dir])
     if info.is_main:
         print_main(f"Exported the model to {final}")
-        print_main(_sample(final, torch.device("cpu")))
+        print_main(_sample(final, torch.device("cpu"), args.seed))
     leave_process_group()
     return 0
 
@@ -156,18 +156,23 @@ def _nothing_to_resume(run_config: RunConfig) -> bool:
     return False
 
 
-def _sample(model_dir: Path, device, prompt: str = "class Parser:\n    def __init__(self") -> str:
-    """A short greedy completion from the exported model: proof that the export loads and works."""
+def _sample(model_dir: Path, device, seed: int, prompt: str = "class Parser:\n    def __init__(self") -> str:
+    """A short completion from the exported model: proof that the export loads and works. Sampled as
+    a user samples code (temperature 0.7, nucleus 0.95; a small model's greedy decoding loops on a
+    frequent word), from the run's seed, so the same run prints the same completion."""
     # Only rank 0 samples: under ZeRO-3 the export must load whole, not inside zero.Init.
     unset_hf_deepspeed_config()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(device)
+    torch.manual_seed(seed)
     out = model.generate(
         **inputs,
         max_new_tokens=48,
-        do_sample=False,
-        repetition_penalty=1.3,
+        do_sample=True,
+        temperature=0.7,
+        top_p=0.95,
+        top_k=0,
         pad_token_id=tokenizer.pad_token_id,
     )
     return "Sample completion:\n" + tokenizer.decode(out[0], skip_special_tokens=True)
