@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from tests.helpers.launch import launch
+from tests.helpers.launch import ROOT, launch
 from trainer.args.recipe import run_help
 from trainer.args.run import SECTIONS
 from trainer.config.reference import type_name
 
+RECIPE = "scripts/recipes/default.yaml"
 DOORS = {
     "scripts/train.py": ["scripts/train.py"],
     "trainer train": ["-m", "trainer.cli.main", "train"],
@@ -63,8 +65,13 @@ def test_help_text_lists_every_field_with_type_default_and_description():
 def test_help_through_both_doors(door, flag):
     proc = launch([*DOORS[door], flag], launcher="python", timeout=300)
     assert proc.stdout.startswith(f"usage: {door} [--config RECIPE.yaml] [--field value ...]\n")
+    # scripts/train.py without --config runs the default recipe: a field it sets shows its value too.
+    recipe = yaml.safe_load((ROOT / RECIPE).read_text()) if door == "scripts/train.py" else {}
     for name, kind, default, _ in field_entries():
-        assert f"  --{name} {kind} (default: {default})\n" in proc.stdout, name
+        given = f"; {ROOT / RECIPE}: {json.dumps(recipe[name])}" if name in recipe else ""
+        assert f"  --{name} {kind} (default: {default}{given})\n" in proc.stdout, name
+    if recipe:
+        assert f'  --output_dir str (default: "output"; {ROOT / RECIPE}: "output/default")' in proc.stdout
     assert "unknown key" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
 
 

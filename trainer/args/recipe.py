@@ -152,10 +152,26 @@ PREFERENCE_HELP = (
 )
 
 
-def run_help(prog: str = "scripts/train.py") -> str:
+def help_recipe(argv: list[str]) -> tuple[str, dict[str, Any]] | None:
+    """The recipe ``--help`` runs with (``--config``), as (its path, its fields); None without one,
+    or when it does not load (the run itself then says why)."""
+    config = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
+    config = config or next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if config is None:
+        return None
+    try:
+        return config, load_recipe(config)
+    except ConfigError:
+        return None
+
+
+def run_help(prog: str = "scripts/train.py", recipe: tuple[str, dict[str, Any]] | None = None) -> str:
     """The ``--help`` text: every run field with its type, default and description, from the schema;
     HF's fields that are refused unless left at their default come after the sections, under their
-    own heading, and the preference objectives' own fields last."""
+    own heading, and the preference objectives' own fields last. ``recipe``: the ``--config`` the
+    command runs with (``scripts/train.py`` without one runs the default recipe): a field it sets
+    shows the recipe's value beside the schema's default."""
+    path, values = recipe or ("", {})
     lines = [f"usage: {prog} [--config RECIPE.yaml] [--field value ...]", "", _HELP_INTRO]
     groups = []
     for section, model in SECTIONS.items():
@@ -170,7 +186,10 @@ def run_help(prog: str = "scripts/train.py") -> str:
     for heading, group in groups:
         lines += ["", heading] if group else []
         for name, field in group:
-            lines.append(f"  --{name} {type_name(field.annotation, ' | ')} (default: {_default_text(field)})")
+            given = f"; {path}: {json.dumps(values[name])}" if name in values else ""
+            lines.append(
+                f"  --{name} {type_name(field.annotation, ' | ')} (default: {_default_text(field)}{given})"
+            )
             text = " ".join(filter(None, (field.description, hf_fields.refused_note(name))))
             lines += textwrap.wrap(text, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)

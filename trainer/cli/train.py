@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from trainer.args.recipe import HELP_FLAGS, parse_run_config, run_help
+from trainer.args.recipe import HELP_FLAGS, help_recipe, parse_run_config, run_help
 from trainer.config.errors import ConfigError
 from trainer.runtime.full_disk import still_full
 from trainer.runtime.import_guard import heavy_imports
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None, prog: str = "trainer train") -> int:
     configure_logging()
     if any(a in HELP_FLAGS for a in argv):
         if dist_info().is_main:
-            print(run_help(prog))
+            print(run_help(prog, help_recipe(argv)))
         return 0
     try:
         run_config = parse_run_config(argv)
