@@ -76,8 +76,6 @@ ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
 # Fields of ours whose default is not HF's (HF's default, then why); every other field has HF's.
 OWN_DEFAULTS: dict[str, tuple[Any, str]] = {
     "output_dir": ("trainer_output", "runs write under output/ unless a recipe or flag says otherwise"),
-    "num_train_epochs": (3.0, "not aligned yet: the runs that rely on the default would train 3x longer"),
-    "logging_steps": (500, "not aligned yet: the runs that rely on the default would log 50x less often"),
     "optim": ("adamw_torch_fused", "the same optimizer (torch's AdamW); adamw_torch names it here"),
     "lr_scheduler_kwargs": (None, "{} and HF's None both mean no extra arguments"),
 }

@@ -73,7 +73,7 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
     OBJECTIVES: ClassVar[tuple[str, ...]] = ("causal_lm",)
 
     output_dir: str = Field("output", description="Where metrics, checkpoints and the final export go.")
-    num_train_epochs: float = Field(1.0, gt=0, description="Epochs to train when max_steps is -1.")
+    num_train_epochs: float = Field(3.0, gt=0, description="Epochs to train when max_steps is -1.")
     max_steps: int = Field(-1, ge=-1, description="Optimizer steps to train; -1 means use num_train_epochs.")
     seed: int = Field(42, description="Seed for model init, data order and dropout.")
 
@@ -159,7 +159,7 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps; overrides warmup_ratio when > 0.")
     warmup_ratio: float = Field(0.0, ge=0, le=1, description="Warmup as a fraction of total steps.")
 
-    logging_steps: int = Field(10, ge=1, description="Log metrics every N optimizer steps.")
+    logging_steps: int = Field(500, ge=1, description="Log metrics every N optimizer steps.")
     logging_strategy: Strategy = Field(
         "steps",
         description="When to log: steps (every logging_steps), epoch, or no; the last step always logs.",

@@ -25,6 +25,7 @@ class TRLConfig(TrainingArguments):
     REFUSED: ClassVar[Refusals] = {}
 
     gradient_checkpointing: bool = Field(True, description="Activation checkpointing (TRL's default: on).")
+    logging_steps: int = Field(10, ge=1, description="Log metrics every N optimizer steps (TRL's default).")
     model_init_kwargs: dict[str, Any] | None = Field(
         None, description="Keyword arguments for from_pretrained when the model is given by name."
     )
