@@ -52,3 +52,25 @@ def test_plan_cli_with_lora(capsys):
     assert (result["lora_r"], result["qlora"], result["trainable_params"]) == (16, True, 207_093_760)
     assert main(["plan", "--model", "llama-7b", "--qlora"]) == 2
     assert "--qlora: QLoRA trains LoRA adapters: give --lora-r too" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "model, gpus, stage, checkpointing",
+    [("llama-7b", 1, 0, False), ("llama-70b", 8, 3, True)],
+)
+def test_the_finetuning_pages_table_is_the_planners(capsys, model, gpus, stage, checkpointing):
+    """docs/finetuning.md's per-GPU figures, as `trainer plan` prints them today."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "finetuning.md").read_text()
+    name = "Llama-" + model.split("-")[1].upper()
+    (row,) = [line for line in page.splitlines() if line.startswith(f"| {name} on {gpus} GPU")]
+    documented = [float(cell.split()[0]) for cell in row.strip("|").split("|")[1:]]
+    figures = []
+    for extra in ([], ["--lora-r", "16"], ["--lora-r", "16", "--qlora"]):
+        main(["plan", "--model", model, "--gpus-per-node", str(gpus), *extra, "--json"])
+        rows = json.loads(capsys.readouterr().out)["configurations"]
+        (chosen,) = [r for r in rows if (r["zero_stage"], r["activation_checkpointing"]) == (stage, checkpointing)
+                     and r["offload_optimizer"] == r["offload_param"] == "none"]  # fmt: skip
+        figures.append(round(chosen["total_gb_per_gpu"], 1))
+    assert documented == figures
