@@ -72,6 +72,28 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(two_ranks, stage):
     )
 
 
+def test_a_zero1_checkpoint_resumes_at_zero2(two_ranks):
+    """A stage change the checkpoint carries: ZeRO 1 and 2 cut the optimizer states alike, so the shards
+    load as they are. Step 6 runs on ZeRO-1's step-5 weights bit for bit; then the run follows both
+    uninterrupted runs, which differ from each other by summing gradients in another order (measured:
+    7.3e-8 relative apart, the resumed run within 7.3e-8 of either; final weights within 1.2e-8)."""
+    out, res, log = two_ranks
+    run = res["exact"]["zero1_at_zero2"]
+    assert_resumed(log, run["resumed_ran"], out / "exact" / "zero1_at_zero2" / "checkpoint-5")
+    resumed = steps(run["resumed"])
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
+    zero1, zero2 = (steps(res["exact"][f"zero{stage}"]["reference"]) for stage in (1, 2))
+    assert resumed[6] == zero1[6]  # ZeRO-1's weights, loaded as they were
+    assert max_rel_diff(resumed, zero1) <= 1e-6 and max_rel_diff(resumed, zero2) <= 1e-6
+    for stage in (1, 2):
+        assert_same_weights(
+            out / "exact" / f"zero{stage}" / "reference.pt",
+            out / "exact" / "zero1_at_zero2.pt",
+            rtol=0,
+            atol=1e-7,
+        )
+
+
 @pytest.mark.parametrize("name", ["fused_zero2", "offload_zero2"])
 def test_deepspeed_cpu_adam_kernels_resume_bit_for_bit(two_ranks, name):
     """FusedAdam (optim adamw_fused) and the offload CPUAdam keep beta powers in C++ state that a

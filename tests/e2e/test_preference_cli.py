@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import functools
 import math
+import shutil
 
 import pytest
 
 from tests.helpers.launch import launch, together
 from tests.helpers.preference_scenarios import EXTRA_METRICS, METRICS, base, pairs
-from tests.helpers.scaffold import read_metrics
+from tests.helpers.scaffold import file_digests, read_metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -54,6 +55,7 @@ def runs(tmp_path_factory):
                                     "--padding_free", "true"]),
     }  # fmt: skip
     out = {name: root / name for name in specs}
+    out["start"] = start
 
     def run(name: str) -> None:
         launcher, nproc, extra = specs[name]
@@ -121,6 +123,44 @@ def test_reference_free_objectives_log_trls_metrics_and_learn(runs, name, method
     assert not (runs[name] / "reference").exists()  # no reference pass
     if name == "simpo_one":
         assert [r["nll_loss"] for r in rows] == [0.0] * 4  # SimPO: cpo_alpha 0
+
+
+@pytest.mark.parametrize(
+    "flags, refusal",
+    [
+        (  # docs/preference.md's ORPO command after its DPO command, in the same output folder
+            ["--objective", "orpo", "--beta", "0.5", "--gradient_accumulation_steps", "2"],
+            "objective: {ckpt} was saved with objective dpo and this run asks for orpo; another objective is "
+            "another run: resume with objective dpo",
+        ),
+        (  # the same objective at ZeRO-0 on one process
+            ["--objective", "dpo", "--per_device_train_batch_size", "2"],
+            "zero_stage: {ckpt} was saved with zero_stage 3 and this run asks for 0; ZeRO 1 and 2 resume each "
+            "other's checkpoints, ZeRO 0 and 3 only their own: resume with zero_stage 3",
+        ),
+    ],
+    ids=["objective", "zero_stage"],
+)
+def test_a_change_the_checkpoint_cannot_carry_is_one_line_before_the_model_loads(
+    runs, tmp_path, flags, refusal
+):
+    """The 2-rank ZeRO-3 DPO run's checkpoint, resumed (auto) by one process with another objective or
+    ZeRO stage: refused at the door, naming the setting and both values, with nothing written to it
+    (DeepSpeed's loader otherwise died after the model loaded: a bare AssertionError)."""
+    out = tmp_path / "out"
+    checkpoint = out / "checkpoint-4"
+    shutil.copytree(runs["dpo_zero3"] / "checkpoint-4", checkpoint)
+    before = file_digests(checkpoint)
+    proc = launch([*runs["start"], "--output_dir", str(out), "--max_steps", "8", *flags], launcher="python",
+                  check=False)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: {refusal.format(ckpt=checkpoint)}, or use a new --output_dir, or --resume_from_checkpoint false "
+        "to start over"
+    ], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Parameters: " not in proc.stdout  # no model was built
+    assert file_digests(checkpoint) == before
 
 
 def test_a_bad_pair_is_one_line_naming_the_row(tmp_path):

@@ -1,6 +1,7 @@
 """Running ``scripts/train.py`` again into an output_dir that holds a run: a finished run trains
 nothing, a changed model or dataset is refused before anything loads (a data file rewritten in place
-too: same name, size and mtime, other bytes), safe changes go on.
+too: same name, size and mtime, other bytes), safe changes go on (ZeRO-1 <-> 2 among them: the run
+is at ZeRO-1).
 
 A rerun that trains nothing leaves every file of the directory as it was, bar the lock file: the
 directory was free, so the rerun took it and the lock names the rerun as its last holder (as any
@@ -18,7 +19,7 @@ from tests.helpers.launch import launch
 from tests.helpers.scaffold import file_digests, loss_steps, tiny_flags
 from trainer.runtime.ownership import LOCK_FILE
 
-TINY = tiny_flags(logging_steps=2, max_train_samples=100, max_eval_samples=8)
+TINY = tiny_flags(logging_steps=2, max_train_samples=100, max_eval_samples=8, zero_stage=1)
 DATA = "data.jsonl"  # beside the output_dir
 
 
@@ -73,9 +74,11 @@ def test_resuming_into_another_model_or_data_is_refused_before_loading(finished)
 
 
 def test_safe_changes_resume_and_are_named(finished):
-    code, text = train(finished, "--max_steps", "6", "--logging_steps", "1", "--max_eval_samples", "4")
+    code, text = train(
+        finished, "--max_steps", "6", "--logging_steps", "1", "--max_eval_samples", "4", "--zero_stage", "2"
+    )
     assert code == 0
-    assert "with changed settings: logging_steps, max_eval_samples, max_steps" in text
+    assert "with changed settings: logging_steps, max_eval_samples, max_steps, zero_stage" in text
     assert f"Resumed from {finished / 'checkpoint-4'} at step 4." in text
     assert loss_steps(finished) == [2, 4, 5, 6]
 

@@ -115,12 +115,18 @@ def resume_pair(out: Path, name: str, **overrides) -> dict:
 
 
 def exact(out: Path) -> dict:
-    """ZeRO 0-3 with the default optimizer; each reference run is also exported to HF."""
+    """ZeRO 0-3 with the default optimizer; each reference run is also exported to HF. Then ZeRO-1's
+    checkpoint-5 resumed at ZeRO-2 (a stage change a checkpoint carries)."""
     result = {}
     for stage in (0, 1, 2, 3):
         pair = resume_pair(out / "exact", f"zero{stage}", zero_stage=stage)
         export(pair.pop("trainer"), out / "exact" / f"zero{stage}")
         result[f"zero{stage}"] = pair
+    where = out / "exact" / "zero1_at_zero2"
+    copy_checkpoints(out / "exact" / "zero1" / "reference", where, [SAVE_AT])
+    trainer, losses = train(where, resume="auto", zero_stage=2)
+    save_weights(trainer, out / "exact" / "zero1_at_zero2.pt")
+    result["zero1_at_zero2"] = {"resumed": after(losses, SAVE_AT), "resumed_ran": trainer.ran}
     return result
 
 

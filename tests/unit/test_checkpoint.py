@@ -340,6 +340,50 @@ def test_a_committed_universal_copy_is_reused(tmp_path):
     assert ckpt.verify(path) == []  # the checkpoint's own manifest is unaffected
 
 
+def saved_with(path: Path, **meta) -> Path:
+    """``path`` with ``meta`` in its manifest, as the run that wrote it would have recorded it."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, **meta}))
+    return path
+
+
+def test_what_a_resume_carries_and_what_it_refuses(tmp_path):
+    """Measured through scripts/train.py (docs/checkpoints.md): ZeRO 1 and 2 load each other's
+    checkpoints, and a ZeRO 1-2 checkpoint takes another tensor-parallel size; DeepSpeed loads ZeRO-0
+    and ZeRO-3 ones at their own stage only, and a pipeline's on its own stages only."""
+    path = make_checkpoint(tmp_path, 5)
+    sizes = {"tensor_parallel": 1, "pipeline_parallel": 1}
+
+    def refused(stage_then: int, stage_now: int, objective: str = "dpo", **now) -> str | None:
+        saved_with(
+            path, zero_stage=stage_then, objective="dpo", tensor_parallel_size=1, pipeline_parallel_size=1
+        )
+        found = ckpt.uncarried(path, objective, stage_now, **{**sizes, **now})
+        return found and found[0]
+
+    carried = {(a, b) for a in range(4) for b in range(4) if a == b or {a, b} <= {1, 2}}
+    for then in range(4):
+        for now in range(4):
+            assert refused(then, now) == (None if (then, now) in carried else "zero_stage"), (then, now)
+    assert refused(2, 2, "orpo") == refused(3, 0, "orpo") == "objective"  # the objective is named first
+    assert refused(1, 1, tensor_parallel=2) is None and refused(2, 1, tensor_parallel=2) is None
+    assert refused(0, 0, tensor_parallel=2) == refused(3, 3, tensor_parallel=2) == "tensor_parallel_size"
+    assert refused(1, 1, pipeline_parallel=2) == "pipeline_parallel_size"
+    assert ckpt.uncarried(path, "orpo", 3, 1, 1) == (
+        "objective",
+        f"{path} was saved with objective dpo and this run asks for orpo; another objective is another run: "
+        "resume with objective dpo, or use a new --output_dir, or --resume_from_checkpoint false to start over",
+    )
+
+
+def test_an_older_manifest_without_the_objective_is_read_from_the_run_config(tmp_path):
+    path = make_checkpoint(tmp_path, 5)  # no objective, tensor or pipeline size recorded
+    assert ckpt.uncarried(path, "orpo", 0, 1, 1) is None  # nothing to compare with
+    (path / "run_config.yaml").write_text(yaml.safe_dump({"objective": "causal_lm"}))
+    assert ckpt.uncarried(path, "causal_lm", 0, 1, 1) is None
+    assert ckpt.uncarried(path, "dpo", 0, 1, 1)[0] == "objective"
+
+
 def test_a_field_added_since_the_checkpoint_counts_as_its_default(tmp_path):
     path = make_checkpoint(tmp_path, 5)
     run = RunConfig.from_flat({"output_dir": str(tmp_path), "data_format": "sharegpt"})

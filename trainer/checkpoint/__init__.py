@@ -31,6 +31,7 @@ from trainer.checkpoint.resume import (
     resumable,
     run_config_changes,
     steps_left,
+    uncarried,
     universal_copy,
 )
 from trainer.checkpoint.store import (
@@ -62,6 +63,7 @@ __all__ = [
     "save_rng",
     "staging_dir",
     "steps_left",
+    "uncarried",
     "universal_copy",
     "verify",
     "write_manifest",

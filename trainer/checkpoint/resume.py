@@ -59,10 +59,9 @@ def run_config_changes(checkpoint: Path, run: RunConfig) -> tuple[list[str], lis
     which it may take on).
     Nothing is compared when the checkpoint holds no run config (written through the Trainer API);
     a field the saved config lacks (one added since it was written) counts as its default there."""
-    saved_file = checkpoint / RUN_CONFIG
-    if not saved_file.is_file():
+    if not (checkpoint / RUN_CONFIG).is_file():
         return [], []
-    saved, current = yaml.safe_load(saved_file.read_text()) or {}, run.to_flat()
+    saved, current = _saved_run(checkpoint), run.to_flat()
     defaults = {
         name: spec.default
         for model in (TrainingArguments, ModelArguments, DataArguments)
@@ -90,6 +89,47 @@ def _rewritten_data(checkpoint: Path, run: RunConfig, changed: list[str]) -> lis
         if paths and key not in changed:  # a changed argument is named already
             rewritten.append(f"{key} (the content of {', '.join(paths)})")
     return rewritten
+
+
+def uncarried(
+    checkpoint: Path, objective: str, zero_stage: int, tensor_parallel: int, pipeline_parallel: int
+) -> tuple[str, str] | None:
+    """The first of this run's objective, ZeRO stage and parallel layout that ``checkpoint`` cannot
+    carry, as (the setting, one line saying why and what to do); None when it can resume. Read from
+    its manifest (the objective, in checkpoints written before the manifest held it, from its run
+    config; a checkpoint with neither is not compared). What carries, as measured: ZeRO 1 <-> 2 (same
+    world size: the shards load as they are; another: the universal path), and a tensor-parallel size
+    change of a ZeRO 1-2 checkpoint (the universal conversion re-splits it). What does not: DeepSpeed
+    loads a ZeRO-0 or ZeRO-3 checkpoint only at its own stage, and a checkpoint only on its own pipeline stages."""
+    try:
+        manifest = read_manifest(checkpoint)
+    except CheckpointError:
+        return None  # the resume's verification names it
+    stage, tensor = manifest.get("zero_stage", 0), manifest.get("tensor_parallel_size", 1)
+    saved_objective = manifest.get("objective", _saved_run(checkpoint).get("objective"))
+    rules = (
+        ("objective", saved_objective, objective, saved_objective in (None, objective),
+         "another objective is another run"),
+        ("zero_stage", stage, zero_stage, stage == zero_stage or {stage, zero_stage} <= {1, 2},
+         "ZeRO 1 and 2 resume each other's checkpoints, ZeRO 0 and 3 only their own"),
+        ("tensor_parallel_size", tensor, tensor_parallel, tensor == tensor_parallel or stage in (1, 2),
+         f"DeepSpeed's universal conversion re-splits the weights of ZeRO 1-2 checkpoints only, not ZeRO-{stage}"),
+        ("pipeline_parallel_size", pipeline := manifest.get("pipeline_parallel_size", 1), pipeline_parallel,
+         pipeline == pipeline_parallel, "a checkpoint is cut by its pipeline stages, and nothing re-cuts it"),
+    )  # fmt: skip
+    for key, saved, now, carried, why in rules:
+        if not carried:
+            return key, (
+                f"{checkpoint} was saved with {key} {saved} and this run asks for {now}; {why}: resume "
+                f"with {key} {saved}, or use a new --output_dir, or --resume_from_checkpoint false to start over"
+            )
+    return None
+
+
+def _saved_run(checkpoint: Path) -> dict:
+    """The flat run config saved in ``checkpoint`` ({} without one)."""
+    saved_file = checkpoint / RUN_CONFIG
+    return (yaml.safe_load(saved_file.read_text()) or {}) if saved_file.is_file() else {}
 
 
 def steps_left(checkpoint: Path, args: TrainingArguments) -> int | None:

@@ -11,8 +11,9 @@ package (``from trainer import checkpoint as ckpt``) exports what the rest of th
     rng_state_<rank>.pt     python/numpy/torch RNG states of each rank (tensors and lists only)
     ds_config.json          the DeepSpeed config that wrote it
     run_config.yaml         the resolved run config
-    manifest.json           size and checksum of every file above, plus world size, ZeRO stage, batch,
-                            and the xxh3-128 of each local data file the run reads
+    manifest.json           size and checksum of every file above, plus the objective, world size,
+                            parallel layout, ZeRO stage, batch, and the xxh3-128 of each local data
+                            file the run reads
     COMPLETE                the commit marker: written last, after the rename
     universal/              only after a resume on another world size: DeepSpeed's universal form
                             of ds/, committed the same way (its own manifest and marker)
@@ -160,6 +161,8 @@ class Saver:
             "data_parallel_size": engine.world_size,
             "optimizer_partitions": engine.partitions,
             "tensor_parallel_size": engine.tensor_parallel,
+            "pipeline_parallel_size": (self.ds_config.get("pipeline") or {}).get("stages", 1),
+            "objective": args.objective,
             "zero_stage": self.ds_config.get("zero_optimization", {}).get("stage", 0),
             "train_batch_size": self.ds_config.get("train_batch_size"),
             "micro_batch_size": self.ds_config.get("train_micro_batch_size_per_gpu"),

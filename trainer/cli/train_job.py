@@ -18,7 +18,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from trainer import checkpoint as ckpt
 from trainer.args import RunConfig
-from trainer.config import Hardware, check, custom_tensor_plan, parallel_sizes
+from trainer.config import Hardware, check, custom_tensor_plan, parallel_sizes, resolve
 from trainer.config.errors import ConfigError
 from trainer.data.stream_sources import check_resumable, stream_sources
 from trainer.engine.sequence_parallel import check_layout
@@ -52,7 +52,7 @@ def run(run_config: RunConfig) -> int:
     check_report_to(args)  # a report_to integration's package, MLflow's store
     dist = init_distributed(hardware, timeout_s=args.ddp_timeout)  # the run's one process-group start
     claim_output_dir(args.output_dir, wait_s=args.preemption_grace_s)  # one run per output_dir
-    if _nothing_to_resume(run_config):
+    if _nothing_to_resume(run_config, hardware):
         leave_process_group()
         return 0
     callbacks = [FinalEvaluationCallback(), *([FaultInjection(plan)] if (plan := fault_plan()) else [])]
@@ -115,11 +115,12 @@ def _check_inputs(run_config: RunConfig, hardware: Hardware) -> None:
         stream_sources(run_config.data)  # every source's files listed, or the one it lacks named
 
 
-def _nothing_to_resume(run_config: RunConfig) -> bool:
-    """Before anything loads: refuse to resume into another model or other data, and say so when
-    the checkpoint to resume already reached the end of the run (True: nothing to train; final/ is
-    left as it is). Checksums are verified here only for a checkpoint that would end the run;
-    otherwise the Trainer's resume verifies it, once."""
+def _nothing_to_resume(run_config: RunConfig, hardware: Hardware) -> bool:
+    """Before anything loads: refuse to resume into another objective, a ZeRO stage or layout the
+    checkpoint cannot carry, another model or other data, and say so when the checkpoint to resume
+    already reached the end of the run (True: nothing to train; final/ is left as it is). Checksums
+    are verified here only for a checkpoint that would end the run; otherwise the Trainer's resume
+    verifies it, once."""
     args = run_config.training
     spec = args.resume_from_checkpoint
     if spec in (None, False, ""):
@@ -128,6 +129,12 @@ def _nothing_to_resume(run_config: RunConfig) -> bool:
     path = newest if spec in (True, "auto") else Path(spec)
     if path is None or not ckpt.is_complete(path):
         return False
+    # The stage as the run's DeepSpeed dict will have it (an argument's, or a --deepspeed file's).
+    ds_config = resolve(args, dist_info().world_size, hardware, total_steps=args.warmup_steps + 1)
+    pipeline, _, tensor = parallel_sizes(run_config)
+    stage = ds_config["zero_optimization"].get("stage", 0)
+    if uncarried := ckpt.uncarried(path, args.objective, stage, tensor, pipeline):
+        raise ConfigError([uncarried])
     refused, changed = ckpt.run_config_changes(path, run_config)
     if refused:
         raise ConfigError(
