@@ -220,7 +220,7 @@ def main() -> None:
         "total_num_steps": schedule_length(early.lr_scheduler),
         "learning_rates": [r["learning_rate"] for r in early.state.log_history if "loss" in r],
     }
-    # create_optimizer alone: the engine's schedule is the run's planned length (one epoch here).
+    # create_optimizer alone: the engine's schedule is the run's planned length (HF's default 3 epochs).
     planned_args = TrainingArguments(
         output_dir=str(out / "planned"), per_device_train_batch_size=2, save_strategy="no",
         learning_rate=1e-2, lr_scheduler_type="linear", weight_decay=0.1, disable_tqdm=True, seed=0,
