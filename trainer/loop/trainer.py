@@ -34,7 +34,6 @@ from trainer.checkpoint.export import export_hf
 from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
 from trainer.data.loader import accumulation_windows, row_length, sample_lengths, train_sampler
-from trainer.data.stream import StreamedDataset
 from trainer.data.stream_sources import readable
 from trainer.engine import Engine, Objective, build_engine, is_causal_lm, objective_for
 from trainer.loop.auto_batch import AutoBatchSize
@@ -55,7 +54,7 @@ from trainer.loop.guard import NonfiniteGuard
 from trainer.loop.hf_methods import HFMethods
 from trainer.loop.plan import RunPlan, layout_of, plan_run
 from trainer.loop.saving import Checkpoints, resumed_state
-from trainer.loop.steps import client_scheduler, optimizer_for, tiling_for, torch_compile_for
+from trainer.loop.steps import client_scheduler, epoch_at, optimizer_for, tiling_for, torch_compile_for
 from trainer.loop.vote import Preemption, WindowCounts, add_source_blocks, poll, source_shares, weakly
 from trainer.model.liger import apply_liger_kernel, check_liger
 from trainer.model.modeling import enable_gradient_checkpointing, is_adapter, model_hidden_size, param_counts
@@ -307,12 +306,7 @@ class Trainer(HFMethods, ResultsAPI):
         state, self._run.steps = self.state, self._run.steps + 1
         state.global_step += 1
         state.samples_into_epoch += samples
-        if isinstance(self.train_dataset, StreamedDataset):  # no length: max_steps an epoch, as HF counts
-            state.epoch = state.global_step / state.max_steps
-        else:
-            state.epoch = state.epoch_index + state.samples_into_epoch / max(
-                len(self.train_dataset) / self._data_ranks[0], 1
-            )
+        state.epoch = epoch_at(state, self.train_dataset, self._data_ranks[0])
 
     def _reset_window_sums(self) -> None:
         self._loss_sum = torch.zeros((), device=self.engine.device)
