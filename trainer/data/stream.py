@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from trainer.data.processing import tokenise_rows_batch
 from trainer.data.sources import DataError
 from trainer.runtime.distributed import dist_info
-from trainer.runtime.resilience import fault_plan
+from trainer.runtime.resilience import worker_crash_sample
 
 logger = logging.getLogger(__name__)
 
@@ -505,7 +505,7 @@ class _RankView(IterableDataset):
         first = self.start + worker
         mine = sorted({(first + t * workers) % n for t in range(n // workers)})
         streams = {i: _Lane(self.lanes[i], self.stream).blocks(self.cursors.get(self.lanes[i])) for i in mine}
-        crash = _worker_crash() if info else None
+        crash = worker_crash_sample() if info else None
         j = first
         while True:
             item = next(streams[j % n], None)
@@ -516,15 +516,6 @@ class _RankView(IterableDataset):
             block, after = item
             yield j, self.lanes[j % n], block, after
             j += workers
-
-
-def _worker_crash() -> int | None:
-    """The rank's sample at which a planned ``crash:rank=R:phase=worker:sample=N`` kills its worker."""
-    plan = fault_plan()
-    due = (
-        plan.get("kind") == "crash" and plan.get("phase") == "worker" and plan.get("rank") == dist_info().rank
-    )
-    return plan.get("sample") if due else None
 
 
 def _as_is(item: Any) -> Any:

@@ -45,6 +45,16 @@ def fault_plan() -> dict[str, Any]:
     return plan
 
 
+def worker_crash_sample() -> int | None:
+    """This rank's sample at which a planned ``crash:rank=R:phase=worker:sample=N`` kills its stream's
+    data-loading worker (None: no such crash planned here)."""
+    plan = fault_plan()
+    due = (
+        plan.get("kind") == "crash" and plan.get("phase") == "worker" and plan.get("rank") == dist_info().rank
+    )
+    return plan.get("sample") if due else None
+
+
 # ---- preemption ---------------------------------------------------------------------------------
 
 
