@@ -81,7 +81,7 @@ def build_engine(
         train_args, detect_hardware(), info, num_samples=None, total_steps=10, hidden_size=args.hidden_size
     )
     ds_config = plan.ds_config
-    engine = DeepSpeedEngine(LlamaForCausalLM(config), ds_config, weight_decay=0.0)
+    engine = DeepSpeedEngine(LlamaForCausalLM(config), ds_config, plan.mesh, weight_decay=0.0)
     train_step(engine, one_batch(args.vocab_size))
     return engine, ds_config
 

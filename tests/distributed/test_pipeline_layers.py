@@ -18,6 +18,7 @@ from trainer.config import Hardware, resolve
 from trainer.engine import CausalLM, PipelineEngine, causal_lm_loss_sum
 from trainer.engine.pipeline_engine import WindowLoss
 from trainer.engine.pipeline_layers import assemble_hf_state_dict, pipeline_layers, stage_state_dict
+from trainer.runtime.mesh import Mesh
 
 VOCAB = 96
 PACKED = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]])
@@ -160,6 +161,8 @@ def test_pipeline_engine_refuses_a_client_optimizer_and_a_single_stage():
     config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "pipeline": {"stages": 2}}  # fmt: skip
     with pytest.raises(ValueError, match="pass optimizer settings .* instead of a client optimizer"):
-        PipelineEngine(model, config, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        PipelineEngine(
+            model, config, Mesh(2, pipeline=2), optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+        )
     with pytest.raises(ValueError, match="pipeline.stages must be at least 2 for a pipeline, got 1"):
-        PipelineEngine(model, {**config, "pipeline": {"stages": 1}})
+        PipelineEngine(model, {**config, "pipeline": {"stages": 1}}, Mesh(2))

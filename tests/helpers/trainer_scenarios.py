@@ -41,6 +41,7 @@ from trainer.runtime.distributed import (
     dist_info,
     init_distributed,
 )
+from trainer.runtime.mesh import Mesh
 from trainer.runtime.ranks import EXIT_NONFINITE
 
 VOCAB = 256
@@ -429,7 +430,7 @@ def custom_model_grads(mode: str, section: dict | None = None) -> dict:
         "activation_checkpointing": section or {"partition_activations": False, "cpu_checkpointing": False},
         "steps_per_print": 10**9,
     }
-    engine = DeepSpeedEngine(model, config)
+    engine = DeepSpeedEngine(model, config, Mesh(world_size=1))
     x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(3), requires_grad=True)
     engine.ds.set_gradient_accumulation_boundary(True)
     loss = engine.ds(x).pow(2).sum()

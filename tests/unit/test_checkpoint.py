@@ -20,6 +20,7 @@ from trainer.cli import train as run_module
 from trainer.cli import train_job
 from trainer.config.errors import ConfigError
 from trainer.runtime.distributed import DistInfo
+from trainer.runtime.mesh import Mesh
 
 ONE = DistInfo(rank=0, local_rank=0, world_size=1)
 
@@ -319,14 +320,15 @@ def test_indivisible_global_batch_is_an_error_with_the_numbers(tmp_path):
 
 def test_sharded_optimizer_states_need_the_universal_form_on_another_world(tmp_path):
     path = make_checkpoint(tmp_path, 5, world=2)
-    assert not ckpt.needs_universal(path, 2)
-    assert ckpt.needs_universal(path, 1) and ckpt.needs_universal(path, 3)
+    assert not ckpt.needs_universal(path, Mesh(2))
+    assert ckpt.needs_universal(path, Mesh(1)) and ckpt.needs_universal(path, Mesh(3))
+    assert ckpt.needs_universal(path, Mesh(4, sequence=2))  # ZeRO shards over the 4 ranks of 2 groups
     for shard in (path / "ds").glob("*optim_states.pt"):  # ZeRO-0 in fp32: nothing sharded
         shard.unlink()
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"] = {k: v for k, v in manifest["files"].items() if "optim_states" not in k}
     (path / "manifest.json").write_text(json.dumps(manifest))
-    assert not ckpt.needs_universal(path, 1)
+    assert not ckpt.needs_universal(path, Mesh(1))
 
 
 def test_a_committed_universal_copy_is_reused(tmp_path):

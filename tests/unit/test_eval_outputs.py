@@ -38,6 +38,7 @@ from trainer.data import CausalLMCollator
 from trainer.engine import objective_for
 from trainer.loop.evaluation import Predictions, eval_batches, evaluation_loop
 from trainer.loop.predictions import RowStore, concat
+from trainer.runtime.mesh import Mesh
 
 VOCAB, BATCH = 40, 3
 LENGTHS = [3, 9, 5, 4, 11, 6, 7]  # batches of 3 are 9, 11 and 7 wide
@@ -104,7 +105,7 @@ class ModelEngine:
     ``eval_sum`` on the model, as ``DeepSpeedEngine.eval_step`` runs it on DeepSpeed's engine."""
 
     device = torch.device("cpu")
-    counts_rows = True  # no tensor-parallel group
+    mesh = Mesh(world_size=1)  # no tensor-parallel group: its rows count
 
     def __init__(self, model: torch.nn.Module, label_names: list[str] | None = None) -> None:
         self.module, self.objective = model, objective_for(model, label_names=label_names)

@@ -109,13 +109,20 @@ def test_neftune_noise_has_hfs_magnitude_for_the_whole_row_in_training_only():
     assert torch.equal(model.embed(ids), clean)
 
 
-def test_neftune_is_refused_with_a_pipeline():
+def test_neftune_takes_its_sizes_from_the_mesh_a_deepspeed_file_gave():
+    """A pipeline or a sequence split stated only in the DeepSpeed file reaches NEFTune as the
+    argument's would: through the run's mesh."""
     from trainer.args import TrainingArguments
     from trainer.config.errors import ConfigError
     from trainer.model.neftune import NEFTune
+    from trainer.runtime.mesh import mesh_for
 
-    with pytest.raises(ConfigError, match="neftune_noise_alpha: the pipeline's stages are rebuilt"):
-        NEFTune(TrainingArguments(neftune_noise_alpha=5.0, pipeline_parallel_size=2))
+    for stated in ({"pipeline_parallel_size": 2}, {"deepspeed": {"pipeline": {"stages": 2}}}):
+        args = TrainingArguments(neftune_noise_alpha=5.0, **stated)
+        with pytest.raises(ConfigError, match="neftune_noise_alpha: the pipeline's stages are rebuilt"):
+            NEFTune(args, mesh_for(args, 2, 0))
+    args = TrainingArguments(neftune_noise_alpha=5.0, deepspeed={"sequence_parallel_size": 2})
+    assert NEFTune(args, mesh_for(args, 2, 0)).sequence_parallel == 2
 
 
 @uses("tokens_seen")

@@ -24,6 +24,7 @@ from trainer.loop.callbacks import CallbackHandler, TrainerCallback
 from trainer.loop.evaluation import eval_batches, eval_dataloader
 from trainer.loop.hf_methods import HFMethods
 from trainer.loop.model_card import ModelCard, dataset_defaults, existing_tags, hyperparameters, results_rows
+from trainer.runtime.mesh import Mesh
 
 # HF's public Trainer methods this Trainer has, with HF's parameters (names, kinds, defaults).
 HF_METHODS = [
@@ -227,16 +228,22 @@ def test_hyperparameters_come_from_the_deepspeed_config_that_ran():
     ds = {"train_batch_size": 32, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
           "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, "bf16": {"enabled": False},
           "gradient_clipping": 0.5}  # fmt: skip
-    hp = hyperparameters(args, ds, world_size=4, data_ranks=4, client_optimizer=None)
+    hp = hyperparameters(args, ds, Mesh(world_size=4), client_optimizer=None)
     assert hp["distributed_type"] == "DeepSpeed ZeRO-2, optimizer offload to cpu"  # the config's, not args'
     assert (hp["num_devices"], hp["total_train_batch_size"], hp["total_eval_batch_size"]) == (4, 32, 32)
     assert hp["optimizer"] == "Use adamw_torch (DeepSpeed AdamW: lr=0.0003)"
     assert hp["max_grad_norm"] == 0.5 and "mixed_precision_training" not in hp
     assert (hp["num_epochs"], hp["lr_scheduler_warmup_ratio"]) == (2, 0.1) and "training_steps" not in hp
-    before_engine = hyperparameters(args, None, 1, 1, torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    before_engine = hyperparameters(args, None, Mesh(world_size=1), torch.optim.SGD([torch.zeros(1)], lr=0.1))
     assert before_engine["distributed_type"] == "DeepSpeed ZeRO-3"
     assert before_engine["optimizer"] == "SGD, passed to the Trainer"
     assert before_engine["mixed_precision_training"] == "bf16" and "num_devices" not in before_engine
+    # The sizes are the mesh's, wherever they were stated (an argument or the DeepSpeed file).
+    tp = hyperparameters(
+        TrainingArguments(), {"zero_optimization": {"stage": 1}}, Mesh(world_size=4, tensor=2), None
+    )
+    assert tp["distributed_type"] == "DeepSpeed ZeRO-1, tensor_parallel_size 2"
+    assert (tp["num_devices"], tp["total_eval_batch_size"]) == (4, 16)  # 2 reading groups of 8 rows
 
 
 def test_card_defaults_from_datasets_and_an_existing_card(tmp_path):

@@ -28,6 +28,7 @@ from trainer.loop import trainer as trainer_module
 from trainer.loop.callbacks import TrainerState
 from trainer.loop.evaluation import Predictions, eval_batches, evaluation_loop, without_padding_rows
 from trainer.observe.results import TrainTotals, format_metrics, save_metrics, save_state, train_metrics
+from trainer.runtime.mesh import Mesh
 
 # ---- train metrics -------------------------------------------------------------------------------
 
@@ -180,7 +181,7 @@ class TinyEngine:
 
     device = torch.device("cpu")
     objective = CausalLM()
-    counts_rows = True  # no tensor-parallel group
+    mesh = Mesh(world_size=1)  # no tensor-parallel group: its rows count
 
     def __init__(self) -> None:
         torch.manual_seed(0)
@@ -293,4 +294,6 @@ def test_a_compute_loss_override_is_refused_under_the_pipeline_before_the_engine
 
     override = ModelLoss(per_item=True, compute_loss=lambda *a, **k: 0)
     with pytest.raises(ConfigError, match="^compute_loss: pipeline_parallel_size > 1"):
-        build_engine(torch.nn.Linear(2, 2), {"pipeline": {"stages": 2}}, objective=override)
+        build_engine(
+            torch.nn.Linear(2, 2), {"pipeline": {"stages": 2}}, Mesh(2, pipeline=2), objective=override
+        )

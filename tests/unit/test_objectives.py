@@ -16,6 +16,7 @@ from transformers import (
 
 from trainer.config.errors import ConfigError
 from trainer.engine import CausalLM, ModelLoss, Tiling, build_engine, objective_for
+from trainer.runtime.mesh import Mesh
 
 LLAMA = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
              num_key_value_heads=2, pad_token_id=0)  # fmt: skip
@@ -123,11 +124,11 @@ def test_seq2seq_evaluation_counts_each_batch_mean_once_and_causal_stays_token_e
 
 def test_features_that_compute_the_causal_loss_themselves_refuse_other_objectives():
     model = LlamaForSequenceClassification(LlamaConfig(num_labels=3, **LLAMA))
-    for ds_config, feature in (
-        ({"sequence_parallel_size": 2}, "sequence_parallel_size > 1"),
-        ({"pipeline": {"stages": 2}}, "pipeline_parallel_size > 1"),
+    for ds_config, mesh, feature in (
+        ({"sequence_parallel_size": 2}, Mesh(2, sequence=2), "sequence_parallel_size > 1"),
+        ({"pipeline": {"stages": 2}}, Mesh(2, pipeline=2), "pipeline_parallel_size > 1"),
     ):
         with pytest.raises(ConfigError, match=f"^model: {feature}.*ModelLoss"):
-            build_engine(model, ds_config, objective=objective_for(model))
+            build_engine(model, ds_config, mesh, objective=objective_for(model))
     with pytest.raises(ConfigError, match="^label_smoothing_factor: .*tiled loss"):
-        build_engine(model, {}, objective=CausalLM(0.1), tiling=Tiling(loss=1024))
+        build_engine(model, {}, Mesh(1), objective=CausalLM(0.1), tiling=Tiling(loss=1024))

@@ -1,5 +1,5 @@
-"""The run plan: the parallel layout (the one place the data-parallel size is computed), the sizes
-it takes from the arguments and the DeepSpeed file alike, and a plan that keeps a resumed
+"""The run plan: the mesh (the one place every parallel size lives), the sizes it takes from the
+arguments and the DeepSpeed file alike, and a plan that keeps a resumed
 checkpoint's global batch without touching the user's arguments."""
 
 from __future__ import annotations
@@ -9,31 +9,52 @@ import pytest
 from tests.unit.test_checkpoint import ONE, make_checkpoint
 from trainer.args import TrainingArguments
 from trainer.config import ConfigError, Hardware, parallel_sizes
-from trainer.loop.plan import layout_of, plan_run
+from trainer.loop.plan import plan_run
 from trainer.runtime.distributed import DistInfo
-from trainer.runtime.layout import ParallelLayout
+from trainer.runtime.mesh import Mesh, mesh_for, saved_mesh
 
 
-def test_layout_derives_the_data_parallel_size_and_this_ranks_coordinates():
-    layout = ParallelLayout(world=8, rank=5, pipeline=2, sequence=2)
-    assert layout.data == 2
-    assert layout.data_ranks == (4, 2)  # a sequence group shares rows; a pipeline's stages do not
-    assert layout.sequence_rank == 1
-    assert ParallelLayout(world=3).data == 3
+def test_the_mesh_derives_the_data_parallel_size_and_this_ranks_coordinates():
+    mesh = Mesh(world_size=8, rank=5, pipeline=2, sequence=2)
+    assert mesh.data_parallel_size == 2
+    assert mesh.data_ranks == (4, 2)  # a sequence group shares rows; a pipeline's stages do not
+    assert mesh.sequence_rank == 1
+    assert mesh.zero_shards == 4  # ZeRO shards over a sequence group's ranks too
+    assert Mesh(world_size=3).data_parallel_size == 3
+
+
+def test_the_mesh_records_its_groups_and_round_trips_through_a_manifest():
+    mesh = Mesh(world_size=8, rank=1, tensor=2, expert=2)
+    grouped = mesh.with_groups(tensor="its group")
+    assert grouped == mesh and grouped.groups == {"tensor": "its group"} and mesh.groups == {}
+    with pytest.raises(ValueError, match="no mesh dimension named model"):
+        mesh.with_groups(model="a group")
+    saved = saved_mesh(mesh.manifest_sizes())
+    assert (saved.world_size, saved.data_parallel_size, saved.zero_shards, saved.tensor) == (8, 4, 4, 2)
+    older = saved_mesh({"world_size": 4})  # a manifest from before the data-parallel size was kept
+    assert (older.data_parallel_size, older.zero_shards, older.tensor, older.pipeline) == (4, 4, 1, 1)
+
+
+def test_experts_split_the_data_parallel_ranks():
+    assert Mesh(world_size=8, tensor=2, expert=4).data_parallel_size == 4
+    with pytest.raises(
+        ConfigError, match="expert_parallel_size: 3 does not divide the 4 data-parallel ranks"
+    ):
+        Mesh(world_size=8, tensor=2, expert=3)
 
 
 @pytest.mark.parametrize(
     ("sizes", "key"), [({"sequence": 4}, "sequence_parallel_size"), ({"pipeline": 4}, "pipeline")]
 )
-def test_layout_refuses_sizes_that_do_not_divide_the_world(sizes, key):
+def test_the_mesh_refuses_sizes_that_do_not_divide_the_world(sizes, key):
     with pytest.raises(ConfigError, match="world size 6 is not divisible") as err:
-        ParallelLayout(world=6, **sizes)
+        Mesh(world_size=6, **sizes)
     assert key in str(err.value)
 
 
-def test_layout_refuses_a_rank_outside_the_world():
+def test_the_mesh_refuses_a_rank_outside_the_world():
     with pytest.raises(ConfigError, match="rank"):
-        ParallelLayout(world=2, rank=2)
+        Mesh(world_size=2, rank=2)
 
 
 def test_sizes_come_from_an_explicit_argument_else_the_deepspeed_file():
@@ -41,8 +62,8 @@ def test_sizes_come_from_an_explicit_argument_else_the_deepspeed_file():
     assert parallel_sizes(TrainingArguments(output_dir="o", deepspeed=stated)) == (2, 2, 1)
     assert parallel_sizes(TrainingArguments(output_dir="o")) == (1, 1, 1)
     assert parallel_sizes(TrainingArguments(output_dir="o", sequence_parallel_size=4)) == (1, 4, 1)
-    layout = layout_of(TrainingArguments(output_dir="o", deepspeed=stated), DistInfo(3, 3, 8))
-    assert (layout.data, layout.pipeline, layout.sequence, layout.rank) == (2, 2, 2, 3)
+    mesh = mesh_for(TrainingArguments(output_dir="o", deepspeed=stated), 8, 3)
+    assert (mesh.data_parallel_size, mesh.pipeline, mesh.sequence, mesh.rank) == (2, 2, 2, 3)
 
 
 def test_a_plan_keeps_the_checkpoints_global_batch_without_changing_the_arguments(tmp_path):
@@ -65,7 +86,7 @@ def test_a_plan_without_a_checkpoint_runs_the_arguments_as_they_are(tmp_path):
     plan = plan_run(args, Hardware.cpu(), DistInfo(0, 0, 1), num_samples=10)
     assert plan.args is args and plan.checkpoint is None
     assert (plan.steps.steps_per_epoch, plan.total_steps) == (5, 10)
-    assert plan.layout == ParallelLayout(world=1)
+    assert plan.mesh == Mesh(world_size=1)
 
 
 @pytest.fixture

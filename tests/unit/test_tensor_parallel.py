@@ -1,4 +1,4 @@
-"""Tensor parallelism before anything loads: the layout a TP group reads rows in, the sizes and the
+"""Tensor parallelism before anything loads: the mesh a TP group reads rows in, the sizes and the
 DeepSpeed dict a run resolves, and the refusals that name their keys."""
 
 from __future__ import annotations
@@ -9,19 +9,19 @@ from transformers import GPT2Config, LlamaConfig
 from trainer.args import RunConfig, TrainingArguments
 from trainer.config import ConfigError, Hardware, parallel_sizes, resolve, validate
 from trainer.engine.tensor_parallel import check_tensor_layout
-from trainer.runtime.layout import ParallelLayout
+from trainer.runtime.mesh import Mesh
 
 CPU = Hardware.cpu()
 
 
 def test_a_tensor_parallel_group_reads_one_set_of_rows_and_counts_them_once():
-    first, second = ParallelLayout(world=4, rank=2, tensor=2), ParallelLayout(world=4, rank=3, tensor=2)
-    assert (first.data, first.readers, first.data_ranks) == (2, 2, (2, 1))
+    first, second = Mesh(world_size=4, rank=2, tensor=2), Mesh(world_size=4, rank=3, tensor=2)
+    assert (first.data_parallel_size, first.readers, first.data_ranks) == (2, 2, (2, 1))
     assert second.data_ranks == first.data_ranks  # consecutive ranks: AutoTP's (data, tensor) mesh
     assert (first.counts_rows, second.counts_rows) == (True, False)
-    assert ParallelLayout(world=4, rank=1, sequence=2).counts_rows  # an SP rank counts its own slice
+    assert Mesh(world_size=4, rank=1, sequence=2).counts_rows  # an SP rank counts its own slice
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        ParallelLayout(world=6, tensor=4)
+        Mesh(world_size=6, tensor=4)
 
 
 def test_the_size_comes_from_the_argument_else_the_deepspeed_file():

@@ -68,7 +68,7 @@ def run_ours(job: Job, ds_config: dict[str, Any], dataset: Any, clock: StepClock
         raise RuntimeError(
             f"ours resolved another DeepSpeed config:\n{trainer.ds_config}\nvs the job's\n{ds_config}"
         )
-    return Outcome(_last_loss(trainer.state.log_history), trainer.engine.world_size, trainer.model)
+    return Outcome(_last_loss(trainer.state.log_history), trainer.mesh.data_parallel_size, trainer.model)
 
 
 # ---------------------------------------------------------------- raw DeepSpeed

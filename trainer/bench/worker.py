@@ -102,14 +102,15 @@ def run(system: str, job: Job, gate: GateClient, rank: int, local_rank: int) -> 
     )
     out = Path(job.out_dir) / system
     outcome = RUNNERS[system](job, ds_config, dataset, clock, str(out))
+    split = job.tensor_parallel if job.splits_layers else 1  # the ranks AutoTP split each layer over
     return {
         "times": clock.times,
         "cpu_times": clock.cpu_times,
         "profiled": clock.profiled,
         "final_loss": outcome.final_loss,
         "dp_world_size": outcome.dp_world_size,
-        "flops_per_token": flops_per_token_for_model(outcome.model, job.seq_len),
-        "n_params": sum({id(p): numel(p) for p in outcome.model.parameters()}.values()),
+        "flops_per_token": flops_per_token_for_model(outcome.model, job.seq_len, split),
+        "n_params": sum({id(p): numel(p, split) for p in outcome.model.parameters()}.values()),
         "peak_memory_bytes": int(memory_stats(device)["peak_memory_allocated_bytes"]),
         "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
         "notes": outcome.notes,

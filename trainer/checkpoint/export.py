@@ -29,6 +29,7 @@ from trainer.checkpoint.resume import refuse_unconvertible
 from trainer.data import get_tokenizer
 from trainer.engine.zero import convert_to_universal, fp32_state_dict, universal_state_dict
 from trainer.model.modeling import model_config
+from trainer.runtime.mesh import saved_mesh
 from trainer.runtime.run_files import RUN_CONFIG
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -137,7 +138,7 @@ def _model_and_tokenizer(path: Path) -> tuple[Any, Any]:
 def _consolidated_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
     if manifest.get("model_only"):  # save_only_model: the whole model's weights in one file
         return {k: v.float() for k, v in load_file(str(path / layout.WEIGHTS)).items()}
-    if manifest.get("tensor_parallel_size", 1) > 1:  # split weights: joined by the universal conversion
+    if saved_mesh(manifest).tensor > 1:  # split weights: joined by the universal conversion
         refuse_unconvertible(path)
         with tempfile.TemporaryDirectory() as tmp:
             convert_to_universal(path / layout.DS_TAG, Path(tmp) / layout.DS_TAG)

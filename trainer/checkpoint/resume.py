@@ -41,6 +41,7 @@ from trainer.checkpoint.layout import (
 )
 from trainer.data.sources import content_digests
 from trainer.runtime.distributed import DistInfo, all_gather_object, warn
+from trainer.runtime.mesh import Mesh, saved_mesh
 from trainer.runtime.run_files import DS_CONFIG, RUN_CONFIG
 from trainer.runtime.state import TrainerState
 
@@ -105,7 +106,8 @@ def uncarried(
         manifest = read_manifest(checkpoint)
     except CheckpointError:
         return None  # the resume's verification names it
-    stage, tensor = manifest.get("zero_stage", 0), manifest.get("tensor_parallel_size", 1)
+    stage, saved = manifest.get("zero_stage", 0), saved_mesh(manifest)
+    tensor, pipeline = saved.tensor, saved.pipeline
     saved_objective = manifest.get("objective", _saved_run(checkpoint).get("objective"))
     rules = (
         ("objective", saved_objective, objective, saved_objective in (None, objective),
@@ -114,7 +116,7 @@ def uncarried(
          "ZeRO 1 and 2 resume each other's checkpoints, ZeRO 0 and 3 only their own"),
         ("tensor_parallel_size", tensor, tensor_parallel, tensor == tensor_parallel or stage in (1, 2),
          f"DeepSpeed's universal conversion re-splits the weights of ZeRO 1-2 checkpoints only, not ZeRO-{stage}"),
-        ("pipeline_parallel_size", pipeline := manifest.get("pipeline_parallel_size", 1), pipeline_parallel,
+        ("pipeline_parallel_size", pipeline, pipeline_parallel,
          pipeline == pipeline_parallel, "a checkpoint is cut by its pipeline stages, and nothing re-cuts it"),
     )  # fmt: skip
     for key, saved, now, carried, why in rules:
@@ -223,7 +225,7 @@ def _candidates(output_dir: str | Path, snapshots: Path | None) -> list[Path]:
 def saved_batch(path: Path) -> tuple[int, int]:
     """(data-parallel size, global batch in samples) the checkpoint was written with."""
     manifest = read_manifest(path)
-    world = manifest.get("data_parallel_size", manifest.get("world_size"))
+    world = saved_mesh(manifest).data_parallel_size
     total = manifest.get("train_batch_size")
     if total is None and (path / DS_CONFIG).is_file():
         total = json.loads((path / DS_CONFIG).read_text()).get("train_batch_size")
@@ -247,17 +249,17 @@ def accumulation_for(path: Path, data_parallel: int, micro_batch: int) -> int | 
     return total // (micro_batch * data_parallel)
 
 
-def needs_universal(path: Path, partitions: int, tensor_parallel: int = 1) -> bool:
+def needs_universal(path: Path, mesh: Mesh) -> bool:
     """Optimizer states sharded over another number of ranks, or weights split over another
     tensor-parallel size, must go through the universal form. Unsharded ones (ZeRO-0 in fp32, no
     tensor parallelism) load on any number of ranks as they are."""
     manifest = read_manifest(path)
-    saved = manifest.get(
-        "optimizer_partitions", manifest.get("data_parallel_size", manifest.get("world_size"))
-    )
-    if manifest.get("tensor_parallel_size", 1) != tensor_parallel:
+    saved = saved_mesh(manifest)
+    if saved.tensor != mesh.tensor:
         return True
-    return saved != partitions and any(_OPTIM_SHARD.match(name) for name in manifest["files"])
+    return saved.zero_shards != mesh.zero_shards and any(
+        _OPTIM_SHARD.match(name) for name in manifest["files"]
+    )
 
 
 def refuse_unconvertible(path: Path) -> None:
@@ -265,7 +267,7 @@ def refuse_unconvertible(path: Path) -> None:
     only (ZeRO-3's fails inside the tool, ZeRO-0 has no shards it reads): any other TP checkpoint is
     refused here, by name, before the tool starts."""
     manifest = read_manifest(path)
-    tp, stage = manifest.get("tensor_parallel_size", 1), manifest.get("zero_stage", 0)
+    tp, stage = saved_mesh(manifest).tensor, manifest.get("zero_stage", 0)
     if tp > 1 and stage not in (1, 2):
         raise CheckpointError(
             f"{path}: ZeRO-{stage} with tensor_parallel_size {tp}: DeepSpeed's universal conversion joins "
@@ -320,7 +322,7 @@ def load(engine: Engine, path: Path, dist: DistInfo, restore_rng: bool = True) -
             refuse_model_only(path)
         engine.load_weights(load_file(str(path / WEIGHTS)))
         return TrainerState.load_from_json(path / "trainer_state.json")
-    if needs_universal(path, engine.partitions, engine.tensor_parallel):
+    if needs_universal(path, engine.mesh):
         engine.load_universal(str(universal_copy(path, dist)), DS_TAG)
     else:
         engine.load(str(path), DS_TAG, load_optimizer_states=True)

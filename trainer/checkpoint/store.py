@@ -157,11 +157,7 @@ class Saver:
             on_written()
         meta = {
             "step": state.global_step,
-            "world_size": dist.world_size,
-            "data_parallel_size": engine.world_size,
-            "optimizer_partitions": engine.partitions,
-            "tensor_parallel_size": engine.tensor_parallel,
-            "pipeline_parallel_size": (self.ds_config.get("pipeline") or {}).get("stages", 1),
+            **engine.mesh.manifest_sizes(),
             "objective": args.objective,
             "zero_stage": self.ds_config.get("zero_optimization", {}).get("stage", 0),
             "train_batch_size": self.ds_config.get("train_batch_size"),

@@ -18,7 +18,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from trainer import checkpoint as ckpt
 from trainer.args import RunConfig
-from trainer.config import Hardware, check, custom_tensor_plan, parallel_sizes, resolve
+from trainer.config import Hardware, check, custom_tensor_plan, resolve
 from trainer.config.errors import ConfigError
 from trainer.data.stream_sources import check_resumable, stream_sources
 from trainer.engine.sequence_parallel import check_layout
@@ -37,6 +37,7 @@ from trainer.runtime.distributed import (
     leave_process_group,
     print_main,
 )
+from trainer.runtime.mesh import sizes_for
 from trainer.runtime.ownership import claim_output_dir
 from trainer.runtime.resilience import fault_plan
 from trainer.runtime.run_files import FINAL
@@ -99,11 +100,13 @@ def _check_inputs(run_config: RunConfig, hardware: Hardware) -> None:
     is_local = model_path and (model_path.startswith((".", "/")) or Path(model_path).exists())
     if is_local and not (Path(model_path) / "config.json").is_file():
         raise ConfigError([("model_name_or_path", f"{model_path}: no config.json there")])
-    _, sp, tp = parallel_sizes(run_config)  # the argument's, else the DeepSpeed file's (as the layout's)
-    if sp > 1 or tp > 1:  # the model's sizes against the splits, from its config alone (the run's one check)
+    sizes = sizes_for(run_config)  # the mesh's, before its world exists
+    if (
+        sizes.sequence > 1 or sizes.tensor > 1
+    ):  # the model against the splits, from its config alone (the run's one check)
         config = model_config(model, None, run_config.data.block_size)
-        check_layout(config, sp, dist_info().world_size)
-        check_tensor_layout(config, tp, custom_tensor_plan(run_config))
+        check_layout(config, sizes.sequence, dist_info().world_size)
+        check_tensor_layout(config, sizes.tensor, custom_tensor_plan(run_config))
     dataset = run_config.data.dataset
     if (
         dataset != "stdlib"
@@ -131,9 +134,8 @@ def _nothing_to_resume(run_config: RunConfig, hardware: Hardware) -> bool:
         return False
     # The stage as the run's DeepSpeed dict will have it (an argument's, or a --deepspeed file's).
     ds_config = resolve(args, dist_info().world_size, hardware, total_steps=args.warmup_steps + 1)
-    pipeline, _, tensor = parallel_sizes(run_config)
-    stage = ds_config["zero_optimization"].get("stage", 0)
-    if uncarried := ckpt.uncarried(path, args.objective, stage, tensor, pipeline):
+    sizes, stage = sizes_for(run_config), ds_config["zero_optimization"].get("stage", 0)
+    if uncarried := ckpt.uncarried(path, args.objective, stage, sizes.tensor, sizes.pipeline):
         raise ConfigError([uncarried])
     refused, changed = ckpt.run_config_changes(path, run_config)
     if refused:

@@ -1,5 +1,5 @@
 """The parallel sizes a run's DeepSpeed dict will hold, as ``resolve`` settles them (what its
-``ParallelLayout`` is built from), whether the dict gives AutoTP sharding rules of its own, and the
+``Mesh`` is built from), whether the dict gives AutoTP sharding rules of its own, and the
 dict ``zero.Init`` is given under AutoTP."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from trainer.config.files import MISSING, base_config, get_path, positive_int
 def parallel_sizes(run: RunArgs | TrainingArgs) -> tuple[int, int, int]:
     """(pipeline stages, sequence-parallel size, tensor-parallel size) as ``resolve`` settles them: an argument set
     explicitly (or above 1), else the DeepSpeed file's value, else the argument's default. What a
-    run's ``ParallelLayout`` is built from, so the layout and the DeepSpeed dict agree."""
+    run's ``Mesh`` is built from (``runtime.mesh.sizes_for``), so the mesh and the DeepSpeed dict agree."""
     args = run.training if hasattr(run, "training") else run
     try:
         data = base_config(args)[0]

@@ -183,7 +183,7 @@ class _Resolver:
             self.settle(
                 "tensor_parallel.vocab_parallel_lm_head", False, "the trainer's losses read whole logits"
             )
-        if self.data_parallel is not None:  # the run's ParallelLayout computed it
+        if self.data_parallel is not None:  # the run's Mesh computed it
             return self.data_parallel
         # Checking a config with no run behind it (``trainer ds-config``, ``check``): the file's sizes.
         stages, groups = get_path(self.data, "pipeline.stages"), get_path(self.data, "sequence_parallel_size")
@@ -455,7 +455,7 @@ def resolve(
     ``model_config_overrides``) sizes the ZeRO-3 buckets; ``total_steps`` (default: max_steps)
     feeds the schedule. ``client_optimizer`` / ``client_scheduler``: the caller passes its own to
     ``deepspeed.initialize``, so the config must not define one. ``data_parallel``: the run's
-    data-parallel size, from its ``ParallelLayout`` (``parallel_sizes`` gives the layout the stages
+    data-parallel size, from its ``Mesh`` (``parallel_sizes`` gives the mesh the stages
     and sequence groups this config will have); without it, worked out from ``world_size`` and the
     config. Raises ConfigError listing every problem.
     """

@@ -25,6 +25,7 @@ from trainer.engine.objectives import (
 )
 from trainer.engine.pipeline_engine import PipelineEngine
 from trainer.engine.tiling import Tiling, plan_tiling
+from trainer.runtime.mesh import Mesh
 
 __all__ = [
     "Batch",
@@ -52,6 +53,7 @@ __all__ = [
 def build_engine(
     model: torch.nn.Module,
     ds_config: dict[str, Any],
+    mesh: Mesh,
     optimizer: torch.optim.Optimizer | None = None,
     lr_scheduler: Any = None,
     weight_decay: float = 0.0,
@@ -60,15 +62,14 @@ def build_engine(
     tiling: Tiling = Tiling(),
     torch_compile: TorchCompile | None = None,
 ) -> Engine:
-    """The engine for ``ds_config``: a pipeline when it has two or more stages. The pipeline,
+    """The engine for ``ds_config`` on ``mesh``: a pipeline when it has two or more stages. The pipeline,
     sequence parallelism and the tiled loss compute the token-exact causal-LM loss themselves (no
     stage holds the whole model, no rank a whole row, no step the whole logits), so they refuse
     any other objective: a model that is not a causal LM, or a ``compute_loss`` override. The
     preference objectives take per-token NLL from the tiles and from the ranks of a split sequence.
     ``torch_compile`` compiles the model through DeepSpeed's engine (not under a pipeline)."""
     objective = objective or CausalLM()
-    sequence_parallel = int(ds_config.get("sequence_parallel_size") or 1)
-    stages = int((ds_config.get("pipeline") or {}).get("stages") or 1)
+    sequence_parallel, stages = mesh.sequence, mesh.pipeline
     if tiling != Tiling() and stages > 1:
         raise ConfigError(
             "tiled_loss, tiled_mlp and offload_activations run with ZeRO 0-3, not with pipeline stages",
@@ -113,6 +114,7 @@ def build_engine(
         return PipelineEngine(
             model,
             ds_config,
+            mesh,
             optimizer,
             lr_scheduler,
             weight_decay,
@@ -122,11 +124,11 @@ def build_engine(
     return DeepSpeedEngine(
         model,
         ds_config,
+        mesh,
         optimizer,
         lr_scheduler,
         weight_decay,
         objective,
-        sequence_parallel,
         tiling,
         torch_compile,
     )

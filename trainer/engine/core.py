@@ -29,6 +29,7 @@ from deepspeed.utils import groups
 from trainer.engine import zero
 from trainer.engine.lars import LARS, show_partitions
 from trainer.engine.objectives import Batch, Objective
+from trainer.runtime.mesh import Mesh
 
 if TYPE_CHECKING:
     from trainer.checkpoint.writer import FileWriter  # the checkpoint layer hands its writer in
@@ -142,8 +143,8 @@ class Engine(ABC):
     """One DeepSpeed engine behind the interface the Trainer uses.
 
     ``ds`` is DeepSpeed's engine, which only engines touch; ``module`` the HF model (what the
-    export is written from); ``objective`` what a step minimises; ``world_size`` the data-parallel
-    size; ``partitions`` the ranks ZeRO shards the optimizer over; ``lr_scale`` a rollback's
+    export is written from); ``objective`` what a step minimises; ``mesh`` the run's parallel sizes
+    (with the process groups the engine made); ``lr_scale`` a rollback's
     learning-rate cut, applied after the scheduler sets each step's rate. What callers outside
     ``trainer/engine/`` need of DeepSpeed and ZeRO (parameter counts, state bytes, the whole
     weights, checkpoint shards) they ask of this contract or of ``trainer.engine.zero``."""
@@ -153,10 +154,7 @@ class Engine(ABC):
     optimizer: Any  # what deepspeed.initialize returned: the (ZeRO-wrapped) optimizer that steps
     lr_scheduler: Any  # and its scheduler (None when the config has none)
     objective: Objective
-    # The ranks AutoTP splits each layer over; they hold the same rows, and only the first of them
-    # counts those rows in a sum over all ranks (losses, tokens, predictions).
-    tensor_parallel: int = 1
-    counts_rows: bool = True
+    mesh: Mesh
 
     def _initialize(
         self,
@@ -176,12 +174,6 @@ class Engine(ABC):
         if isinstance(self.ds.basic_optimizer, LARS):
             show_partitions(self.ds.basic_optimizer, self.ds.optimizer)
         self.device: torch.device = self.ds.device
-        # Under sequence parallelism DeepSpeed leaves dp_world_size unset; a group's ranks share rows.
-        self.world_size: int = (
-            self.ds.dp_world_size or self.ds.seq_dp_world_size // self.ds.sequence_parallel_size
-        )
-        self.tensor_parallel = max(self.ds.autotp_size(), 1)
-        self.counts_rows = self.tensor_parallel == 1 or groups.get_tensor_model_parallel_rank() == 0
         self.lr_scale = 1.0
         self.step_lr: float | None = None
 
@@ -222,11 +214,6 @@ class Engine(ABC):
     # ---- shared ---------------------------------------------------------------------------------
 
     @property
-    def partitions(self) -> int:
-        """The ranks ZeRO shards the optimizer states over (what a checkpoint's shards are cut for)."""
-        return self.world_size
-
-    @property
     def activation_checkpointing(self) -> bool:
         """Whether backward recomputes the activations a forward did not keep: the HF model's
         gradient checkpointing (a pipeline's interval, ``PipelineEngine``)."""
@@ -234,7 +221,7 @@ class Engine(ABC):
 
     def parameter_counts(self) -> tuple[int, int]:
         """(trainable, total) parameters of the HF model; a ZeRO-3 partition counts its full size."""
-        return zero.parameter_counts(self.module)
+        return zero.parameter_counts(self.module, self.mesh.tensor)
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in model states: ``params``, ``grads``, ``optimizer``, ``other``

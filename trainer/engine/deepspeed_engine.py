@@ -15,7 +15,6 @@ import deepspeed
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
-from trainer.config import tensor_size_of
 from trainer.config.errors import ConfigError
 from trainer.data import IGNORE_INDEX
 from trainer.engine import zero
@@ -25,6 +24,7 @@ from trainer.engine.objectives import CausalLM, Objective, causal_inputs
 from trainer.engine.sequence_parallel import SequenceParallel
 from trainer.engine.tensor_parallel import tensor_groups, warn_whole_head
 from trainer.engine.tiling import Tiling, decoder_and_head, offload_activations, tile_mlp, tiled_loss_sum
+from trainer.runtime.mesh import Mesh
 
 
 class DeepSpeedEngine(Engine):
@@ -34,11 +34,11 @@ class DeepSpeedEngine(Engine):
         self,
         model: torch.nn.Module,
         ds_config: dict[str, Any],
+        mesh: Mesh,
         optimizer: torch.optim.Optimizer | None = None,
         lr_scheduler: Any = None,
         weight_decay: float = 0.0,
         objective: Objective | None = None,
-        sequence_parallel: int = 1,
         tiling: Tiling = Tiling(),
         torch_compile: TorchCompile | None = None,
     ):
@@ -47,49 +47,52 @@ class DeepSpeedEngine(Engine):
         if tiling.mlp is not None:
             tile_mlp(model, tiling.mlp)
         # Groups and the attention exchange exist before DeepSpeed, which reduces over them.
-        self.sp = SequenceParallel(model, sequence_parallel) if sequence_parallel > 1 else None
+        self.sp = SequenceParallel(model, mesh) if mesh.sequence > 1 else None
         if self.sp is not None and self.objective.per_token_nll:
             self.objective.sequence_parallel = self.sp  # it splits and gathers its sequences itself
         if "activation_checkpointing" in ds_config:
             # Custom models that call deepspeed.checkpointing.checkpoint read these settings.
             deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
         params = optimizer.param_groups if optimizer is not None else weight_decay_groups(model, weight_decay)
-        tensor = tensor_size_of(ds_config)
-        if tensor > 1 and isinstance(getattr(model, "peft_config", None), dict):
+        if mesh.tensor > 1 and isinstance(getattr(model, "peft_config", None), dict):
             raise ConfigError(
                 "LoRA runs with ZeRO 0-3 and data parallelism, not with tensor parallelism (AutoTP does "
                 "not split peft's wrapped layers)",
                 path="tensor_parallel.autotp_size",
             )
+        groups = (
+            {"sequence": self.sp.mpu}
+            if self.sp
+            else {"tensor": tensor_groups(mesh.tensor)}
+            if mesh.tensor > 1
+            else {}
+        )
+        self.mesh = mesh.with_groups(**groups)
         self._initialize(
             model,
             ds_config,
             model_parameters=None if optimizer is not None else params,
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
-            mpu=self.sp.mpu if self.sp else tensor_groups(tensor) if tensor > 1 else None,
+            mpu=next(iter(groups.values()), None),
             torch_compile=torch_compile,
         )
         # What DeepSpeed divides the summed gradients by: the data-parallel size, except that
         # ZeRO-3's reduce-scatter averages over every rank, sequence-parallel ones too (0.19).
         zero3_sp = self.sp is not None and self.ds.zero_optimization_partition_weights()
-        self.grad_divisor = self.ds.seq_dp_world_size if zero3_sp else self.world_size
+        self.grad_divisor = mesh.zero_shards if zero3_sp else mesh.data_parallel_size
         if tiling.loss:  # the head as the engine left it (AutoTP replaces the layers it splits)
             self.head = decoder_and_head(self.module)[1]
             if self.objective.per_token_nll:  # it computes its loss from tiled NLL itself
                 self.objective.loss_tiles = (self.head, tiling.loss)
-        if self.tensor_parallel > 1:
-            warn_whole_head(self.module, self.tensor_parallel)
+        if mesh.tensor > 1:
+            warn_whole_head(self.module, mesh.tensor)
 
     @property
     def _causal_pieces(self) -> bool:
         """The engine computes a causal-LM loss from pieces (split sequences, loss tiles) itself; an
         objective with ``per_token_nll`` is handed them instead."""
         return (self.sp is not None or bool(self.tiling.loss)) and not self.objective.per_token_nll
-
-    @property
-    def partitions(self) -> int:
-        return self.ds.seq_dp_world_size  # what ZeRO shards over, SP ranks included
 
     @property
     def module(self) -> torch.nn.Module:
@@ -173,7 +176,7 @@ class DeepSpeedEngine(Engine):
                     with zero.gathered([param], enabled=partitioned):
                         state[name] = param.detach().cpu().clone()
             return state if self.ds.global_rank == 0 else None
-        if partitioned or self.tensor_parallel > 1:  # DeepSpeed gathers ZeRO-3's and AutoTP's pieces
+        if partitioned or self.mesh.tensor > 1:  # DeepSpeed gathers ZeRO-3's and AutoTP's pieces
             state = self.ds._consolidated_16bit_state_dict()
             return state if self.ds.global_rank == 0 else None
         if self.ds.global_rank != 0:

@@ -25,6 +25,7 @@ from trainer.engine.core import Batch, Engine, checkpoints_activations, weight_d
 from trainer.engine.loss import next_token_targets, target_count
 from trainer.engine.objectives import CausalLM
 from trainer.engine.pipeline_layers import build_pipeline_module, gather_hf_state_dict
+from trainer.runtime.mesh import Mesh
 
 
 class WindowLoss:
@@ -60,13 +61,14 @@ class WindowLoss:
 
 class PipelineEngine(Engine):
     """``module`` is the HF model (the shell the export is written from); ``ds`` DeepSpeed's
-    PipelineEngine over its layers; ``world_size`` the data-parallel size. ``ds_config`` is the
+    PipelineEngine over its layers. ``ds_config`` is the
     resolved config of a pipeline (``pipeline.stages`` of at least 2, batch keys pooled)."""
 
     def __init__(
         self,
         model: nn.Module,
         ds_config: dict[str, Any],
+        mesh: Mesh,
         optimizer: torch.optim.Optimizer | None = None,
         lr_scheduler: Any = None,
         weight_decay: float = 0.0,
@@ -80,7 +82,7 @@ class PipelineEngine(Engine):
                 "pass optimizer settings (optim, learning_rate, ...) instead of a client optimizer"
             )
         section = ds_config.get("pipeline") or {}
-        self.stages = int(section.get("stages") or 1)
+        self.mesh, self.stages = mesh, mesh.pipeline
         if self.stages < 2:
             raise ValueError(f"pipeline.stages must be at least 2 for a pipeline, got {self.stages}")
         interval = int(section.get("activation_checkpoint_interval") or 0) or int(gradient_checkpointing)
@@ -115,7 +117,7 @@ class PipelineEngine(Engine):
         """One optimizer step over this rank's window, pooled with the other stages' windows.
         Returns the summed loss this rank computed: the last stage's, zero on the others."""
         pooled = self._pool(window)
-        self.loss.start(self.world_size * self.ds.gradient_accumulation_steps() / window_tokens)
+        self.loss.start(self.mesh.data_parallel_size * self.ds.gradient_accumulation_steps() / window_tokens)
         self._fit_shapes(pooled)
         self.ds.micro_batches = len(pooled)  # a short last window of an epoch runs fewer
         try:

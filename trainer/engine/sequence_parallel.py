@@ -32,6 +32,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from trainer.config.errors import ConfigError
 from trainer.data import IGNORE_INDEX
 from trainer.engine.loss import next_token_targets
+from trainer.runtime.mesh import Mesh
 
 Batch = dict[str, torch.Tensor]
 # Models whose attention is not handed the position ids, which the exchange needs.
@@ -137,15 +138,16 @@ class SequenceParallel:
 
     _installed: Any = None
 
-    def __init__(self, model: torch.nn.Module, size: int):
-        check_layout(model.config, size, torch.distributed.get_world_size())
+    def __init__(self, model: torch.nn.Module, mesh: Mesh):
+        size = mesh.sequence
+        check_layout(model.config, size, mesh.world_size)
         if SequenceParallel._installed is None:
             SequenceParallel._installed = _install(model.config, size)
         self.mpu = SequenceParallel._installed
         for module in model.modules():  # only this model's attention goes through the exchange
             module._sequence_parallel = True
         self.size = size
-        self.rank = self.mpu.get_sequence_parallel_rank()
+        self.rank = mesh.sequence_rank
 
     def shard(self, batch: Batch) -> Batch:
         """This rank's slice of every row: ``input_ids``, ``position_ids`` and ``shift_labels``

@@ -20,7 +20,6 @@ import deepspeed
 import torch
 from deepspeed.checkpoint import ds_to_universal
 from deepspeed.module_inject.layers import DS_TENSOR_MODEL_PARALLEL
-from deepspeed.utils import groups
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from trainer.config.files import precision_of
@@ -30,22 +29,19 @@ if TYPE_CHECKING:
     from trainer.planner import Cluster, ModelSpec
 
 
-def numel(param: torch.Tensor) -> int:
+def numel(param: torch.Tensor, tensor: int = 1) -> int:
     """A parameter's full number of elements: under ZeRO-3 a partitioned stub's real size, and under
-    AutoTP (which tags the weights it splits) its slices' on all ranks of the group."""
-    split = (
-        groups.get_tensor_model_parallel_world_size()
-        if getattr(param, DS_TENSOR_MODEL_PARALLEL, False)
-        else 1
-    )
+    AutoTP over ``tensor`` ranks (it tags the weights it splits) its slices' on all of them."""
+    split = tensor if getattr(param, DS_TENSOR_MODEL_PARALLEL, False) else 1
     return int(getattr(param, "ds_numel", param.numel())) * split
 
 
-def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameters of ``model`` (tied ones once); a ZeRO-3 partition counts its full size."""
+def parameter_counts(model: torch.nn.Module, tensor: int = 1) -> tuple[int, int]:
+    """(trainable, total) parameters of ``model`` (tied ones once); a ZeRO-3 partition counts its
+    full size, an AutoTP slice over ``tensor`` ranks its whole weight's."""
     trainable = total = 0
     for param in model.parameters():
-        n = numel(param)
+        n = numel(param, tensor)
         total += n
         trainable += n if param.requires_grad else 0
     return trainable, total

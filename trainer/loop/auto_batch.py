@@ -36,12 +36,11 @@ import torch
 
 from trainer.args import TrainingArguments
 from trainer.checkpoint.layout import rng_state, set_rng_state
-from trainer.config import tensor_size_of
 from trainer.config.errors import ConfigError
 from trainer.engine import Engine
 from trainer.observe.monitor import empty_device_cache
 from trainer.runtime.distributed import host_all_reduce, print_main
-from trainer.runtime.layout import ParallelLayout
+from trainer.runtime.mesh import Mesh
 from trainer.runtime.state import TrainerCallback
 
 T = TypeVar("T")
@@ -56,17 +55,16 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and HOST_OOM in str(err))
 
 
-def check_auto_batch(args: TrainingArguments, ds_config: dict[str, Any], layout: ParallelLayout) -> None:
+def check_auto_batch(args: TrainingArguments, ds_config: dict[str, Any], mesh: Mesh) -> None:
     """Refuse ``auto_find_batch_size`` where starting over cannot work, naming both settings."""
     if not args.auto_find_batch_size:
         return
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    tensor = tensor_size_of(ds_config)
     conflicts = [
         (stage == 3, "zero_optimization.stage 3", "the model is partitioned when it is built, and is not built again"),
-        (tensor > 1, f"tensor_parallel_size {tensor}", "the forward's collectives would wait on a rank out of memory"),
-        (layout.pipeline > 1, f"pipeline_parallel_size {layout.pipeline}", "the stages' exchanges would wait on a rank out of memory"),
-        (layout.sequence > 1, f"sequence_parallel_size {layout.sequence}", "the forward's collectives would wait on a rank out of memory"),
+        (mesh.tensor > 1, f"tensor_parallel_size {mesh.tensor}", "the forward's collectives would wait on a rank out of memory"),
+        (mesh.pipeline > 1, f"pipeline_parallel_size {mesh.pipeline}", "the stages' exchanges would wait on a rank out of memory"),
+        (mesh.sequence > 1, f"sequence_parallel_size {mesh.sequence}", "the forward's collectives would wait on a rank out of memory"),
     ]  # fmt: skip
     for conflict, setting, why in conflicts:
         if conflict:

@@ -30,12 +30,13 @@ from trainer.engine.sequence_parallel import check_layout
 from trainer.engine.tensor_parallel import check_tensor_layout
 from trainer.loop.callbacks import TrainerCallback
 from trainer.loop.dpo import DPOTrainer
-from trainer.loop.plan import layout_of, plan_run
+from trainer.loop.plan import plan_run
 from trainer.loop.preference import CPOTrainer, ORPOTrainer, PreferenceTrainer
 from trainer.loop.trainer import Trainer
 from trainer.model.liger import check_liger
 from trainer.model.modeling import build_model, hidden_size_of, model_config
 from trainer.runtime.distributed import DistInfo, detect_hardware, init_distributed
+from trainer.runtime.mesh import sizes_for
 
 # What a run's ``objective`` trains with: the Trainer for the next-token loss, TRL's trainers for pairs.
 TRAINERS: dict[str, type[Trainer]] = {
@@ -78,9 +79,9 @@ def build_run(
         tokenizer = get_tokenizer(model_args, data_args)
     config = config if config is not None else model_config(model_args, tokenizer, data_args.block_size)
     if not layout_checked:
-        layout = layout_of(run_config, dist)
-        check_layout(config, layout.sequence, layout.world)  # before any data loads
-        check_tensor_layout(config, layout.tensor, custom_tensor_plan(run_config))
+        sizes = sizes_for(run_config)
+        check_layout(config, sizes.sequence, dist.world_size)  # before any data loads
+        check_tensor_layout(config, sizes.tensor, custom_tensor_plan(run_config))
     trainer_class = TRAINERS[args.objective]
     if not given_data:
         if issubclass(trainer_class, PreferenceTrainer):

@@ -154,7 +154,7 @@ class DPOTrainer(PreferenceTrainer):
         write to ``partial`` (a directory of chunks, keyed by ``fingerprint``). A pass that starts
         over reads every chunk there (any rank's, any world size's) and forwards only the batches a
         rank still needs; ranks agree on each batch, since ZeRO-3's forwards are collective."""
-        engine, (world, rank) = self.engine, self._data_ranks
+        engine, (world, rank) = self.engine, self.mesh.data_ranks
         size = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
         scored = _read_partial(partial, fingerprint) if self.dist.is_main else {}
         scored = all_gather_object(scored)[0]  # the main rank's reading, so that every rank agrees

@@ -213,7 +213,7 @@ def _forward(
     loss, count, outputs = engine.eval_step(batch, outputs=predictions is not None)
     # A batch of padding alone counts nothing, nor do a tensor-parallel group's ranks but its first
     # (they hold the same rows).
-    counted = [i >= 0 and engine.counts_rows for i in rows]
+    counted = [i >= 0 and engine.mesh.counts_rows for i in rows]
     weight = 1.0 if any(counted) else 0.0
     # In the loss's own fp32, summed batch by batch as training sums its windows.
     sums = torch.stack([loss.float(), count.float(), count.new_tensor(float(labelled)).float()]) * weight

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from trainer.engine import Engine
     from trainer.loop.callbacks import CallbackHandler, TrainerState
     from trainer.runtime.distributed import DistInfo, Hardware
+    from trainer.runtime.mesh import Mesh
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class HFMethods:
     client_scheduler: Any
     run_config: RunConfig | None
     ds_config: dict[str, Any] | None
-    _data_ranks: tuple[int, int]
+    mesh: Mesh
 
     # ---- HF's process checks and loss override point -----------------------------------------
 
@@ -153,7 +154,7 @@ class HFMethods:
         moves it to another epoch."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        sampler = train_sampler(self.train_dataset, *self._data_ranks, self.args, self._lengths)
+        sampler = train_sampler(self.train_dataset, *self.mesh.data_ranks, self.args, self._lengths)
         sampler.set_epoch(self.state.epoch_index, self.state.samples_into_epoch)
         pin = self.hardware.device == "cuda"
         return train_dataloader(self.train_dataset, sampler, self.data_collator, self.args, pin_memory=pin)
@@ -177,7 +178,7 @@ class HFMethods:
         return self._eval_loader(self._model_columns(test_dataset))
 
     def _eval_loader(self, dataset: Any) -> DataLoader:
-        world, rank = self._data_ranks
+        world, rank = self.mesh.data_ranks
         a = self.args
         return eval_dataloader(
             dataset,
@@ -293,7 +294,7 @@ class HFMethods:
     def _planned_steps(self) -> int:
         """The run's length as ``train()`` will plan it (the schedule's length)."""
         if self.train_dataset is not None:
-            return plan_steps(self.args, len(self.train_dataset), self._data_ranks[0]).max_steps
+            return plan_steps(self.args, len(self.train_dataset), self.mesh.readers).max_steps
         if self.args.max_steps > 0:
             return self.args.max_steps
         raise ValueError(
@@ -343,9 +344,7 @@ class HFMethods:
             dataset=names,
             dataset_tags=dataset_tags,
             dataset_args=dataset_args,
-            hyperparameters=hyperparameters(
-                self.args, self.ds_config, self.dist.world_size, self._data_ranks[0], self.client_optimizer
-            ),
+            hyperparameters=hyperparameters(self.args, self.ds_config, self.mesh, self.client_optimizer),
             log_history=self.state.log_history,
         )
         path.parent.mkdir(parents=True, exist_ok=True)

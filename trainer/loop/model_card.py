@@ -19,6 +19,8 @@ from typing import Any
 import yaml
 from transformers.modelcard import METRIC_TAGS, TASK_MAPPING, TASK_TAG_TO_NAME_MAPPING
 
+from trainer.runtime.mesh import Mesh
+
 CARD_NAME = "README.md"
 TRAINER_TAG = "generated_from_trainer"  # HF's tag for a card its Trainer wrote; hub filters use it
 # Dataset builders that name a file format, not a dataset (HF leaves them out of the card too).
@@ -129,10 +131,10 @@ class ModelCard:
 
 
 def hyperparameters(
-    args: Any, ds_config: dict[str, Any] | None, world_size: int, data_ranks: int, client_optimizer: Any
+    args: Any, ds_config: dict[str, Any] | None, mesh: Mesh, client_optimizer: Any
 ) -> dict[str, Any]:
     """The hyperparameters of the run, HF's names first, then DeepSpeed's layout."""
-    ds = ds_config or {}
+    ds, world_size, data_ranks = ds_config or {}, mesh.world_size, mesh.readers
     hp: dict[str, Any] = {
         "learning_rate": args.learning_rate,
         "train_batch_size": args.per_device_train_batch_size,
@@ -141,7 +143,7 @@ def hyperparameters(
     }
     if args.data_seed is not None:
         hp["data_seed"] = args.data_seed
-    hp["distributed_type"] = _distributed_type(args, ds)
+    hp["distributed_type"] = _distributed_type(args, ds, mesh)
     if world_size > 1:
         hp["num_devices"] = world_size
     if args.gradient_accumulation_steps > 1:
@@ -178,8 +180,8 @@ def hyperparameters(
     return hp
 
 
-def _distributed_type(args: Any, ds: dict[str, Any]) -> str:
-    """DeepSpeed's layout: the ZeRO stage, offload, pipeline and sequence parallelism."""
+def _distributed_type(args: Any, ds: dict[str, Any], mesh: Mesh) -> str:
+    """DeepSpeed's layout: the ZeRO stage, offload, and the mesh's pipeline, sequence and tensor sizes."""
     zero = ds.get("zero_optimization") or {}
     if ds:
         stage = zero.get("stage", 0)
@@ -194,9 +196,9 @@ def _distributed_type(args: Any, ds: dict[str, Any]) -> str:
         device = (zero.get(f"offload_{what}") or {}).get("device") if ds else getattr(args, f"offload_{what}")
         if device not in (None, "none"):
             parts.append(f"{what} offload to {device}")
-    for name in ("pipeline_parallel_size", "sequence_parallel_size", "tensor_parallel_size"):
-        if getattr(args, name, 1) > 1:
-            parts.append(f"{name} {getattr(args, name)}")
+    for name in ("pipeline", "sequence", "tensor"):
+        if getattr(mesh, name) > 1:
+            parts.append(f"{name}_parallel_size {getattr(mesh, name)}")
     return ", ".join(parts)
 
 

@@ -2,7 +2,7 @@
 ``build_run`` (through the Trainer they build), the benchmarks, and a ``Trainer`` built by hand (which
 plans its run when ``train`` or ``evaluate`` first needs it, unless it was given one).
 
-The plan holds the parallel layout (the one place the data-parallel size is computed), the step
+The plan holds the mesh (every parallel size, built once here: ``trainer/runtime/mesh.py``), the step
 plan, the checkpoint to resume and the global batch it keeps, and the resolved DeepSpeed dict:
 under ZeRO-3 a hand-built run's dict is the very one its ``TrainingArguments`` registered for
 ``zero.Init`` when they were created, finalised in place (``args.hf.finalize_zero3``), as HF's Trainer
@@ -25,11 +25,11 @@ from trainer import checkpoint as ckpt
 from trainer.args import RunConfig, TrainingArguments
 from trainer.args.hf import finalize_zero3
 from trainer.checkpoint.snapshots import snapshot_dir
-from trainer.config import Hardware, parallel_sizes, resolve
+from trainer.config import Hardware, resolve
 from trainer.loop.auto_batch import check_auto_batch
 from trainer.loop.steps import StepPlan, kept_accumulation, plan_steps
 from trainer.runtime.distributed import DistInfo
-from trainer.runtime.layout import ParallelLayout
+from trainer.runtime.mesh import Mesh, mesh_for
 
 KEEP = object()  # resume_from_checkpoint not given to plan_run: the arguments' own
 
@@ -38,7 +38,7 @@ KEEP = object()  # resume_from_checkpoint not given to plan_run: the arguments' 
 class RunPlan:
     hardware: Hardware
     dist: DistInfo
-    layout: ParallelLayout
+    mesh: Mesh
     args: TrainingArguments  # the user's, or a copy with the effective accumulation steps
     steps: StepPlan | None  # None: no training data (an evaluation-only run)
     total_steps: int  # the schedule's length
@@ -46,13 +46,6 @@ class RunPlan:
     resume: Any  # the resume_from_checkpoint spec the checkpoint was found for
     ds_config: dict[str, Any]
     output_dir_claimed: bool = False  # the caller (`trainer train`) holds output_dir already
-
-
-def layout_of(args: TrainingArguments | RunConfig, dist: DistInfo) -> ParallelLayout:
-    """This process's layout: the world and rank from the process group, the pipeline, sequence and
-    tensor sizes as the DeepSpeed dict will have them."""
-    pipeline, sequence, tensor = parallel_sizes(args)
-    return ParallelLayout(dist.world_size, dist.rank, tensor=tensor, pipeline=pipeline, sequence=sequence)
 
 
 def plan_run(
@@ -81,15 +74,15 @@ def plan_run(
     filled into that dict and the plan holds it: ``zero.Init``'s config and the engine's are one
     object; a resolution that would change what ``zero.Init`` used is refused, naming the key."""
     args = user_args = run.training if isinstance(run, RunConfig) else run
-    layout = layout_of(args, dist)
+    mesh = mesh_for(args, dist.world_size, dist.rank)
     spec = args.resume_from_checkpoint if resume is KEEP else resume
     snapshots = snapshot_dir(args.output_dir) if args.snapshot_steps else None
     checkpoint = ckpt.find_resumable(spec, args.output_dir, dist, snapshots)
     if checkpoint is not None:
-        gas = kept_accumulation(args, checkpoint, layout.data)
+        gas = kept_accumulation(args, checkpoint, mesh.data_parallel_size)
         if gas is not None:
             args = args.model_copy(update={"gradient_accumulation_steps": gas})
-    steps = plan_steps(args, num_samples, layout.readers) if num_samples is not None else None
+    steps = plan_steps(args, num_samples, mesh.readers) if num_samples is not None else None
     if steps is not None:
         total_steps = steps.max_steps
     elif total_steps is None:
@@ -100,16 +93,16 @@ def plan_run(
             source = run if args is run.training else run.model_copy(update={"training": args})
         ds_config = resolve(
             source,
-            world_size=layout.world,
+            world_size=mesh.world_size,
             hardware=hardware,
             hidden_size=hidden_size,
             total_steps=total_steps,
             client_optimizer=client_optimizer,
             client_scheduler=client_scheduler,
-            data_parallel=layout.data,
+            data_parallel=mesh.data_parallel_size,
         )
         ds_config = finalize_zero3(user_args, ds_config)
-    check_auto_batch(args, ds_config, layout)  # before the model is built (build_run) or trained
+    check_auto_batch(args, ds_config, mesh)  # before the model is built (build_run) or trained
     return RunPlan(
-        hardware, dist, layout, args, steps, total_steps, checkpoint, spec, ds_config, output_dir_claimed
+        hardware, dist, mesh, args, steps, total_steps, checkpoint, spec, ds_config, output_dir_claimed
     )

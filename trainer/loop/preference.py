@@ -100,7 +100,7 @@ class PreferenceTrainer(Trainer):
 
     def _flops_per_token(self) -> float | None:
         """Both sequences of a pair are tokens the model reads: FLOPs per token at ``max_length``."""
-        return flops_per_token_for_model(self.model, self.args.max_length or 1024)
+        return flops_per_token_for_model(self.model, self.args.max_length or 1024, self.mesh.tensor)
 
 
 class ORPOTrainer(PreferenceTrainer):

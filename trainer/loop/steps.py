@@ -20,7 +20,7 @@ from trainer.data.stream import StreamedDataset
 from trainer.engine import Objective, Tiling, TorchCompile, plan_tiling, weight_decay_groups
 from trainer.engine.lars import LARS
 from trainer.runtime.distributed import print_main
-from trainer.runtime.layout import ParallelLayout
+from trainer.runtime.mesh import Mesh
 
 
 class StepPlan(NamedTuple):
@@ -30,7 +30,7 @@ class StepPlan(NamedTuple):
 
 
 def plan_steps(args: TrainingArguments, num_samples: int, readers: int) -> StepPlan:
-    """Optimizer steps per epoch (the sampler gives each of the layout's ``readers`` ranks
+    """Optimizer steps per epoch (the sampler gives each of the mesh's ``readers`` ranks
     ``ceil(n / readers)`` samples; the
     epoch's last window may be short), and the run's length: ``max_steps`` when set, else
     ``num_train_epochs`` of those."""
@@ -62,11 +62,11 @@ def kept_accumulation(args: TrainingArguments, checkpoint: Path, data_parallel: 
 
 
 def tiling_for(
-    args: TrainingArguments, model: Any, run_config: Any, objective: Objective, layout: ParallelLayout
+    args: TrainingArguments, model: Any, run_config: Any, objective: Objective, mesh: Mesh
 ) -> Tiling:
     """The run's tiling. ``tiled_loss: auto`` judges the largest micro-batch: its rows (a pair's two
     sequences each) times the block size (TRL's ``max_length`` in a TRL trainer, else the model's
-    longest context without a run config), split over the ``layout``'s sequence-parallel group;
+    longest context without a run config), split over the ``mesh``'s sequence-parallel group;
     it stays off where the objective computes neither the token-exact causal LM nor tiled per-token
     NLL (a model's own loss, a ``compute_loss`` override), the pipeline computes the loss, or the
     loss is label-smoothed (the tiles compute plain cross-entropy)."""
@@ -78,10 +78,10 @@ def tiling_for(
         else getattr(args, "max_length", None) or getattr(text, "max_position_embeddings", 0)
     )
     tileable = objective.token_exact_causal or objective.per_token_nll
-    auto_off = not tileable or layout.pipeline > 1 or args.label_smoothing_factor > 0
+    auto_off = not tileable or mesh.pipeline > 1 or args.label_smoothing_factor > 0
     mode = "false" if auto_off and args.tiled_loss == "auto" else args.tiled_loss
     rows = args.per_device_train_batch_size * objective.sequences_per_row
-    tokens = rows * (block or 0) // layout.sequence
+    tokens = rows * (block or 0) // mesh.sequence
     vocab = getattr(text, "vocab_size", None) or 1
     tiling = plan_tiling(mode, args.tiled_mlp, args.offload_activations, args.tile_tokens, vocab, tokens)
     if tiling.loss:

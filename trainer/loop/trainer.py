@@ -52,7 +52,7 @@ from trainer.loop.callbacks import (
 from trainer.loop.evaluation import Predictions, eval_batches, evaluation_loop
 from trainer.loop.guard import NonfiniteGuard
 from trainer.loop.hf_methods import HFMethods
-from trainer.loop.plan import RunPlan, layout_of, plan_run
+from trainer.loop.plan import RunPlan, plan_run
 from trainer.loop.saving import Checkpoints, resumed_state
 from trainer.loop.steps import client_scheduler, epoch_at, optimizer_for, tiling_for, torch_compile_for
 from trainer.loop.vote import Preemption, WindowCounts, add_source_blocks, poll, source_shares, weakly
@@ -72,7 +72,7 @@ from trainer.runtime.distributed import (
     init_distributed,
     print_main,
 )
-from trainer.runtime.layout import ParallelLayout
+from trainer.runtime.mesh import Mesh, mesh_for
 from trainer.runtime.ownership import claim_output_dir
 from trainer.runtime.resilience import EXIT_PREEMPTED, PreemptionFlag, Watchdog, fault_plan
 from trainer.runtime.run_files import DS_CONFIG, RUN_CONFIG
@@ -118,7 +118,9 @@ class Trainer(HFMethods, ResultsAPI):
             self.hardware = detect_hardware()
             check_liger(self.args, self.hardware)  # before the process group, the engine or the data
             self.dist = init_distributed(self.hardware, timeout_s=self.args.ddp_timeout)
-        self.layout: ParallelLayout = plan.layout if plan is not None else layout_of(self.args, self.dist)
+        self.mesh: Mesh = (
+            plan.mesh if plan is not None else mesh_for(self.args, self.dist.world_size, self.dist.rank)
+        )
         hf_logging.set_verbosity(self.args.get_process_log_level())
         if self.args.tf32 is not None and self.hardware.device == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.args.tf32
@@ -137,13 +139,13 @@ class Trainer(HFMethods, ResultsAPI):
         self.state = TrainerState(
             is_world_process_zero=self.dist.is_main,
             is_local_process_zero=self.dist.local_rank == 0,
-            world_size=self._data_ranks[0],
+            world_size=self.mesh.readers,
         )
         self.control = TrainerControl()
         default = [DefaultFlowCallback(), MetricsCallback(), ProgressCallback()]
         default += reporting_callbacks(self.args)  # transformers' own, for report_to; then the user's
         if self.args.neftune_noise_alpha is not None:
-            default.append(NEFTune(self.args))
+            default.append(NEFTune(self.args, self.mesh))
         if self.args.torch_empty_cache_steps is not None:
             default.append(EmptyDeviceCache(self.args.torch_empty_cache_steps))
         self.auto_batch = AutoBatchSize(self.args, model, self.dist.world_size)  # a callback when on
@@ -181,7 +183,9 @@ class Trainer(HFMethods, ResultsAPI):
                 self.control = restore_callback_states(self.callback_handler, stored, self.control)
             print_main(f"Resumed from {checkpoint} at step {self.state.global_step}.")
         self._run = TrainTotals()
-        self._params = dict(zip(("trainable_params", "total_params"), param_counts(self.model), strict=True))
+        self._params = dict(
+            zip(("trainable_params", "total_params"), param_counts(self.model, self.mesh.tensor), strict=True)
+        )
         trainable, total = self._params.values()
         print_main(
             f"Parameters: {trainable:,} trainable of {total:,} ({100 * trainable / max(total, 1):.2f}%)."
@@ -283,13 +287,13 @@ class Trainer(HFMethods, ResultsAPI):
         checkpoint and the snapshot in flight, preemption, and the window's target tokens, samples and
         input tokens. Returns the window's target tokens on all ranks (0: a rank's stream ended), and
         its (samples, input tokens) on this one."""
-        counts = WindowCounts(window, self.engine, self.args, self.layout, self.checkpoints.data)
+        counts = WindowCounts(window, self.engine, self.args, self.mesh, self.checkpoints.data)
         poll([*self.checkpoints.participants, self._preemption, counts])
         add_source_blocks(self.state.source_blocks, counts.sources)
-        shared, self._batch_hash = self.layout.sharing, counts.fingerprint  # a group's ranks: the same rows
+        shared, self._batch_hash = self.mesh.sharing, counts.fingerprint  # a group's ranks: the same rows
         self.state.num_input_tokens_seen += int(counts.input_tokens) // shared
         self._run.samples += counts.samples / shared
-        return (0.0 if counts.ended else max(counts.tokens / self.layout.tensor, 1.0)), counts.local
+        return (0.0 if counts.ended else max(counts.tokens / self.mesh.tensor, 1.0)), counts.local
 
     def _accumulate(self, loss: torch.Tensor, tokens: float, counts: tuple[int, int]) -> None:
         """Add a step to the logging window's sums (on the device until a logging step reads them)
@@ -301,12 +305,12 @@ class Trainer(HFMethods, ResultsAPI):
 
     def _advance(self, samples: int, input_tokens: int) -> None:
         """One step more in the state and the step timer (this rank's samples and input tokens)."""
-        shared = self.layout.sharing  # a group's ranks count the same rows
+        shared = self.mesh.sharing  # a group's ranks count the same rows
         self.timer.step_end(tokens=input_tokens / shared, samples=samples / shared)
         state, self._run.steps = self.state, self._run.steps + 1
         state.global_step += 1
         state.samples_into_epoch += samples
-        state.epoch = epoch_at(state, self.train_dataset, self._data_ranks[0])
+        state.epoch = epoch_at(state, self.train_dataset, self.mesh.readers)
 
     def _reset_window_sums(self) -> None:
         self._loss_sum = torch.zeros((), device=self.engine.device)
@@ -378,7 +382,7 @@ class Trainer(HFMethods, ResultsAPI):
         returned: bool = True,
     ) -> EvalLoopOutput:
         self._ensure_engine(max(self.state.max_steps, 1))
-        start, bs, (world, rank) = time.time(), self.args.per_device_eval_batch_size, self._data_ranks
+        start, bs, (world, rank) = time.time(), self.args.per_device_eval_batch_size, self.mesh.data_ranks
         hooks = (self.preprocess_logits_for_metrics, self.compute_metrics, ignore_keys, returned)
         output = evaluation_loop(
             self.engine,
@@ -426,7 +430,7 @@ class Trainer(HFMethods, ResultsAPI):
         self.args, state = self.plan.args, self.state
         state.steps_per_epoch, state.max_steps, state.num_train_epochs = self.plan.steps
         self._ensure_engine(state.max_steps)
-        return train_sampler(self.train_dataset, *self._data_ranks, self.args, self._lengths)
+        return train_sampler(self.train_dataset, *self.mesh.data_ranks, self.args, self._lengths)
 
     def _plan_run(self, spec: Any, num_samples: int | None, total_steps: int, held: bool = False) -> RunPlan:
         return plan_run(
@@ -450,11 +454,6 @@ class Trainer(HFMethods, ResultsAPI):
 
     # ---- engine and data -----------------------------------------------------------------------
 
-    @property
-    def _data_ranks(self) -> tuple[int, int]:
-        """(ranks that read rows of their own, this rank's index among them): the layout's."""
-        return self.layout.data_ranks
-
     def _ensure_engine(self, total_steps: int) -> None:
         """Build the engine once, from the plan's DeepSpeed config (an evaluation-only plan first,
         where the Trainer has none yet)."""
@@ -467,11 +466,12 @@ class Trainer(HFMethods, ResultsAPI):
             apply_liger_kernel(self.model, self.args.liger_kernel_config)
         if self.args.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             enable_gradient_checkpointing(self.model)
-        tiling = tiling_for(self.args, self.model, self.run_config, objective, self.layout)
+        tiling = tiling_for(self.args, self.model, self.run_config, objective, self.mesh)
         with self.watchdog.phase("init"):
             self.engine = build_engine(
                 self.model,
                 self.ds_config,
+                self.mesh,
                 optimizer=optimizer_for(self.args, self.model, self.client_optimizer),
                 lr_scheduler=self.client_scheduler
                 or client_scheduler(self.args, total_steps, self.ds_config),
@@ -525,7 +525,7 @@ class Trainer(HFMethods, ResultsAPI):
         """The logging window's summed loss and target tokens on all ranks (the window's one
         host-device sync; the token count is already global), added to the call's totals; the
         window starts again."""
-        loss_sum, tokens = all_reduce_sum(self._loss_sum * self.layout.counts_rows).item(), self._token_sum
+        loss_sum, tokens = all_reduce_sum(self._loss_sum * self.mesh.counts_rows).item(), self._token_sum
         self._run.add_window(loss_sum, tokens)
         self._loss_sum.zero_()
         self._token_sum = 0.0
@@ -589,10 +589,10 @@ class Trainer(HFMethods, ResultsAPI):
         saved = ckpt.load(self.engine, path, self.dist, restore_rng=not weights_only)
         if not weights_only:
             samples = len(self.train_dataset)
-            self.state = resumed_state(saved, self.state, samples, self._data_ranks, self.args)
+            self.state = resumed_state(saved, self.state, samples, self.mesh.data_ranks, self.args)
 
     def _flops_per_token(self) -> float | None:
         """A causal LM's model FLOPs per token (MFU); None for other models, whose rows are not token blocks."""
         if not is_causal_lm(self.model) or self.train_dataset is None:
             return None
-        return flops_per_token_for_model(self.model, row_length(self.train_dataset))
+        return flops_per_token_for_model(self.model, row_length(self.train_dataset), self.mesh.tensor)

@@ -29,7 +29,7 @@ import torch
 from trainer.engine import Engine, batch_rows
 from trainer.observe.throughput import input_ids_count, non_padding_tokens
 from trainer.runtime.distributed import host_all_reduce
-from trainer.runtime.layout import ParallelLayout
+from trainer.runtime.mesh import Mesh
 from trainer.runtime.resilience import PreemptionFlag
 
 
@@ -77,7 +77,7 @@ class WindowCounts:
         window: list[dict[str, Any]],
         engine: Engine,
         args: Any,
-        layout: ParallelLayout,
+        mesh: Mesh,
         order: Any = None,
     ):
         # This rank's (samples, non-padding tokens): the step timer's numbers.
@@ -85,11 +85,11 @@ class WindowCounts:
         every_input_id = args.include_num_input_tokens_seen == "all"
         seen = sum(input_ids_count(b) for b in window) if every_input_id else self.local[1]
         self._ballot = [engine.local_targets(window), float(self.local[0]), float(seen), float(not window)]
-        self.sources, self.layout = getattr(order, "take_counts", dict)(), layout
+        self.sources, self.mesh = getattr(order, "take_counts", dict)(), mesh
         self._ballot += [float(n) for n in self.sources.values()]
-        self.sharing = layout.sharing if getattr(args, "log_data_fingerprint", False) else 0
+        self.sharing = mesh.sharing if getattr(args, "log_data_fingerprint", False) else 0
         if self.sharing:
-            self._ballot += row_hashes(window, *reversed(layout.data_ranks))
+            self._ballot += row_hashes(window, *reversed(mesh.data_ranks))
         self.tokens = self.samples = self.input_tokens = 0.0
         self.ended, self.fingerprint = False, None
 
@@ -101,7 +101,7 @@ class WindowCounts:
         self.ended = totals[3] > 0
         n = len(self.sources)  # the ranks of a group that reads the same rows each added them
         self.sources = {
-            k: v / self.layout.sharing for k, v in zip(self.sources, totals[4 : 4 + n], strict=True)
+            k: v / self.mesh.sharing for k, v in zip(self.sources, totals[4 : 4 + n], strict=True)
         }
         if self.sharing:
             self.fingerprint = "".join(f"{int(v) // self.sharing % 65536:04x}" for v in totals[4 + n :])

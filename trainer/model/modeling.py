@@ -118,9 +118,10 @@ def is_adapter(model: Any) -> bool:
     return isinstance(getattr(model, "peft_config", None), dict)
 
 
-def param_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameters; a ZeRO-3 partition counts its full size."""
-    return zero.parameter_counts(model)
+def param_counts(model: torch.nn.Module, tensor: int = 1) -> tuple[int, int]:
+    """(trainable, total) parameters; a ZeRO-3 partition counts its full size, an AutoTP slice over
+    ``tensor`` ranks its whole weight's."""
+    return zero.parameter_counts(model, tensor)
 
 
 def quantization(model_args: ModelArguments) -> Any:

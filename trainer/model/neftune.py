@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from trainer.args import TrainingArguments
 from trainer.config.errors import ConfigError
+from trainer.runtime.mesh import Mesh
 from trainer.runtime.state import TrainerCallback
 
 
@@ -45,15 +46,15 @@ def activate_neftune(model: torch.nn.Module, alpha: float, sequence_parallel: in
 class NEFTune(TrainerCallback):
     """NEFTune for one ``train()``: hooked when training begins, removed when it ends."""
 
-    def __init__(self, args: TrainingArguments):
-        if args.pipeline_parallel_size > 1:
+    def __init__(self, args: TrainingArguments, mesh: Mesh):
+        if mesh.pipeline > 1:
             raise ConfigError(
                 "the pipeline's stages are rebuilt from the model's layers, so a hook on its embeddings "
                 "would never run; set pipeline_parallel_size 1 or drop neftune_noise_alpha",
                 "neftune_noise_alpha",
             )
         self.alpha = float(args.neftune_noise_alpha or 0.0)
-        self.sequence_parallel = args.sequence_parallel_size
+        self.sequence_parallel = mesh.sequence
         self.handle: RemovableHandle | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kw):

@@ -31,28 +31,30 @@ def model_flops_per_token(
     return 6.0 * (n_params - n_embedding_params) + 12.0 * n_layers * hidden_size * seq_len
 
 
-def lookup_params(model: Any) -> int:
-    """Parameters of ``model``'s embedding tables that are only looked up (not tied to the output layer)."""
+def lookup_params(model: Any, tensor: int = 1) -> int:
+    """Parameters of ``model``'s embedding tables that are only looked up (not tied to the output
+    layer); ``tensor``: the ranks AutoTP split the model over."""
     from trainer.engine.zero import numel  # a ZeRO-3 stub's real size; DeepSpeed loads only when counting
 
     out_weight = None
     if hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None:
         out_weight = model.get_output_embeddings().weight
     return sum(
-        numel(m.weight)
+        numel(m.weight, tensor)
         for m in model.modules()
         if isinstance(m, torch.nn.Embedding) and m.weight is not out_weight
     )
 
 
-def flops_per_token_for_model(model: Any, seq_len: int) -> float:
-    """``model_flops_per_token`` for an HF causal LM, reading layers and hidden size from its config."""
+def flops_per_token_for_model(model: Any, seq_len: int, tensor: int = 1) -> float:
+    """``model_flops_per_token`` for an HF causal LM, reading layers and hidden size from its config;
+    ``tensor``: the ranks AutoTP split the model over."""
     from trainer.engine.zero import numel  # a ZeRO-3 stub's real size; DeepSpeed loads only when counting
 
-    unique = {id(p): numel(p) for p in model.parameters()}  # tied weights once
+    unique = {id(p): numel(p, tensor) for p in model.parameters()}  # tied weights once
     cfg = model.config
     return model_flops_per_token(
-        sum(unique.values()), cfg.num_hidden_layers, cfg.hidden_size, seq_len, lookup_params(model)
+        sum(unique.values()), cfg.num_hidden_layers, cfg.hidden_size, seq_len, lookup_params(model, tensor)
     )
 
 
