@@ -19,7 +19,9 @@ from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
+from trainer.args.training import Objective
 from trainer.args.trl import Refusals, TRLConfig
+from trainer.objectives import names_for
 
 LossType = Literal["sigmoid", "hinge", "ipo", "robust"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
@@ -49,8 +51,10 @@ class PreferenceConfig(TRLConfig):
 class DPOConfig(PreferenceConfig):
     """TRL's ``DPOConfig`` fields: the reference and the loss."""
 
-    OBJECTIVES: ClassVar[tuple[str, ...]] = ("dpo",)
-    objective: Literal["dpo"] = Field("dpo", description="dpo: what scripts/train.py runs with these fields.")
+    OBJECTIVES: ClassVar[tuple[str, ...]] = names_for(f"{__name__}:DPOConfig")
+    objective: Objective = Field(
+        OBJECTIVES[0], description="dpo: what scripts/train.py runs with these fields."
+    )
 
     REFUSED: ClassVar[Refusals] = {
         "ld_alpha": (None, "length-desensitised DPO (LD-DPO) is not implemented"),
@@ -108,10 +112,9 @@ class ORPOConfig(PreferenceConfig):
     """TRL's ``ORPOConfig`` fields. ``beta`` is the paper's lambda: the odds-ratio term's weight."""
 
     REFUSED: ClassVar[Refusals] = ENCODER_DECODER
-    OBJECTIVES: ClassVar[tuple[str, ...]] = ("orpo",)
-
-    objective: Literal["orpo"] = Field(
-        "orpo", description="orpo: what scripts/train.py runs with these fields."
+    OBJECTIVES: ClassVar[tuple[str, ...]] = names_for(f"{__name__}:ORPOConfig")
+    objective: Objective = Field(
+        OBJECTIVES[0], description="orpo: what scripts/train.py runs with these fields."
     )
 
     beta: float = Field(0.1, gt=0, description="The weight of the odds-ratio term (the paper's lambda).")
@@ -130,10 +133,10 @@ class CPOConfig(PreferenceConfig):
         **ENCODER_DECODER,
         "alpha": (0.0, "AlphaPO's reward transformation is not implemented"),
     }
-    OBJECTIVES: ClassVar[tuple[str, ...]] = ("cpo", "simpo")
+    OBJECTIVES: ClassVar[tuple[str, ...]] = names_for(f"{__name__}:CPOConfig")
 
-    objective: Literal["cpo", "simpo"] = Field(
-        "cpo",
+    objective: Objective = Field(
+        OBJECTIVES[0],
         description="cpo, or simpo: CPO's loss_type simpo without its NLL term (cpo_alpha 0) by default.",
     )
 
@@ -161,11 +164,3 @@ class CPOConfig(PreferenceConfig):
                     "use objective cpo for the other loss types"
                 )
         return data
-
-
-OBJECTIVE_CONFIGS: dict[str, type[PreferenceConfig]] = {
-    "dpo": DPOConfig,
-    "orpo": ORPOConfig,
-    "cpo": CPOConfig,
-    "simpo": CPOConfig,
-}

@@ -15,11 +15,11 @@ from typing import Any
 import yaml
 
 from trainer.args import hf_fields
-from trainer.args.preference import CPOConfig, DPOConfig, ORPOConfig, PreferenceConfig
 from trainer.args.run import SECTIONS, RunConfig
 from trainer.args.training import TrainingArguments, stated_by_deepspeed
 from trainer.config.errors import ConfigError
 from trainer.config.reference import type_name
+from trainer.objectives import OBJECTIVES
 
 logger = logging.getLogger(__name__)
 
@@ -143,13 +143,16 @@ def _default_text(field: Any) -> str:
     return json.dumps(value)
 
 
-# The preference configs' own fields (those the second class lacks), each group with the objectives that read it
-PREFERENCE_HELP = (
-    (PreferenceConfig, TrainingArguments, "dpo, orpo, cpo and simpo"),
-    (DPOConfig, PreferenceConfig, "dpo"),
-    (ORPOConfig, PreferenceConfig, "orpo"),
-    (CPOConfig, PreferenceConfig, "cpo and simpo"),
-)
+def objective_help() -> list[tuple[type, str]]:
+    """The objectives' own argument classes, from the most shared to the most specific (each with
+    the objectives that read its fields): every class between an objective's config and
+    ``TrainingArguments``, as the registry's configs inherit them."""
+    found: dict[type, list[str]] = {}
+    for name, entry in OBJECTIVES.items():
+        for cls in reversed(entry.config_class().__mro__):
+            if issubclass(cls, TrainingArguments) and cls is not TrainingArguments:
+                found.setdefault(cls, []).append(name)
+    return [(cls, " and ".join(", ".join(names).rsplit(", ", 1))) for cls, names in found.items()]
 
 
 def help_recipe(argv: list[str]) -> tuple[str, dict[str, Any]] | None:
@@ -179,8 +182,8 @@ def run_help(prog: str = "scripts/train.py", recipe: tuple[str, dict[str, Any]] 
         refused = [(name, field) for name, field in fields if hf_fields.refused_note(name)]
         groups.append((f"{section} arguments ({model.__name__}):", [f for f in fields if f not in refused]))
         groups.append(("HF's fields refused unless left at their default:", refused))
-    for config, base, objectives in PREFERENCE_HELP:
-        inherited = base.model_fields
+    for config, objectives in objective_help():
+        inherited = config.__mro__[1].model_fields
         own = [(name, field) for name, field in config.model_fields.items() if name not in inherited]
         groups.append((f"with --objective {objectives} ({config.__name__}):", own))
     for heading, group in groups:

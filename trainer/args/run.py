@@ -17,6 +17,7 @@ from trainer.args.base import IN_RUN_CONFIG, ArgsModel, validation_problems
 from trainer.args.model_data import DataArguments, ModelArguments
 from trainer.args.training import TrainingArguments
 from trainer.config.errors import ConfigError, unknown_key_message
+from trainer.objectives import DEFAULT, OBJECTIVES, ROW_KINDS
 
 SECTIONS: dict[str, type[ArgsModel]] = {
     "training": TrainingArguments,
@@ -27,21 +28,16 @@ SECTIONS: dict[str, type[ArgsModel]] = {
 
 def training_class(objective: Any) -> type[TrainingArguments]:
     """The class whose fields describe ``objective`` (an unknown one is left to the field's check)."""
-    if objective in (None, "causal_lm"):
-        return TrainingArguments
-    from trainer.args.preference import OBJECTIVE_CONFIGS
-
-    return OBJECTIVE_CONFIGS.get(objective, TrainingArguments)
+    entry = OBJECTIVES.get(objective) if isinstance(objective, str) else None
+    return entry.config_class() if entry is not None else TrainingArguments
 
 
 def _objective_hint(key: str, objective: Any) -> str | None:
     """For a key that belongs to other objectives than the run's: which ones."""
-    from trainer.args.preference import OBJECTIVE_CONFIGS
-
-    others = [name for name, config in OBJECTIVE_CONFIGS.items() if key in config.model_fields]
+    others = [name for name, entry in OBJECTIVES.items() if key in entry.config_class().model_fields]
     if not others:
         return None
-    return f"a field of objective {', '.join(others)}, not of {objective or 'causal_lm'}; set --objective"
+    return f"a field of objective {', '.join(others)}, not of {objective or DEFAULT}; set --objective"
 
 
 class RunConfig(BaseModel):
@@ -69,9 +65,10 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _streams_of_documents(self) -> RunConfig:
-        if self.data.streaming and self.training.objective != "causal_lm":
+        entry = OBJECTIVES[self.training.objective]
+        if self.data.streaming and entry.data != "rows":
             raise ValueError(
-                f"streaming, objective: preference pairs ({self.training.objective}) are read up front, not "
+                f"streaming, objective: {ROW_KINDS[entry.data]} ({entry.name}) are read up front, not "
                 "streamed; set streaming false"
             )
         return self

@@ -39,6 +39,7 @@ from trainer.args.hf import HFArgumentHelpers, zero3_init
 from trainer.args.model_data import DataArguments, ModelArguments
 from trainer.config.files import STATED_ARGUMENTS
 from trainer.config.optim import LarsParams, lars_params
+from trainer.objectives import DEFAULT, NAMES, OBJECTIVES, names_for
 
 __all__ = [
     "PRECISION_FIELDS",
@@ -55,7 +56,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
-Objective = Literal["causal_lm", "dpo", "orpo", "cpo", "simpo"]
+Objective = Literal[NAMES]  # the registry's (trainer/objectives/)
+OBJECTIVE_HELP = "; ".join(f"{name}, {entry.summary}" for name, entry in OBJECTIVES.items())
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Strategy = Literal["no", "steps", "epoch"]
 LogLevel = Literal["passive", "debug", "info", "warning", "error", "critical"]
@@ -70,7 +72,7 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
     meanings, and its own; and their validation."""
 
     #: The objectives this class's fields describe (a preference config names its own).
-    OBJECTIVES: ClassVar[tuple[str, ...]] = ("causal_lm",)
+    OBJECTIVES: ClassVar[tuple[str, ...]] = names_for(f"{__name__}:TrainingArguments")
 
     output_dir: str = Field("output", description="Where metrics, checkpoints and the final export go.")
     num_train_epochs: float = Field(3.0, gt=0, description="Epochs to train when max_steps is -1.")
@@ -274,10 +276,10 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
         description="A checkpoint dir, 'auto' (newest complete one in output_dir; also true), or None (also false).",
     )
     objective: Objective = Field(
-        "causal_lm",
-        description="What a run of scripts/train.py minimises: the next-token loss (causal_lm), or a "
-        "preference objective over the dataset's pairs (dpo, orpo, cpo, simpo), which takes the fields "
-        "of DPOConfig, ORPOConfig or CPOConfig (docs/preference.md).",
+        DEFAULT,
+        description="What a run of scripts/train.py minimises: "
+        + OBJECTIVE_HELP
+        + ". Each but causal_lm takes the fields of its TRL config (docs/preference.md).",
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage when no DeepSpeed config is given.")
     offload_optimizer: OffloadDevice = Field("none", description="Offload optimizer states to cpu or nvme.")

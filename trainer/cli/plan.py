@@ -12,6 +12,7 @@ from typing import Any
 from trainer.config import generate
 from trainer.config.errors import ConfigError
 from trainer.config.optim import OFFLOAD_NOTE
+from trainer.objectives import DEFAULT, NAMES, OBJECTIVES
 from trainer.planner import (
     PRESETS,
     Cluster,
@@ -62,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--qlora", action="store_true", help="with --lora-r: the frozen base in 4-bit NF4")
     run.add_argument(
-        "--objective", choices=["causal_lm", "dpo", "orpo", "cpo", "simpo"], default="causal_lm",
+        "--objective", choices=NAMES, default=DEFAULT,
         help="what the run trains; a preference objective's micro-batch counts pairs (2 sequences each)",
     )  # fmt: skip
     run.add_argument(
@@ -200,10 +201,10 @@ def run(args: argparse.Namespace) -> int:
         _check_positive(args)
         if args.qlora and not args.lora_r:
             raise ConfigError("QLoRA trains LoRA adapters: give --lora-r too", "--qlora")
-        if args.reference == "model" and args.objective != "dpo":
-            raise ConfigError(
-                f"--objective {args.objective} has no reference model; only dpo does", "--reference"
-            )
+        if args.reference == "model" and not OBJECTIVES[args.objective].reference:
+            scored = [name for name, entry in OBJECTIVES.items() if entry.reference]
+            only = f"only {scored[0]} does" if len(scored) == 1 else f"only {', '.join(scored)} do"
+            raise ConfigError(f"--objective {args.objective} has no reference model; {only}", "--reference")
         spec = _spec(args)
         cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_memory_gb, args.cpu_memory_gb)
         _check_sequence_parallel(args, spec, cluster)
@@ -281,10 +282,12 @@ def _report(result: dict[str, Any], long_context: bool) -> str:
 def _objective_lines(result: dict[str, Any]) -> list[str]:
     """What a preference objective changes: the pairs, and DPO's reference and what it costs."""
     objective, m = result["objective"], result["model"]
-    if objective["name"] == "causal_lm":
+    entry = OBJECTIVES[objective["name"]]
+    if entry.sequences_per_row == 1:
         return []
-    lines = [f"objective {objective['name']}: each micro-batch row is a pair, 2 sequences of seq_len"]
-    if objective["name"] != "dpo":
+    rows = "a pair" if entry.data == "pairs" else "a completion and its KL partner"
+    lines = [f"objective {entry.name}: each micro-batch row is {rows}, 2 sequences of seq_len"]
+    if not entry.reference:
         return lines + ["reference: none (the objective is reference-free)"]
     if result["lora_r"]:
         return lines + ["reference: the frozen base with the adapters off, no second model"]

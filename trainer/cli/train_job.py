@@ -28,6 +28,7 @@ from trainer.loop.callbacks import FinalEvaluationCallback
 from trainer.loop.evaluation import safe_exp
 from trainer.loop.faults import FaultInjection
 from trainer.model.modeling import model_config
+from trainer.objectives import DEFAULT
 from trainer.observe.plots import plot_runs
 from trainer.observe.reporting import check_report_to
 from trainer.runtime.distributed import (
@@ -73,7 +74,7 @@ def run(run_config: RunConfig) -> int:
         evals.append(trainer.evaluate())
     if evals:  # a perplexity only where the loss is a next-token loss
         loss = evals[-1]["eval_loss"]
-        perplexity = f"  perplexity {safe_exp(loss):.2f}" if args.objective == "causal_lm" else ""
+        perplexity = f"  perplexity {safe_exp(loss):.2f}" if args.objective == DEFAULT else ""
         print_main(f"eval_loss {loss:.4f}{perplexity}")
     final = trainer.save_model(str(Path(args.output_dir) / FINAL))  # ends when every rank is there
     info = dist_info()

@@ -154,6 +154,11 @@ class PairObjective(Objective):
     per_token_nll = True
     sequences_per_row = 2
 
+    @classmethod
+    @abstractmethod
+    def from_args(cls, args: Any) -> PairObjective:
+        """The loss its arguments (a TRL config) describe."""
+
     @abstractmethod
     def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(each pair's loss, each metric's value per pair) from the per-token NLL."""
@@ -205,6 +210,10 @@ class DPO(PairObjective):
         self.beta, self.loss_types, self.label_smoothing = beta, tuple(loss_types), label_smoothing
         self.loss_weights = tuple(loss_weights) if loss_weights is not None else (1.0,) * len(loss_types)
 
+    @classmethod
+    def from_args(cls, args: Any) -> DPO:
+        return cls(args.beta, tuple(args.loss_type), args.loss_weights, args.label_smoothing)
+
     def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         logps = -(nll * answer_mask(batch)).sum(dim=2)
         ratios = logps - batch[REFERENCE_COLUMN].to(logps)
@@ -237,6 +246,10 @@ class ORPO(PairObjective):
         super().__init__()
         self.beta = beta
 
+    @classmethod
+    def from_args(cls, args: Any) -> ORPO:
+        return cls(args.beta)
+
     def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         logps = mean_logps(nll, answer_mask(batch))
         log_odds = (logps[:, 0] - logps[:, 1]) - (log1mexp(logps[:, 0]) - log1mexp(logps[:, 1]))
@@ -264,6 +277,10 @@ class CPO(PairObjective):
             raise ValueError(f"loss_type: {loss_type} is not one of {', '.join(CPO_LOSS_TYPES)}")
         self.beta, self.loss_type, self.cpo_alpha = beta, loss_type, cpo_alpha
         self.simpo_gamma, self.label_smoothing = simpo_gamma, label_smoothing
+
+    @classmethod
+    def from_args(cls, args: Any) -> CPO:
+        return cls(args.beta, args.loss_type, args.cpo_alpha, args.simpo_gamma, args.label_smoothing)
 
     def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         answers = answer_mask(batch)

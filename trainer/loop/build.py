@@ -29,23 +29,14 @@ from trainer.data.stream_sources import build_stream
 from trainer.engine.sequence_parallel import check_layout
 from trainer.engine.tensor_parallel import check_tensor_layout
 from trainer.loop.callbacks import TrainerCallback
-from trainer.loop.dpo import DPOTrainer
 from trainer.loop.plan import plan_run
-from trainer.loop.preference import CPOTrainer, ORPOTrainer, PreferenceTrainer
+from trainer.loop.preference import PreferenceTrainer
 from trainer.loop.trainer import Trainer
 from trainer.model.liger import check_liger
 from trainer.model.modeling import build_model, hidden_size_of, model_config
+from trainer.objectives import OBJECTIVES
 from trainer.runtime.distributed import DistInfo, detect_hardware, init_distributed
 from trainer.runtime.mesh import sizes_for
-
-# What a run's ``objective`` trains with: the Trainer for the next-token loss, TRL's trainers for pairs.
-TRAINERS: dict[str, type[Trainer]] = {
-    "causal_lm": Trainer,
-    "dpo": DPOTrainer,
-    "orpo": ORPOTrainer,
-    "cpo": CPOTrainer,
-    "simpo": CPOTrainer,
-}
 
 
 def build_run(
@@ -82,9 +73,10 @@ def build_run(
         sizes = sizes_for(run_config)
         check_layout(config, sizes.sequence, dist.world_size)  # before any data loads
         check_tensor_layout(config, sizes.tensor, custom_tensor_plan(run_config))
-    trainer_class = TRAINERS[args.objective]
+    entry = OBJECTIVES[args.objective]
+    trainer_class, rows_of_its_own = entry.trainer_class(), entry.data != "rows"
     if not given_data:
-        if issubclass(trainer_class, PreferenceTrainer):
+        if rows_of_its_own:  # preference pairs, labelled completions: tokenised by the trainer
             train_dataset, eval_dataset = load_pairs(data_args, args.seed)
         elif data_args.streaming:
             train_dataset, eval_dataset = _streamed(run_config, tokenizer)
@@ -92,7 +84,7 @@ def build_run(
             train_dataset, eval_dataset = build_datasets(data_args, tokenizer, seed=args.seed)
         if eval_dataset is not None and data_args.max_eval_samples:
             eval_dataset = eval_dataset.select(range(min(data_args.max_eval_samples, len(eval_dataset))))
-    if issubclass(trainer_class, PreferenceTrainer):  # before the plan, which counts the pairs kept
+    if rows_of_its_own:  # before the plan, which counts the rows kept
         eval_key = "validation_file" if data_args.validation_file else "dataset"
         train_dataset = _pairs(trainer_class, train_dataset, "train", "dataset", args, tokenizer)
         eval_dataset = _pairs(trainer_class, eval_dataset, "eval", eval_key, args, tokenizer)

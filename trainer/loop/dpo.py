@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from trainer.args.preference import DPOConfig
 from trainer.data.preference import REFERENCE_COLUMN, pairs_digest
-from trainer.engine.preference import DPO, sequence_logps
+from trainer.engine.preference import sequence_logps
 from trainer.engine.zero import frozen_forward, gathered
 from trainer.loop.evaluation import eval_batches
 from trainer.loop.preference import PreferenceTrainer, disable_dropout, is_peft, load_model
@@ -81,10 +81,6 @@ class DPOTrainer(PreferenceTrainer):
         self._reference_digest = _weights_digest(
             ref_model if ref_model is not None else self.model, frozen_only
         )
-
-    def _objective(self) -> DPO:
-        args = self.args
-        return DPO(args.beta, tuple(args.loss_type), args.loss_weights, args.label_smoothing)
 
     # ---- the reference pass --------------------------------------------------------------------
 

@@ -20,8 +20,9 @@ from transformers import set_seed
 from trainer.args.preference import CPOConfig, ORPOConfig, PreferenceConfig
 from trainer.args.trl import TRLConfig
 from trainer.data.preference import PAIR_COLUMNS, PreferenceCollator, tokenize_preferences
-from trainer.engine.preference import CPO, ORPO, PairObjective
+from trainer.engine.preference import PairObjective
 from trainer.loop.trainer import Trainer
+from trainer.objectives import OBJECTIVES
 from trainer.observe.throughput import flops_per_token_for_model
 
 
@@ -96,7 +97,8 @@ class PreferenceTrainer(Trainer):
         return dataset
 
     def _objective(self) -> PairObjective:
-        raise NotImplementedError(f"{type(self).__name__} names no objective")
+        """The loss the registry names for the run's objective, built from its arguments."""
+        return OBJECTIVES[self.args.objective].loss_class().from_args(self.args)
 
     def _flops_per_token(self) -> float | None:
         """Both sequences of a pair are tokens the model reads: FLOPs per token at ``max_length``."""
@@ -108,18 +110,11 @@ class ORPOTrainer(PreferenceTrainer):
 
     config_class = ORPOConfig
 
-    def _objective(self) -> ORPO:
-        return ORPO(self.args.beta)
-
 
 class CPOTrainer(PreferenceTrainer):
     """TRL's ``CPOTrainer`` arguments; ``args`` is a ``CPOConfig`` (``loss_type="simpo"``: SimPO)."""
 
     config_class = CPOConfig
-
-    def _objective(self) -> CPO:
-        args = self.args
-        return CPO(args.beta, args.loss_type, args.cpo_alpha, args.simpo_gamma, args.label_smoothing)
 
 
 def load_model(

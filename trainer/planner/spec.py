@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config.errors import ConfigError, unknown_key_message
+from trainer.objectives import DEFAULT, OBJECTIVES
 
 GB = 1e9  # the ZeRO paper's unit: its 120 GB for 7.5B parameters is 7.5e9 x 16 bytes
 # Share of each stated memory size kept free for the CUDA context, NCCL, allocator fragmentation
@@ -97,17 +98,17 @@ class Setup:
 
 @dataclass(frozen=True)
 class Objective:
-    """What the run trains. A preference objective (``dpo``, ``orpo``, ``cpo``, ``simpo``) forwards
-    pairs: each micro-batch row is two sequences. ``reference_model``: DPO holding a reference model
-    beside the policy through training (TRL's default) instead of this trainer's cached pass, which
-    holds none."""
+    """What the run trains: a name of the objectives' registry, whose entry says how many sequences
+    a micro-batch row forwards (a preference pair: two). ``reference_model``: an objective that
+    scores a reference (DPO) holding a reference model beside the policy through training (TRL's
+    default) instead of this trainer's cached pass, which holds none."""
 
-    name: str = "causal_lm"
+    name: str = DEFAULT
     reference_model: bool = False
 
     @property
     def sequences_per_row(self) -> int:
-        return 1 if self.name == "causal_lm" else 2
+        return OBJECTIVES[self.name].sequences_per_row
 
 
 # ---------------------------------------------------------------- model specs
