@@ -421,19 +421,20 @@ def reference_resume(out: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     import trainer.loop.dpo as dpo
+    from trainer.engine.preference import PairObjective
 
     dpo.FLUSH_PAIRS = 4
-    calls, real = [], dpo.sequence_logps
+    calls, real = [], PairObjective.reference_logps  # what the reference stage asks of each batch
 
-    def counted(forward, batch, tiles, sp, stop_after=None):
+    def counted(objective, forward, batch, tiles, sp, stop_after=None):
         calls.append(1)
         if stop_after is not None and len(calls) > stop_after:
             raise KeyboardInterrupt("stopped in the reference pass")
-        return real(forward, batch, tiles, sp)
+        return real(objective, forward, batch, tiles, sp)
 
     fields = dict(precompute_ref_batch_size=4, max_steps=2)
     _, whole = run_ours(out, "text", "whole", **fields)
-    dpo.sequence_logps = lambda forward, batch, tiles, sp: counted(forward, batch, tiles, sp, stop_after=3)
+    PairObjective.reference_logps = lambda *args: counted(*args, stop_after=3)
     try:
         run_ours(out, "text", "resumed", **fields)
         stopped = False
@@ -441,9 +442,9 @@ def reference_resume(out: Path) -> dict[str, Any]:
         stopped = True
     chunks = len(list((out / "resumed" / "reference" / "train.partial").glob("*.safetensors")))
     calls.clear()
-    dpo.sequence_logps = lambda forward, batch, tiles, sp: counted(forward, batch, tiles, sp)
+    PairObjective.reference_logps = counted
     _, resumed = run_ours(out, "text", "resumed", **fields)
-    dpo.sequence_logps = real
+    PairObjective.reference_logps = real
     caches = [
         load_file(out / name / "reference" / "train.safetensors")["ref_logps"]
         for name in ("whole", "resumed")

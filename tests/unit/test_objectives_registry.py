@@ -15,8 +15,11 @@ from trainer.args import RunConfig
 from trainer.objectives import DEFAULT, NAMES, OBJECTIVES, exports
 
 ROOT = Path(__file__).resolve().parents[2]
-# CPO's loss type "simpo" is TRL's name for the loss (the objective simpo is CPO running it).
-LOSS_TYPE_NAMES = {("trainer/args/preference.py", "simpo"), ("trainer/engine/preference.py", "simpo")}
+# TRL's loss types named like an objective: CPO's "simpo" (the objective simpo is CPO running it)
+# and KTO's "kto" (beside apo_zero_unpaired), in the configs that declare them and the losses.
+LOSS_TYPE_NAMES = {
+    (f"trainer/{where}/preference.py", name) for where in ("args", "engine") for name in ("simpo", "kto")
+}
 
 
 def test_an_objectives_name_is_written_only_in_the_registry():

@@ -45,7 +45,9 @@ def test_plan_cli_names_the_reference_and_what_the_cache_saves(capsys):
     assert result["objective"] == {"name": "dpo", "reference_model": True}
     assert result["recommended"]["reference_gb_per_gpu"] > 0
     assert main(["plan", "--model", "llama-7b", "--objective", "orpo", "--reference", "model"]) == 2
-    assert "--reference: --objective orpo has no reference model; only dpo does" in capsys.readouterr().err
+    assert (
+        "--reference: --objective orpo has no reference model; only dpo and kto do" in capsys.readouterr().err
+    )
 
 
 def test_plan_counts_a_pairs_two_sequences_for_the_auto_tiling_and_splits_them():

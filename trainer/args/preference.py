@@ -164,3 +164,62 @@ class CPOConfig(PreferenceConfig):
                     "use objective cpo for the other loss types"
                 )
         return data
+
+
+KTOLossType = Literal["kto", "apo_zero_unpaired"]
+
+
+class KTOConfig(PreferenceConfig):
+    """TRL's ``KTOConfig`` fields: unpaired completions, each labelled desirable or not, weighed
+    against a reference and a KL estimate from mismatched completions (``loss_type`` kto)."""
+
+    OBJECTIVES: ClassVar[tuple[str, ...]] = names_for(f"{__name__}:KTOConfig")
+    objective: Objective = Field(
+        OBJECTIVES[0], description="kto: what scripts/train.py runs with these fields."
+    )
+
+    REFUSED: ClassVar[Refusals] = {
+        "truncation_mode": ("keep_start", "TRL's KTO keeps each sequence's start"),
+        "padding_free": (False, "TRL's KTO pads its batches"),
+        "sync_ref_model": (False, "the reference is computed once before the first step, never synced"),
+        "router_aux_loss_coef": (None, "the MoE router's auxiliary loss is not added"),
+        "activation_offloading": (False, "use offload_activations with the tiled loss instead"),
+    }
+
+    train_sampling_strategy: Literal["random", "sequential", "group_by_length"] = Field(
+        "sequential",
+        description="The set's order (TRL's KTO default): a row's KL completion comes from its neighbours.",
+    )
+    loss_type: KTOLossType = Field(
+        "kto", description="kto (with the KL estimate) or apo_zero_unpaired (TRL's names)."
+    )
+    desirable_weight: float = Field(1.0, ge=0, description="The weight of a desirable completion's loss.")
+    undesirable_weight: float = Field(
+        1.0, ge=0, description="The weight of an undesirable completion's loss."
+    )
+    precompute_ref_log_probs: bool = Field(
+        False, description="Accepted for TRL's scripts: the reference is always computed once, before step 0."
+    )
+    precompute_ref_batch_size: int | None = Field(
+        None, ge=1, description="Rows per forward of the reference pass; default per_device_eval_batch_size."
+    )
+    activation_offloading: bool = Field(False, description="Refused when true (REFUSED).")
+    sync_ref_model: bool = Field(False, description="Refused when true (REFUSED).")
+    ref_model_mixup_alpha: float = Field(0.6, description="Read only with sync_ref_model, refused.")
+    ref_model_sync_steps: int = Field(512, description="Read only with sync_ref_model, refused.")
+    router_aux_loss_coef: float | None = Field(None, description="Refused when set (REFUSED).")
+
+    @model_validator(mode="after")
+    def _mismatched_pairs(self) -> KTOConfig:
+        """As TRL: the KL estimate pairs each prompt with a neighbour's completion in the set's order."""
+        if self.loss_type == "kto" and self.train_sampling_strategy != "sequential":
+            raise ValueError(
+                "train_sampling_strategy: loss_type kto builds its KL pairs from neighbouring rows, so the "
+                f"set is read in order (sequential), not {self.train_sampling_strategy}"
+            )
+        if self.loss_type == "kto" and self.per_device_train_batch_size < 2:
+            raise ValueError(
+                "per_device_train_batch_size: loss_type kto pairs each prompt with another row's completion "
+                "in its micro-batch, so it needs at least 2 rows"
+            )
+        return self

@@ -203,7 +203,11 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("QLoRA trains LoRA adapters: give --lora-r too", "--qlora")
         if args.reference == "model" and not OBJECTIVES[args.objective].reference:
             scored = [name for name, entry in OBJECTIVES.items() if entry.reference]
-            only = f"only {scored[0]} does" if len(scored) == 1 else f"only {', '.join(scored)} do"
+            only = (
+                f"only {scored[0]} does"
+                if len(scored) == 1
+                else f"only {', '.join(scored[:-1])} and {scored[-1]} do"
+            )
             raise ConfigError(f"--objective {args.objective} has no reference model; {only}", "--reference")
         spec = _spec(args)
         cluster = Cluster(args.gpus_per_node, args.nodes, args.gpu_memory_gb, args.cpu_memory_gb)

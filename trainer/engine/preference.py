@@ -40,6 +40,7 @@ from trainer.data.preference import REFERENCE_COLUMN
 from trainer.engine.objectives import Batch, Forward, Objective
 from trainer.engine.sequence_parallel import SequenceParallel
 from trainer.engine.tiling import tiled_token_nll
+from trainer.runtime.distributed import all_reduce_sum
 
 Tiles = tuple[torch.nn.Module, int] | None  # (the output head, tokens per tile): a tiled loss
 
@@ -112,6 +113,16 @@ def row_nll(
     return nll, outputs
 
 
+def half_logps(
+    forward: Forward, batch: Batch, half: int, tiles: Tiles = None, sp: SequenceParallel | None = None
+) -> tuple[torch.Tensor, Any]:
+    """(each row's summed answer log-probability for one sequence of its pair, shape (rows,); the
+    model's outputs), from a forward of those sequences alone, padded to their own longest."""
+    width = int(batch["attention_mask"][:, half].sum(dim=1).max())
+    nll, outputs = row_nll(forward, {k: batch[k][:, half, :width] for k in MODEL_KEYS}, tiles, sp)
+    return -(nll * batch["completion_mask"][:, half, 1:width]).sum(dim=1), outputs
+
+
 def answer_mask(batch: Batch) -> torch.Tensor:
     """Which shifted targets are answer tokens, shape (pairs, 2, L - 1)."""
     return batch["completion_mask"][..., 1:]
@@ -162,6 +173,13 @@ class PairObjective(Objective):
     @abstractmethod
     def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(each pair's loss, each metric's value per pair) from the per-token NLL."""
+
+    def reference_logps(
+        self, forward: Forward, batch: Batch, tiles: Tiles = None, sp: SequenceParallel | None = None
+    ) -> torch.Tensor:
+        """What the reference stage records of a batch under the reference: each sequence's summed
+        answer log-probability, shape (rows, 2), from one forward of both."""
+        return sequence_logps(forward, batch, tiles, sp)[0]
 
     @property
     def share(self) -> float:
@@ -305,3 +323,157 @@ class CPO(PairObjective):
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x < 0, stable on both sides of -ln 2."""
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+KTO_METRICS = (
+    "kl",
+    "entropy",
+    "logits/chosen",
+    "logits/rejected",
+    "rewards/chosen",
+    "logps/chosen",
+    "rewards/rejected",
+    "logps/rejected",
+    "rewards/margins",
+)
+
+
+class KTO(PairObjective):
+    """TRL's KTO over labelled completions. A row is two sequences: the prompt with its completion,
+    and the prompt with a neighbour's completion (its KL partner); ``label`` says whether the
+    completion is desirable. Each completion's log-ratio ``r`` to the reference is weighed against
+    the KL estimate: the mean log-ratio of the KL partners over the global micro-batch (every rank's,
+    as TRL gathers it over processes; clamped at 0, never differentiated). ``kto``: a desirable
+    completion's loss is ``1 - sigmoid(beta (r - kl))``, an undesirable one's ``1 - sigmoid(beta
+    (kl - r))``; ``apo_zero_unpaired``: ``1 - sigmoid(beta r)`` and ``sigmoid(beta r)``, no KL. Each
+    is weighted by ``desirable_weight`` or ``undesirable_weight`` and counts once, so a step's loss
+    is TRL's mean over its rows.
+
+    The metrics are TRL's: each is measured over the global micro-batch and logged as the mean over
+    the micro-batches that had it (a micro-batch with no desirable row has no ``rewards/chosen``).
+    ``entropy`` and ``logits/*`` need the whole logits: the tiled loss and sequence parallelism log
+    none."""
+
+    label_names = (REFERENCE_COLUMN,)
+    metric_names = KTO_METRICS
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        loss_type: str = "kto",
+        desirable_weight: float = 1.0,
+        undesirable_weight: float = 1.0,
+    ):
+        super().__init__()
+        self.beta, self.loss_type = beta, loss_type
+        self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
+
+    @classmethod
+    def from_args(cls, args: Any) -> KTO:
+        return cls(args.beta, args.loss_type, args.desirable_weight, args.undesirable_weight)
+
+    def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        raise NotImplementedError("KTO weighs its rows over the global micro-batch (_pairs)")
+
+    def _pairs(self, forward: Forward, batch: Batch, evaluation: bool) -> tuple[torch.Tensor, Any]:
+        # As TRL's: the KL partners in a forward of their own, without gradients (the estimate is
+        # never differentiated), then the completions; each padded to its own longest sequence.
+        with torch.no_grad():
+            partners, _ = self._half_logps(forward, batch, 1)
+        completions, outputs = self._half_logps(forward, batch, 0)
+        logps = torch.stack([completions, partners], dim=1)  # (rows, 2)
+        ratios = logps - batch[REFERENCE_COLUMN].to(logps)
+        chosen = batch["label"].to(device=logps.device, dtype=torch.bool)
+        r, beta = ratios[:, 0], self.beta
+        stats = self._global_stats(batch, outputs, logps, ratios, chosen)
+        kl = stats[0] / stats[1].clamp(min=1)
+        kl = kl.clamp(min=0) if self.loss_type == "kto" else torch.zeros_like(kl)
+        if self.loss_type == "kto":
+            desirable, undesirable = 1 - torch.sigmoid(beta * (r - kl)), 1 - torch.sigmoid(beta * (kl - r))
+        else:
+            desirable, undesirable = 1 - torch.sigmoid(beta * r), torch.sigmoid(beta * r)
+        loss = torch.where(chosen, self.desirable_weight * desirable, self.undesirable_weight * undesirable)
+        self.record_metrics(_kto_metric_values(stats, kl), evaluation)
+        return loss, outputs
+
+    def reference_logps(
+        self, forward: Forward, batch: Batch, tiles: Tiles = None, sp: SequenceParallel | None = None
+    ) -> torch.Tensor:
+        """As TRL scores them: the KL partners in a forward of their own, then the completions."""
+        partners = half_logps(forward, batch, 1, tiles, sp)[0]
+        return torch.stack([half_logps(forward, batch, 0, tiles, sp)[0], partners], dim=1)
+
+    def _half_logps(self, forward: Forward, batch: Batch, half: int) -> tuple[torch.Tensor, Any]:
+        return half_logps(forward, batch, half, self.loss_tiles, self.sequence_parallel)
+
+    def _global_stats(
+        self, batch: Batch, outputs: Any, logps: torch.Tensor, ratios: torch.Tensor, chosen: torch.Tensor
+    ) -> torch.Tensor:
+        """The micro-batch's sums over every rank (detached, float64): [KL log-ratio sum, rows,
+        entropy sum and its tokens, the chosen and the rejected rows' mean-logit sums and tokens,
+        then for chosen and for rejected rows: reward sum, rows, logp sum]."""
+        desirable = chosen.to(logps.dtype)
+        undesirable = 1 - desirable
+        entropy, mean_logit, tokens = self._token_sums(batch, outputs, logps)
+        rewards = self.beta * ratios[:, 0]
+        sums = [ratios[:, 1].sum(), logps.new_tensor(float(len(logps))), entropy.sum(), tokens.sum()]
+        for rows in (desirable, undesirable):
+            sums += [(mean_logit * rows).sum(), (tokens * rows).sum()]
+        for rows in (desirable, undesirable):
+            sums += [(rewards * rows).sum(), rows.sum(), (logps[:, 0] * rows).sum()]
+        return all_reduce_sum(torch.stack(sums).detach().double() * self.share)
+
+    @torch.no_grad()
+    def _token_sums(self, batch: Batch, outputs: Any, logps: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per row, over its completion's targets: the predicted distribution's entropy summed, the
+        mean logit (over the vocabulary) summed, and the targets counted; zeros where the logits are
+        not whole (tiled, or split over a sequence-parallel group)."""
+        logits = getattr(outputs, "logits", None)
+        if logits is None or self.loss_tiles is not None or self.sequence_parallel is not None:
+            zeros = logps.new_zeros(len(logps))
+            return zeros, zeros, zeros
+        main = logits[:, :-1].float()
+        tokens = batch["completion_mask"][:, 0, 1 : main.shape[1] + 1].to(logps.dtype)
+        logp = main.log_softmax(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        return (entropy * tokens).sum(-1), (main.mean(-1) * tokens).sum(-1), tokens.sum(-1)
+
+    def metric_means(self, device: torch.device, evaluation: bool = False) -> dict[str, float]:
+        """Each metric's mean over the micro-batches that measured it since the last call (every
+        rank recorded the same global values, each its share of them)."""
+        sums = self.__dict__.get("_metric_sums", {}).pop(evaluation, None)
+        if sums is None:
+            sums = torch.zeros(2 * len(self.metric_names), device=device)
+        totals = all_reduce_sum(sums.double()).tolist()
+        return {
+            name: totals[2 * i] / totals[2 * i + 1]
+            for i, name in enumerate(self.metric_names)
+            if totals[2 * i + 1] > 0.5
+        }
+
+
+def _kto_metric_values(stats: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
+    """[value, 1 or 0 (measured or not)] per KTO metric for one global micro-batch, each divided by
+    the world size: every rank records them, and the logging step's sum over ranks restores them."""
+
+    def mean(total: torch.Tensor, count: torch.Tensor) -> list[torch.Tensor]:
+        present = (count > 0).double()
+        return [total / count.clamp(min=1) * present, present]
+
+    chosen, rejected = mean(stats[8], stats[9]), mean(stats[11], stats[12])
+    both = chosen[1] * rejected[1]
+    values = [
+        kl.double(),
+        torch.ones_like(both),
+        *mean(stats[2], stats[3]),
+        *mean(stats[4], stats[5]),
+        *mean(stats[6], stats[7]),
+        *chosen,
+        *mean(stats[10], stats[9]),
+        *rejected,
+        *mean(stats[13], stats[12]),
+        (chosen[0] - rejected[0]) * both,
+        both,
+    ]
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return torch.stack(values) / world

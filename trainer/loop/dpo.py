@@ -34,7 +34,6 @@ from safetensors.torch import load_file, save_file
 
 from trainer.args.preference import DPOConfig
 from trainer.data.preference import REFERENCE_COLUMN, pairs_digest
-from trainer.engine.preference import sequence_logps
 from trainer.engine.zero import frozen_forward, gathered
 from trainer.loop.evaluation import eval_batches
 from trainer.loop.preference import PreferenceTrainer, disable_dropout, is_peft, load_model
@@ -178,7 +177,7 @@ class DPOTrainer(PreferenceTrainer):
                     needed = any(i >= 0 and i not in scored for i in indices)
                     if resumed and not host_all_reduce([float(needed)])[0]:
                         continue  # no rank needs this batch: every rank skips its forward
-                    logps, _ = sequence_logps(forward, engine.to_device(batch), tiles, sp)
+                    logps = engine.objective.reference_logps(forward, engine.to_device(batch), tiles, sp)
                     fresh.update((i, row) for i, row in zip(indices, logps.tolist(), strict=True) if i >= 0)
                     if len(fresh) >= FLUSH_PAIRS:
                         _write_chunk(partial, rank, fresh)

@@ -85,6 +85,16 @@ OBJECTIVES: dict[str, Entry] = {
         ),
         Entry("cpo", "contrastive preference optimisation", **_CPO),
         Entry("simpo", "SimPO: CPO's simpo loss without its NLL term", **_CPO),
+        Entry(
+            "kto",
+            "Kahneman-Tversky optimisation of labelled completions against a reference",
+            config="trainer.args.preference:KTOConfig",
+            trainer="trainer.loop.kto:KTOTrainer",
+            loss="trainer.engine.preference:KTO",
+            data="unpaired",
+            reference=True,
+            sequences_per_row=2,  # the completion and its KL partner
+        ),
     )
 }
 NAMES = tuple(OBJECTIVES)
