@@ -1,11 +1,12 @@
-"""TRL 1.16's own ``dpo.py`` and ``sft.py`` (as the installed TRL ships them), with only their
+"""TRL 1.16's own ``dpo.py``, ``sft.py`` and ``kto.py`` (as the installed TRL ships them), with only their
 ``from trl import`` lines naming our trainer and config (tests/helpers/trl_scripts.py), run as a user
 runs them: TRL's flags, ``quantization_config=get_quantization_config(...)`` and
 ``peft_config=get_peft_config(...)`` into the trainer, ``trainer.accelerator.print(...)`` and
 ``trainer.end()`` at the end.
 
-- One process: DPO with LoRA (``--use_peft``: the adapters drawn after seeding, as TRL's) and SFT on
-  prompt-completion rows give, step by step, what TRL's unchanged script gives.
+- One process: DPO with LoRA (``--use_peft``: the adapters drawn after seeding, as TRL's), SFT on
+  prompt-completion rows and KTO on labelled completions (plain SGD: tests/helpers/kto_scenarios.py
+  says why) give, step by step, what TRL's unchanged script gives.
 - Two ranks under the deepspeed launcher, a ZeRO-3 DeepSpeed file of "auto" values: DPO with LoRA
   follows the one-process run at the same global batch, and the script's prints appear once.
 
@@ -31,6 +32,7 @@ COMMON = ["--max_steps", "4", "--per_device_train_batch_size", "4", "--lr_schedu
 DPO = ["--learning_rate", "1e-2", "--max_length", "24", "--use_peft", "--lora_r", "4", "--lora_alpha", "8",
        "--lora_target_modules", "q_proj", "v_proj"]  # fmt: skip
 SFT = ["--learning_rate", "5e-3", "--max_length", "32"]
+KTO = ["--optim", "sgd", "--learning_rate", "1.0", "--max_length", "24"]
 ZERO3 = {  # as users write it: the batch and clipping from the arguments
     "train_micro_batch_size_per_gpu": "auto",
     "train_batch_size": "auto",
@@ -41,6 +43,8 @@ ZERO3 = {  # as users write it: the batch and clipping from the arguments
 DPO_METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
                "logps/rejected")  # fmt: skip
 SFT_METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy")
+KTO_METRICS = ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected",
+               "logits/chosen", "entropy")  # fmt: skip
 DONE = "✅ Training completed."
 
 
@@ -49,10 +53,11 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("trl_scripts")
     write_inputs(out)
     (out / "zero3.json").write_text(json.dumps(ZERO3))
-    ported = {name: write_ported(name, out) for name in ("dpo", "sft")}
+    ported = {name: write_ported(name, out) for name in ("dpo", "sft", "kto")}
     inputs = {name: ["--model_name_or_path", str(out / "model"), "--dataset_name", str(out / f"{name}_data")]
-              for name in ("dpo", "sft")}  # fmt: skip
-    flags = {"dpo": [*inputs["dpo"], *COMMON, *DPO], "sft": [*inputs["sft"], *COMMON, *SFT]}
+              for name in ("dpo", "sft", "kto")}  # fmt: skip
+    flags = {"dpo": [*inputs["dpo"], *COMMON, *DPO], "sft": [*inputs["sft"], *COMMON, *SFT],
+             "kto": [*inputs["kto"], *COMMON, *KTO]}  # fmt: skip
     logs = {}
 
     def run(key: str, script: Path, name: str, launcher: str = "python", *extra: str) -> None:
@@ -60,7 +65,7 @@ def runs(tmp_path_factory):
         logs[key] = proc.stdout
 
     def one_process() -> None:
-        for name in ("dpo", "sft"):
+        for name in ("dpo", "sft", "kto"):
             run(f"{name}_trl", trl_script(name), name)
             run(f"{name}_ours", ported[name], name)
 
@@ -81,7 +86,7 @@ def ours(out: Path, keys: tuple[str, ...]) -> dict[str, list[float]]:
     return {k: [r[k] for r in rows] for k in keys}
 
 
-@pytest.mark.parametrize("name, keys", [("dpo", DPO_METRICS), ("sft", SFT_METRICS)])
+@pytest.mark.parametrize("name, keys", [("dpo", DPO_METRICS), ("sft", SFT_METRICS), ("kto", KTO_METRICS)])
 def test_trls_script_with_our_import_gives_trls_numbers(runs, name, keys):
     out, logs = runs
     trl, got = theirs(out / f"{name}_trl", keys), ours(out / f"{name}_ours", keys)

@@ -1,10 +1,11 @@
-"""TRL's own example scripts (``trl/scripts/dpo.py`` and ``sft.py``, as the installed TRL ships
-them), ported as a user ports them: the ``from trl import ...`` lines that name a trainer or its
+"""TRL's own example scripts (``trl/scripts/dpo.py``, ``sft.py`` and ``kto.py``, as the installed TRL
+ships them), ported as a user ports them: the ``from trl import ...`` lines that name a trainer or its
 config name ours instead, nothing else changes. The ported file is written at test time beside the
 run's data, never into the project.
 
 Usage: ``python tests/helpers/trl_scripts.py OUT`` writes ``OUT/model`` (a tiny Llama and its
-tokenizer) and ``OUT/dpo_data``, ``OUT/sft_data`` (JSON lines a ``load_dataset`` of the directory reads).
+tokenizer) and ``OUT/dpo_data``, ``OUT/sft_data``, ``OUT/kto_data`` (JSON lines a ``load_dataset`` of
+the directory reads).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 # What a port takes from this project instead of TRL; the rest of each import stays TRL's.
-OURS = {"DPOTrainer", "DPOConfig", "SFTTrainer", "SFTConfig"}
+OURS = {"DPOTrainer", "DPOConfig", "SFTTrainer", "SFTConfig", "KTOTrainer", "KTOConfig"}
 _FROM_TRL = re.compile(r"^(?P<indent>\s*)from trl import (?P<names>[^()\n]+)$", re.MULTILINE)
 
 
@@ -47,13 +48,19 @@ def write_ported(name: str, out: Path) -> Path:
 
 
 def write_inputs(out: Path) -> None:
-    """The base model and the two data directories."""
+    """The base model and the data directories."""
+    from tests.helpers.kto_scenarios import completions
     from tests.helpers.preference_scenarios import base, pairs
     from tests.helpers.sft_scenarios import rows
 
     out.mkdir(parents=True, exist_ok=True)
     base(out, "model")
-    for name, data in (("dpo_data", pairs("text")), ("sft_data", rows("prompt_completion"))):
+    data_sets = (
+        ("dpo_data", pairs("text")),
+        ("sft_data", rows("prompt_completion")),
+        ("kto_data", completions()),
+    )
+    for name, data in data_sets:
         (out / name).mkdir(exist_ok=True)
         data.to_json(out / name / "train.jsonl")
 
