@@ -38,6 +38,13 @@ SUBJECTS = ["the sky", "a cat", "the sea", "an apple", "the road", "a song", "th
 COLOURS = ["blue", "grey", "green", "red", "black", "white"]
 
 
+def reference_stage(trainer: Any) -> Any:
+    """The trainer's reference stage (trainer/loop/reference.py)."""
+    from trainer.loop.reference import ReferenceStage
+
+    return next(stage for stage in trainer.stages if isinstance(stage, ReferenceStage))
+
+
 def scenario(fn: Callable[[Path], dict[str, Any]]) -> Callable[[Path], dict[str, Any]]:
     SCENARIOS[fn.__name__] = fn
     return fn
@@ -260,9 +267,7 @@ def lora_adapters_off(out: Path) -> dict[str, Any]:
         set_seed(seed)
         args = DPOConfig(output_dir=str(out / f"digest{seed}"), **COMMON)
         digests.append(
-            DPOTrainer(
-                base(out), args=args, train_dataset=pairs("text"), peft_config=lora()
-            )._reference_digest
+            reference_stage(DPOTrainer(base(out), args=args, train_dataset=pairs("text"), peft_config=lora())).digest
         )
     return {**parity(out, "text", setup={"peft_config": lora()}), "same_digest": digests[0] == digests[1]}
 
@@ -299,7 +304,7 @@ def ref_model(out: Path) -> dict[str, Any]:
         "trl": theirs,
         "ours_eval": ours_eval,
         "trl_eval": their_eval,
-        "ref_model_kept": trainer.ref_model is not None,
+        "ref_model_kept": reference_stage(trainer).ref_model is not None,
         "other_ref_gaps": gaps,
     }
 
@@ -420,10 +425,10 @@ def reference_resume(out: Path) -> dict[str, Any]:
     and its cache and the steps equal an uninterrupted run's, bitwise."""
     from safetensors.torch import load_file
 
-    import trainer.loop.dpo as dpo
+    import trainer.loop.reference as reference
     from trainer.engine.preference import PairObjective
 
-    dpo.FLUSH_PAIRS = 4
+    reference.FLUSH_PAIRS = 4
     calls, real = [], PairObjective.reference_logps  # what the reference stage asks of each batch
 
     def counted(objective, forward, batch, tiles, sp, stop_after=None):

@@ -26,6 +26,7 @@ import torch
 from trainer.args.preference import KTOConfig
 from trainer.data.preference import PAIR_COLUMNS, split_prompt, tokenize_pair
 from trainer.loop.dpo import DPOTrainer
+from trainer.loop.stages import DataStage
 
 UNPAIR_BLOCK = 1000  # TRL unpairs a preference set in blocks of this many rows
 COMPLETION, PARTNER = PAIR_COLUMNS[1], PAIR_COLUMNS[2]  # a row's completion, its KL partner's
@@ -48,6 +49,7 @@ class KTOTrainer(DPOTrainer):
         super().__init__(model, ref_model, args, *rest, **kwargs)
         if not isinstance(self.data_collator, LabelledRows):
             self.data_collator = LabelledRows(self.data_collator)
+        self.stages.insert(0, KLPartners())  # fixed before the reference scores them
 
     @staticmethod
     def pairs(dataset: Any, name: str, args: KTOConfig, tokenizer: Any) -> Any:
@@ -95,12 +97,6 @@ class KTOTrainer(DPOTrainer):
             )
         return out
 
-    def _with_reference(self, dataset: Any, name: str | None) -> Any:
-        """Each row's KL partner is fixed (by the mesh's global micro-batch) before the reference scores it."""
-        if dataset is not None and PARTNER not in dataset.column_names:
-            dataset = with_kl_partners(dataset, self.args.per_device_train_batch_size * self.mesh.readers)
-        return super()._with_reference(dataset, name)
-
 
 def _unpaired(block: dict[str, list[Any]]) -> dict[str, list[Any]]:
     """A block of preference rows as its chosen completions (desirable), then its rejected ones."""
@@ -122,6 +118,15 @@ def with_kl_partners(dataset: Any, micro_batch: int) -> Any:
         return {PARTNER: completions[-1:] + completions[:-1]}
 
     return dataset.map(rotate, batched=True, batch_size=micro_batch, desc="Pairing KL completions")
+
+
+class KLPartners(DataStage):
+    """Each row's KL partner, fixed by the mesh's global micro-batch (``with_kl_partners``)."""
+
+    def prepare(self, trainer: Any, dataset: Any, name: str | None) -> Any:
+        if dataset is None or PARTNER in dataset.column_names:
+            return dataset
+        return with_kl_partners(dataset, trainer.args.per_device_train_batch_size * trainer.mesh.readers)
 
 
 class LabelledRows:

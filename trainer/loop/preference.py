@@ -93,8 +93,9 @@ class PreferenceTrainer(Trainer):
         )
 
     def _model_columns(self, dataset: Any, description: str | None = None) -> Any:
-        """Kept whole: the pair collator reads the pairs' columns, not the model's forward arguments."""
-        return dataset
+        """Tokenised (a set passed to ``evaluate`` may be raw rows), and kept whole: the pair collator
+        reads the pairs' columns, not the model's forward arguments."""
+        return self.pairs(dataset, description or "eval", self.args, self.processing_class)
 
     def _objective(self) -> PairObjective:
         """The loss the registry names for the run's objective, built from its arguments."""

@@ -33,7 +33,7 @@ from trainer.args.recipe import dump_run_config
 from trainer.checkpoint.export import export_hf
 from trainer.config.files import precision_of
 from trainer.data import ResumableDistributedSampler, default_collator_for, model_columns
-from trainer.data.loader import accumulation_windows, row_length, sample_lengths, train_sampler
+from trainer.data.loader import row_length, sample_lengths, train_sampler
 from trainer.data.stream_sources import readable
 from trainer.engine import Engine, Objective, build_engine, is_causal_lm, objective_for
 from trainer.loop.auto_batch import AutoBatchSize
@@ -54,6 +54,7 @@ from trainer.loop.guard import NonfiniteGuard
 from trainer.loop.hf_methods import HFMethods
 from trainer.loop.plan import RunPlan, plan_run
 from trainer.loop.saving import Checkpoints, resumed_state
+from trainer.loop.stages import DataStage, LoaderProducer, Producer, prepared
 from trainer.loop.steps import client_scheduler, epoch_at, optimizer_for, tiling_for, torch_compile_for
 from trainer.loop.vote import Preemption, WindowCounts, add_source_blocks, poll, source_shares, weakly
 from trainer.model.liger import apply_liger_kernel, check_liger
@@ -63,7 +64,7 @@ from trainer.observe.metrics import summary_table
 from trainer.observe.monitor import EmptyDeviceCache, memory_stats
 from trainer.observe.reporting import reporting_callbacks
 from trainer.observe.results import ResultsAPI, TrainTotals
-from trainer.observe.throughput import StepTimer, flops_per_token_for_model
+from trainer.observe.throughput import StepTimer, device_sync, flops_per_token_for_model
 from trainer.runtime.distributed import (
     all_reduce_sum,
     barrier,
@@ -127,10 +128,10 @@ class Trainer(HFMethods, ResultsAPI):
         self.model = model
         if getattr(model, "config", None) is not None:  # as HF's: no cache in training or evaluation
             model.config.use_cache = getattr(self.args, "use_cache", False)
+        self.processing_class = processing_class or tokenizer
         self._lengths = sample_lengths(train_dataset, self.args)  # before a length column is cut
         self.train_dataset = readable(self._model_columns(train_dataset, "training"), self.args)
         self.eval_dataset = readable(self._model_columns(eval_dataset, "evaluation"), self.args, True)
-        self.processing_class = processing_class or tokenizer
         self.data_collator = data_collator or default_collator_for(model, self.processing_class)
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
@@ -151,6 +152,8 @@ class Trainer(HFMethods, ResultsAPI):
         self.auto_batch = AutoBatchSize(self.args, model, self.dist.world_size)  # a callback when on
         default += [self.auto_batch] if self.auto_batch.enabled else []
         self.callback_handler = CallbackHandler(default + list(callbacks or []))
+        self.producer: Producer = LoaderProducer()  # each step's micro-batches (trainer/loop/stages.py)
+        self.stages: list[DataStage] = []  # what prepares a set before the objective reads it
         self.engine: Engine | None = None
         self.checkpoints: Checkpoints | None = None  # the saver and snapshots (trainer/loop/saving.py)
         self.watchdog = Watchdog(self.args.output_dir, self.args.hang_timeout_s, fault_plan())
@@ -252,13 +255,7 @@ class Trainer(HFMethods, ResultsAPI):
 
     def _train_epoch(self, sampler: ResumableDistributedSampler) -> bool:
         """Optimizer steps until the epoch ends (True) or the run stops or rolls back (False)."""
-        for window in accumulation_windows(
-            self.train_dataset,
-            sampler,
-            self.data_collator,
-            self.args,
-            pin_memory=self.hardware.device == "cuda",
-        ):
+        for window in self.producer.windows(self, sampler):
             window_tokens, counts = self._vote(window)
             if not window_tokens:  # the data ends on every rank
                 return True
@@ -348,9 +345,13 @@ class Trainer(HFMethods, ResultsAPI):
         """HF's evaluate: ``{prefix}_loss``, the ``compute_metrics`` results,
         ``{prefix}_runtime``/``_samples_per_second``/``_steps_per_second`` and ``epoch``, on every
         rank; logged as a row. ``ignore_keys``: model outputs left out of the predictions."""
-        dataset = self.eval_dataset if eval_dataset is None else self._model_columns(eval_dataset)
-        if dataset is None:
+        if (self.eval_dataset if eval_dataset is None else eval_dataset) is None:
             raise ValueError("Trainer.evaluate: no eval_dataset")
+        self._ensure_engine(max(self.state.max_steps, 1))
+        if eval_dataset is None:  # the Trainer's own set, prepared once
+            dataset = self.eval_dataset = prepared(self, self.eval_dataset, "eval")
+        else:
+            dataset = prepared(self, self._model_columns(eval_dataset), None)
         predictions = self.compute_metrics is not None and not self.args.prediction_loss_only
         # With batch_eval_metrics, HF's evaluate keeps no predictions (that is its point); predict does.
         returned = not self.args.batch_eval_metrics
@@ -430,7 +431,12 @@ class Trainer(HFMethods, ResultsAPI):
         self.args, state = self.plan.args, self.state
         state.steps_per_epoch, state.max_steps, state.num_train_epochs = self.plan.steps
         self._ensure_engine(state.max_steps)
-        return train_sampler(self.train_dataset, *self.mesh.data_ranks, self.args, self._lengths)
+        sampler = train_sampler(self.train_dataset, *self.mesh.data_ranks, self.args, self._lengths)
+        self.train_dataset = prepared(self, self.train_dataset, "train")
+        self.eval_dataset = prepared(self, self.eval_dataset, "eval")  # evaluated after updates
+        for stage in self.stages:
+            stage.started(self)
+        return sampler
 
     def _plan_run(self, spec: Any, num_samples: int | None, total_steps: int, held: bool = False) -> RunPlan:
         return plan_run(
@@ -545,7 +551,7 @@ class Trainer(HFMethods, ResultsAPI):
         if scale is not None:
             logs.update(loss_scale=scale, skipped_steps=self.engine.skipped_steps)
         logs.update(self.engine.objective.metric_means(self.engine.device))
-        logs.update(self.timer.flush(sync_fn=self._sync, all_reduce_sum=host_all_reduce))
+        logs.update(self.timer.flush(sync_fn=device_sync(self.hardware), all_reduce_sum=host_all_reduce))
         logs.update(memory_stats(self.engine.device))
         logs.update(self._params, activation_checkpointing=self.engine.activation_checkpointing)
         logs.update(source_shares(self.state.source_blocks))
@@ -566,10 +572,6 @@ class Trainer(HFMethods, ResultsAPI):
             ran = True
         self.control.should_evaluate = self.control.should_save = self.control.should_log = False
         return ran
-
-    def _sync(self) -> None:
-        if self.hardware.device == "cuda":
-            torch.cuda.synchronize()
 
     def _save_checkpoint(self, resumable: bool = False) -> None:
         """Start a checkpoint of this step (trainer/loop/saving.py); on_save fires once it is committed."""

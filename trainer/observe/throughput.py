@@ -112,6 +112,11 @@ def input_ids_count(batch: dict[str, Any]) -> int:
     return ids.numel() if ids is not None else 0
 
 
+def device_sync(hardware: Any) -> Callable[[], None]:
+    """What waits for the device's queued work before a timer reads the clock (nothing on a CPU)."""
+    return torch.cuda.synchronize if hardware.device == "cuda" else (lambda: None)
+
+
 class StepTimer:
     """Step time, throughput, model TFLOP/s and MFU over the window between two logging steps.
 
