@@ -1,0 +1,198 @@
+"""The figures docs/architecture.md gives, counted from a checkout rather than by hand.
+
+    python scripts/architecture_figures.py [--root CHECKOUT] [--steps] [--json FILE]
+
+From the source of ``CHECKOUT/trainer`` (default: this one):
+- for each parallel size, the places that read it at a source (an argument, a DeepSpeed dict key,
+  DeepSpeed's own accessors; the patterns of tests/unit/test_mesh_source.py) outside the mesh's
+  construction, the DeepSpeed schema and resolution (``trainer/config``) and the argument models
+  (``trainer/args``); and the modules that read it from a ``Mesh`` (or, before it, a ``ParallelLayout``);
+- for each objective name, the places it is written as a string outside ``trainer/objectives``;
+- the lines of ``trainer/loop/trainer.py``.
+
+``--steps`` also runs, in this process on the package it imports (put CHECKOUT first on
+``PYTHONPATH`` to count another checkout), one optimizer step of a tiny Llama with the Trainer,
+with DPOTrainer and (where there is one) KTOTrainer, and counts the files of ``trainer/`` whose code
+ran during that step: from the end of step 1 to the end of step 2 (the producer's window, the
+vote, the forward and backward, the optimizer step, the callbacks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Per size: (attributes that read it: an argument's or DeepSpeed's accessor, dict keys that read it)
+SIZES = {
+    "tensor": ({"tensor_parallel_size", "autotp_size", "get_tensor_model_parallel_rank",
+                "get_tensor_model_parallel_world_size", "get_model_parallel_world_size"},
+               {"tensor_parallel_size", "autotp_size", "tensor_parallel.autotp_size"}),
+    "sequence": ({"sequence_parallel_size", "get_sequence_parallel_world_size", "get_sequence_parallel_rank",
+                  "seq_dp_world_size"}, {"sequence_parallel_size"}),
+    "pipeline": ({"pipeline_parallel_size"}, {"stages", "pipeline.stages", "pipeline_parallel_size"}),
+    "expert": ({"expert_parallel_size", "get_expert_parallel_world_size"}, {"expert_parallel_size"}),
+    "data": ({"dp_world_size", "get_data_parallel_world_size"}, {"data_parallel_size", "optimizer_partitions"}),
+}  # fmt: skip
+HELPERS = {"parallel_sizes": ("tensor", "sequence", "pipeline"), "tensor_size_of": ("tensor",)}
+MESH_FIELDS = {"tensor": {"tensor"}, "sequence": {"sequence", "sequence_rank"}, "pipeline": {"pipeline"},
+               "expert": {"expert"}, "data": {"data_parallel_size", "data", "readers", "data_ranks", "zero_shards"}}  # fmt: skip
+EXEMPT = (
+    "trainer/config/",
+    "trainer/args/",
+    "trainer/bench/",
+    "trainer/runtime/mesh.py",
+    "trainer/runtime/layout.py",
+)
+OBJECTIVES = ("causal_lm", "dpo", "orpo", "cpo", "simpo", "kto")
+LOSS_TYPES = {"simpo", "kto"}  # TRL's loss types of the same names, in the preference configs and losses
+
+
+def _modules(root: Path) -> dict[str, ast.AST]:
+    return {
+        path.relative_to(root).as_posix(): ast.parse(path.read_text())
+        for path in sorted((root / "trainer").rglob("*.py"))
+    }
+
+
+def _size_reads(tree: ast.AST) -> dict[str, int]:
+    """Reads of each size at a source in one module: attributes, dict keys and the config helpers."""
+    found: dict[str, int] = defaultdict(int)
+    for node in ast.walk(tree):
+        attrs: list[str] = []
+        keys: list[str] = []
+        if isinstance(node, ast.Attribute):
+            attrs = [node.attr]
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            keys = [node.slice.value] if isinstance(node.slice.value, str) else []
+        elif isinstance(node, ast.Call):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if func in HELPERS:
+                for size in HELPERS[func]:
+                    found[size] += 1
+                continue
+            if func in {"get", "get_path", "getattr", "pop"}:
+                keys = [
+                    a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
+                ]
+        for size, (attributes, dict_keys) in SIZES.items():
+            found[size] += sum(name in attributes for name in attrs) + sum(name in dict_keys for name in keys)
+    return found
+
+
+def _mesh_reads(tree: ast.AST) -> set[str]:
+    """Sizes a module reads from a mesh or layout object (``mesh.tensor``, ``layout.sequence``, ...)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, (ast.Name, ast.Attribute)):
+            owner = node.value.id if isinstance(node.value, ast.Name) else node.value.attr
+            if owner in {"mesh", "layout"}:
+                found |= {size for size, fields in MESH_FIELDS.items() if node.attr in fields}
+    return found
+
+
+def source_figures(root: Path) -> dict:
+    modules = _modules(root)
+    sources: dict[str, dict[str, int]] = {size: {} for size in SIZES}
+    readers: dict[str, list[str]] = {size: [] for size in SIZES}
+    written: dict[str, int] = dict.fromkeys(OBJECTIVES, 0)
+    for rel, tree in modules.items():
+        if not rel.startswith(EXEMPT):
+            for size, count in _size_reads(tree).items():
+                if count:
+                    sources[size][rel] = count
+        for size in _mesh_reads(tree):
+            readers[size].append(rel)
+        if not rel.startswith("trainer/objectives/"):
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Constant) and node.value in OBJECTIVES:
+                    loss_type = node.value in LOSS_TYPES and rel.endswith("/preference.py")
+                    written[node.value] += 0 if loss_type else 1
+    return {
+        "size_reads_at_a_source": {
+            s: {"places": sum(v.values()), "files": sorted(v)} for s, v in sources.items()
+        },
+        "modules_reading_the_mesh": {s: len(v) for s, v in readers.items()},
+        "objective_names_written_outside_the_registry": written,
+        "trainer_py_lines": len((root / "trainer" / "loop" / "trainer.py").read_text().splitlines()),
+    }
+
+
+def step_files() -> dict[str, list[str]]:
+    """Files of trainer/ whose code runs during one optimizer step, per trainer class."""
+    import datasets
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+
+    import trainer as package
+    from tests.helpers.preference_scenarios import pairs, tokenizer
+
+    package_dir = str(Path(package.__file__).parent)
+    seen: set[str] = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(package_dir):
+            seen.add(frame.f_code.co_filename)
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 1:
+                sys.setprofile(profile)
+            elif state.global_step == 2:
+                sys.setprofile(None)
+
+    tok = tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+    common = dict(max_steps=2, per_device_train_batch_size=2, logging_steps=1, save_strategy="no",
+                  report_to="none", disable_tqdm=True, gradient_checkpointing=False, max_length=24)  # fmt: skip
+    counts = {}
+    runs = {"Trainer": None, "DPOTrainer": "DPOConfig", "KTOTrainer": "KTOConfig"}
+    for name, config_name in runs.items():
+        if not hasattr(package, name):
+            continue
+        seen.clear()
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        out = f"/tmp/architecture_figures/{name}"
+        if config_name is None:
+            ids = torch.randint(0, len(tok), (8, 16)).tolist()
+            rows = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
+            args = package.TrainingArguments(
+                output_dir=out, **{k: v for k, v in common.items() if k != "max_length"}
+            )
+            run = package.Trainer(model=model, args=args, train_dataset=rows, callbacks=[Watch()])
+        else:
+            args = getattr(package, config_name)(output_dir=out, **common)
+            data = pairs("text", 8)  # KTOTrainer unpairs them: the chosen rows, then the rejected ones
+            run = getattr(package, name)(
+                model, args=args, train_dataset=data, processing_class=tok, callbacks=[Watch()]
+            )
+        run.train()
+        counts[name] = sorted(str(Path(f).relative_to(Path(package_dir).parent)) for f in seen)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to count (default: this one)")
+    parser.add_argument("--steps", action="store_true", help="also count the files one step runs")
+    parser.add_argument("--json", type=Path, help="write the figures as one JSON object")
+    args = parser.parse_args(argv)
+    figures = source_figures(args.root)
+    if args.steps:
+        figures["files_run_by_one_step"] = step_files()
+    text = json.dumps(figures, indent=1)
+    if args.json:
+        args.json.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
