@@ -10,11 +10,9 @@ From the source of ``CHECKOUT/trainer`` (default: this one):
 - for each objective name, the places it is written as a string outside ``trainer/objectives``;
 - the lines of ``trainer/loop/trainer.py``.
 
-``--steps`` also runs, in this process on the package it imports (put CHECKOUT first on
-``PYTHONPATH`` to count another checkout), one optimizer step of a tiny Llama with the Trainer,
-with DPOTrainer and (where there is one) KTOTrainer, and counts the files of ``trainer/`` whose code
-ran during that step: from the end of step 1 to the end of step 2 (the producer's window, the
-vote, the forward and backward, the optimizer step, the callbacks).
+``--steps`` also counts, with scripts/step_files.py, the files of ``trainer/`` whose code one step
+of a tiny Llama runs: a plain step, a logging step with the tiled loss and MLP, and plain steps of
+DPOTrainer and KTOTrainer.
 """
 
 from __future__ import annotations
@@ -122,62 +120,6 @@ def source_figures(root: Path) -> dict:
     }
 
 
-def step_files() -> dict[str, list[str]]:
-    """Files of trainer/ whose code runs during one optimizer step, per trainer class."""
-    import datasets
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
-
-    import trainer as package
-    from tests.helpers.preference_scenarios import pairs, tokenizer
-
-    package_dir = str(Path(package.__file__).parent)
-    seen: set[str] = set()
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(package_dir):
-            seen.add(frame.f_code.co_filename)
-
-    class Watch(TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):
-            if state.global_step == 1:
-                sys.setprofile(profile)
-            elif state.global_step == 2:
-                sys.setprofile(None)
-
-    tok = tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
-    common = dict(max_steps=2, per_device_train_batch_size=2, logging_steps=1, save_strategy="no",
-                  report_to="none", disable_tqdm=True, gradient_checkpointing=False, max_length=24)  # fmt: skip
-    counts = {}
-    runs = {"Trainer": None, "DPOTrainer": "DPOConfig", "KTOTrainer": "KTOConfig"}
-    for name, config_name in runs.items():
-        if not hasattr(package, name):
-            continue
-        seen.clear()
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
-        out = f"/tmp/architecture_figures/{name}"
-        if config_name is None:
-            ids = torch.randint(0, len(tok), (8, 16)).tolist()
-            rows = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
-            args = package.TrainingArguments(
-                output_dir=out, **{k: v for k, v in common.items() if k != "max_length"}
-            )
-            run = package.Trainer(model=model, args=args, train_dataset=rows, callbacks=[Watch()])
-        else:
-            args = getattr(package, config_name)(output_dir=out, **common)
-            data = pairs("text", 8)  # KTOTrainer unpairs them: the chosen rows, then the rejected ones
-            run = getattr(package, name)(
-                model, args=args, train_dataset=data, processing_class=tok, callbacks=[Watch()]
-            )
-        run.train()
-        counts[name] = sorted(str(Path(f).relative_to(Path(package_dir).parent)) for f in seen)
-    return counts
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to count (default: this one)")
@@ -186,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     figures = source_figures(args.root)
     if args.steps:
-        figures["files_run_by_one_step"] = step_files()
+        from step_files import measured  # scripts/step_files.py, beside this script
+
+        figures["files_run_by_one_step"] = {name: len(files) for name, files in measured().items()}
     text = json.dumps(figures, indent=1)
     if args.json:
         args.json.write_text(text)
