@@ -2,7 +2,7 @@
 
 An op's builder asks ``cpuinfo.get_cpu_info()`` for the architecture and vector width each time the op
 loads (CPU Adam, FusedAdam: twice per op, cached build or not), and CPU Adam asks for the vendor. Each
-answer is a fresh interpreter: 1.2 s and about a CPU-second here, per question. The answer is kept for
+answer is a fresh interpreter (docs/architecture.md has its cost), per question. The answer is kept for
 the process and in a file for the processes after it, named by what identifies the CPU in
 ``/proc/cpuinfo`` (vendor, family, model, stepping, flags); a machine with another CPU, a node of a
 cluster that shares the home directory, reads another file. Without ``/proc/cpuinfo`` the answer is

@@ -1,6 +1,6 @@
 """File checksums: one function for every file the project fingerprints (checkpoint files, the data
-files a run read). xxh3-128 reads at memory speed, where sha256 reads under 1 GB/s; sha256 is still
-read in older checkpoint manifests."""
+files a run read). xxh3-128 reads at memory speed, many times sha256's rate (docs/checkpoints.md);
+sha256 is still read in older checkpoint manifests."""
 
 from __future__ import annotations
 

@@ -1,17 +1,15 @@
 """What a process pays to import its libraries: the collector paused while they load
 (``heavy_imports``), and DeepSpeed's autotuner kept from importing mlflow (``install``).
 
-torch, transformers and DeepSpeed leave about 460,000 objects behind as they import, and the cyclic
-collector walks them again and again while they load (about 1,100 collections, 7 of them full) and
-at every full collection after. Pausing it for the imports, then moving what they made to the
-permanent generation (``gc.freeze``, as a fork server does), took a one-process run of the tiny test
-model from 7.7-7.8 to 5.3-5.8 CPU-seconds here. What is frozen is never collected as a cycle: that is
-mostly modules, which live as long as the process, and what the process made before (refcounting
-still frees those objects that are not in a cycle).
+torch, transformers and DeepSpeed leave hundreds of thousands of objects behind as they import, and
+the cyclic collector walks them again and again while they load and at every full collection after.
+Pausing it for the imports, then moving what they made to the permanent generation (``gc.freeze``, as
+a fork server does), saves every rank that CPU time (docs/architecture.md has the figures). What is
+frozen is never collected as a cycle: that is mostly modules, which live as long as the process, and
+what the process made before (refcounting still frees those objects that are not in a cycle).
 
 DeepSpeed imports its autotuner whenever it reads a config, and the autotuner imports mlflow at import
-time if it is installed: 2.2 s of a 4.8 s ``import deepspeed`` here, paid by every rank of every
-launch. This package never runs the autotuner, so the import of mlflow from that one module finds
+time if it is installed: close to half of ``import deepspeed``, paid by every rank of every launch. This package never runs the autotuner, so the import of mlflow from that one module finds
 nothing; every other importer, ``--report_to mlflow`` included, gets mlflow as usual.
 """
 
