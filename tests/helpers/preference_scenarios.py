@@ -50,20 +50,23 @@ def scenario(fn: Callable[[Path], dict[str, Any]]) -> Callable[[Path], dict[str,
     return fn
 
 
-def tokenizer():
+def tokenizer(bos: bool = False):
+    """The tiny BPE tokenizer; ``bos``: with a BOS token it does not add itself (as GPT-2's, or a
+    Llama tokenizer told not to), which TRL's ORPO and CPO put in front of a text prompt."""
     lines = [f"What colour is {s}? It is {c}." for s in SUBJECTS for c in COLOURS]
-    tok = bpe_tokenizer(lines * 4 + ["<|user|>\n", "<|assistant|>\n"], vocab_size=300)
+    special = {"special_tokens": ("<unk>", "<pad>", "<eos>", "<s>"), "bos_token": "<s>"} if bos else {}
+    tok = bpe_tokenizer(lines * 4 + ["<|user|>\n", "<|assistant|>\n"], vocab_size=300, **special)
     tok.chat_template = DEFAULT_CHAT_TEMPLATE
     return tok
 
 
-def base(out: Path, name: str = "base", seed: int = 0) -> str:
+def base(out: Path, name: str = "base", seed: int = 0, bos: bool = False) -> str:
     """A tiny Llama and its tokenizer saved once under ``out``: both trainers load it by path (TRL
     builds its reference model from the path). ``seed``: its initial weights."""
     path = out / name
     if not path.is_dir():  # every rank builds the same one; the first rename wins, whole
         tmp = out / f"{name}.{os.getpid()}"
-        tok = tokenizer()
+        tok = tokenizer(bos)
         torch.manual_seed(seed)
         config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
@@ -241,6 +244,20 @@ def orpo_accumulated(out: Path) -> dict[str, Any]:
 
 
 @scenario
+def orpo_bos(out: Path) -> dict[str, Any]:
+    """A tokenizer with a BOS token it does not add itself: TRL's ORPO puts it in front of each
+    prompt, and so does ours (tokenize_pair_with_bos)."""
+    base(out, bos=True)
+    return parity(out, "text", method="orpo", beta=0.5)
+
+
+@scenario
+def cpo_bos(out: Path) -> dict[str, Any]:
+    base(out, bos=True)
+    return parity(out, "text", method="cpo")
+
+
+@scenario
 def cpo(out: Path) -> dict[str, Any]:
     return parity(out, "text", method="cpo")
 
@@ -267,7 +284,9 @@ def lora_adapters_off(out: Path) -> dict[str, Any]:
         set_seed(seed)
         args = DPOConfig(output_dir=str(out / f"digest{seed}"), **COMMON)
         digests.append(
-            reference_stage(DPOTrainer(base(out), args=args, train_dataset=pairs("text"), peft_config=lora())).digest
+            reference_stage(
+                DPOTrainer(base(out), args=args, train_dataset=pairs("text"), peft_config=lora())
+            ).digest
         )
     return {**parity(out, "text", setup={"peft_config": lora()}), "same_digest": digests[0] == digests[1]}
 

@@ -189,7 +189,7 @@ def bpe_tokenizer(
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    names = {**dict(zip(("unk_token", "pad_token", "eos_token"), special_tokens, strict=True)), **names}
+    names = {**dict(zip(("unk_token", "pad_token", "eos_token"), special_tokens[:3], strict=True)), **names}
     bpe = Tokenizer(models.BPE(unk_token=names["unk_token"]))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
     bpe.decoder = decoders.ByteLevel()

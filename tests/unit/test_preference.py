@@ -23,7 +23,8 @@ SCRIPT = "tests/helpers/preference_scenarios.py"
 PARITY = ["sigmoid_text", "sigmoid_implicit", "sigmoid_conversation", "ipo", "hinge", "robust", "lora_adapters_off",
           "ref_model"]  # fmt: skip
 # Reference-free: TRL's experimental ORPOTrainer and CPOTrainer (loss_type simpo: SimPO)
-FREE = {"orpo": "orpo", "orpo_accumulated": "orpo", "cpo": "cpo", "simpo": "cpo", "cpo_ipo": "cpo"}
+FREE = {"orpo": "orpo", "orpo_accumulated": "orpo", "cpo": "cpo", "simpo": "cpo", "cpo_ipo": "cpo", "orpo_bos": "orpo",
+        "cpo_bos": "cpo"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -284,3 +285,19 @@ def test_a_reference_pass_stopped_midway_resumes_where_it_stopped(results):
     assert run["same_cache"]
     for key in METRICS:
         assert run["resumed"][key] == run["whole"][key], key
+
+
+def test_orpo_and_cpo_put_the_tokenizers_bos_in_front_of_the_prompt_as_trls_do():
+    """TRL's ORPO and CPO keep an older tokenisation than DPO's: a BOS token the tokenizer does not
+    add itself goes in front of the prompt (once), an EOS after each answer; DPO's rule adds none."""
+    from trainer.data.preference import tokenize_pair_with_bos
+
+    tok = tokenizer(bos=True)
+    row = {"prompt": "What colour is the sky?", "chosen": " It is blue.", "rejected": " It is red."}
+    older, dpo = tokenize_pair_with_bos(row, tok), tokenize_pair(row, tok)
+    assert older["prompt_ids"][0] == tok.bos_token_id and older["prompt_ids"][1:] == dpo["prompt_ids"]
+    assert older["chosen_ids"] == dpo["chosen_ids"] and older["chosen_ids"][-1] == tok.eos_token_id
+    assert (
+        tokenize_pair_with_bos({**row, "prompt": tok.bos_token + row["prompt"]}, tok)["prompt_ids"]
+        == older["prompt_ids"]
+    )

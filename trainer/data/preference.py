@@ -111,6 +111,47 @@ def tokenize_pair(row: dict[str, Any], tokenizer: Any) -> dict[str, list[int]]:
     return {"prompt_ids": prompt_ids[:start], "chosen_ids": full[0][start:], "rejected_ids": full[1][start:]}
 
 
+def tokenize_pair_with_bos(row: dict[str, Any], tokenizer: Any) -> dict[str, list[int]]:
+    """One row as TRL's ORPO and CPO trainers tokenise it (an older rule than DPO's, which they
+    keep): a conversation is rendered by the chat template to text first (the prompt with the
+    generation prompt; each answer is what the whole conversation adds to it); text is tokenised
+    without special tokens, the prompt alone and with each answer, and an answer starts at the
+    prompt's length (one token earlier where the prompt's last token merged into the answer); then
+    the tokenizer's BOS goes in front of the prompt and its EOS after each answer, where not there
+    already."""
+    prompt, chosen, rejected = split_prompt(row)
+    if is_conversation(chosen):
+        try:
+            text = tokenizer.apply_chat_template(prompt or [], tokenize=False, add_generation_prompt=True)
+            answers = [
+                tokenizer.apply_chat_template((prompt or []) + a, tokenize=False) for a in (chosen, rejected)
+            ]
+        except Exception as err:  # a template may refuse a conversation, or fail on it
+            raise RowProblem(f"the chat template failed: {str(err).splitlines()[0]}") from None
+        prompt, chosen, rejected = text, *(a[len(text) :] if a.startswith(text) else a for a in answers)
+    if not isinstance(prompt, str):
+        raise RowProblem("prompt must be text when the answers are text")
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    prompt_ids, split = ids(prompt), []
+    for answer in (chosen, rejected):
+        full = ids(prompt + answer)
+        start = len(prompt_ids) - (full[: len(prompt_ids)] != prompt_ids)
+        split.append((full[:start], full[start:]))
+    start = min(len(p) for p, _ in split)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    prompt_ids = split[0][0][:start]
+    if bos is not None and prompt_ids[:1] != [bos]:
+        prompt_ids = [bos, *prompt_ids]
+    out = {"prompt_ids": prompt_ids}
+    for key, (own_prompt, answer) in zip(("chosen_ids", "rejected_ids"), split, strict=True):
+        answer = own_prompt[start:] + answer
+        out[key] = answer if answer[-1:] == [eos] else [*answer, eos]
+    return out
+
+
 def tokenize_preferences(
     dataset: Any,
     tokenizer: Any,
@@ -118,9 +159,11 @@ def tokenize_preferences(
     truncation_mode: str,
     name: str,
     num_proc: int | None = None,
+    tokenize: Any = tokenize_pair,
 ) -> Any:
     """A ``datasets.Dataset`` of preference rows as token ids (``PAIR_COLUMNS``), its other
-    columns dropped. A row that cannot be read is one ValueError naming the set and the row."""
+    columns dropped; ``tokenize``: the rule for one row (DPO's, or ``tokenize_pair_with_bos``). A
+    row that cannot be read is one ValueError naming the set and the row."""
     columns = list(getattr(dataset, "column_names", None) or [])
     missing = [c for c in ("chosen", "rejected") if c not in columns]
     if missing:
@@ -133,7 +176,7 @@ def tokenize_preferences(
 
     def one(row: dict[str, Any], index: int) -> dict[str, list[int]]:
         try:
-            return tokenize_pair(row, tokenizer)
+            return tokenize(row, tokenizer)
         except RowProblem as problem:
             raise ValueError(f"the {name} set's row {index}: {problem}") from None
 

@@ -19,7 +19,13 @@ from transformers import set_seed
 
 from trainer.args.preference import CPOConfig, ORPOConfig, PreferenceConfig
 from trainer.args.trl import TRLConfig
-from trainer.data.preference import PAIR_COLUMNS, PreferenceCollator, tokenize_preferences
+from trainer.data.preference import (
+    PAIR_COLUMNS,
+    PreferenceCollator,
+    tokenize_pair,
+    tokenize_pair_with_bos,
+    tokenize_preferences,
+)
 from trainer.engine.preference import PairObjective
 from trainer.loop.trainer import Trainer
 from trainer.objectives import OBJECTIVES
@@ -30,6 +36,7 @@ class PreferenceTrainer(Trainer):
     """A Trainer over preference pairs; subclasses say which config they take and their objective."""
 
     config_class: type[PreferenceConfig] = PreferenceConfig
+    tokenize_row: Callable[[dict[str, Any], Any], dict[str, list[int]]] = staticmethod(tokenize_pair)
 
     def __init__(
         self,
@@ -83,13 +90,20 @@ class PreferenceTrainer(Trainer):
             **kwargs,
         )
 
-    @staticmethod
-    def pairs(dataset: Any, name: str, args: PreferenceConfig, tokenizer: Any) -> Any:
-        """A preference set as token ids (one already tokenised as it is)."""
+    @classmethod
+    def pairs(cls, dataset: Any, name: str, args: PreferenceConfig, tokenizer: Any) -> Any:
+        """A preference set as token ids, by the trainer's rule (``tokenize_row``); one already
+        tokenised as it is."""
         if dataset is None or all(c in (dataset.column_names or []) for c in PAIR_COLUMNS):
             return dataset
         return tokenize_preferences(
-            dataset, tokenizer, args.max_length, args.truncation_mode, name, args.dataset_num_proc
+            dataset,
+            tokenizer,
+            args.max_length,
+            args.truncation_mode,
+            name,
+            args.dataset_num_proc,
+            cls.tokenize_row,
         )
 
     def _model_columns(self, dataset: Any, description: str | None = None) -> Any:
@@ -110,12 +124,14 @@ class ORPOTrainer(PreferenceTrainer):
     """TRL's ``ORPOTrainer`` arguments; ``args`` is an ``ORPOConfig``. No reference model."""
 
     config_class = ORPOConfig
+    tokenize_row = staticmethod(tokenize_pair_with_bos)  # TRL's ORPO keeps its older rule
 
 
 class CPOTrainer(PreferenceTrainer):
     """TRL's ``CPOTrainer`` arguments; ``args`` is a ``CPOConfig`` (``loss_type="simpo"``: SimPO)."""
 
     config_class = CPOConfig
+    tokenize_row = staticmethod(tokenize_pair_with_bos)  # TRL's CPO keeps its older rule
 
 
 def load_model(
