@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_checkpoint import ONE, make_checkpoint
+from tests.unit.test_checkpoint import ONE, make_checkpoint, saved_with
 from trainer.args import TrainingArguments
 from trainer.config import ConfigError, Hardware, parallel_sizes
 from trainer.loop.plan import plan_run
@@ -125,3 +125,17 @@ def test_a_zero3_plan_refuses_to_change_what_zero_init_partitioned_with(zero3_ar
     with pytest.raises(ConfigError, match="the model was partitioned") as err:
         plan_run(zero3_args, Hardware.cpu(), ONE, num_samples=16, hidden_size=32)
     assert key in str(err.value)
+
+
+def test_a_plan_refuses_a_checkpoint_this_run_cannot_carry(tmp_path):
+    """``Trainer.train(resume_from_checkpoint=...)`` plans before the engine loads anything: a
+    checkpoint of another ZeRO stage it cannot load is one line naming the setting, as at the CLI's door."""
+    saved_with(make_checkpoint(tmp_path, 5, world=1, batch=8), zero_stage=3, objective="causal_lm")
+    args = TrainingArguments(
+        output_dir=str(tmp_path), zero_stage=1, per_device_train_batch_size=8, max_steps=10
+    )
+    with pytest.raises(
+        ConfigError, match="zero_stage: .* was saved with zero_stage 3 and this run asks for 1"
+    ):
+        plan_run(args, Hardware.cpu(), ONE, num_samples=100, resume="auto")
+    assert plan_run(args, Hardware.cpu(), ONE, num_samples=100, resume=False).checkpoint is None

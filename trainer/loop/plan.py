@@ -25,7 +25,7 @@ from trainer import checkpoint as ckpt
 from trainer.args import RunConfig, TrainingArguments
 from trainer.args.hf import finalize_zero3
 from trainer.checkpoint.snapshots import snapshot_dir
-from trainer.config import Hardware, resolve
+from trainer.config import ConfigError, Hardware, resolve
 from trainer.loop.auto_batch import check_auto_batch
 from trainer.loop.steps import StepPlan, kept_accumulation, plan_steps
 from trainer.runtime.distributed import DistInfo
@@ -102,6 +102,10 @@ def plan_run(
             data_parallel=mesh.data_parallel_size,
         )
         ds_config = finalize_zero3(user_args, ds_config)
+    if checkpoint is not None:  # a checkpoint this run's objective, stage or mesh cannot load: one line, now
+        stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+        if refused := ckpt.uncarried(checkpoint, args.objective, stage, mesh.tensor, mesh.pipeline):
+            raise ConfigError([refused])
     check_auto_batch(args, ds_config, mesh)  # before the model is built (build_run) or trained
     return RunPlan(
         hardware, dist, mesh, args, steps, total_steps, checkpoint, spec, ds_config, output_dir_claimed
