@@ -31,8 +31,12 @@ from trainer.runtime.distributed import dist_info
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {}
 METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected")  # fmt: skip
-# ORPO's and CPO's own metrics, beside the reward metrics
-EXTRA_METRICS = {"orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen"), "cpo": ("nll_loss",)}
+# Each method's own metrics, beside the reward metrics; those that read the whole logits are not
+# logged with the tiled loss, sequence parallelism or padding-free batches
+LOGIT_METRICS = {"entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy"}
+EXTRA_METRICS = {"dpo": ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy"),
+                 "orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen", "logits/chosen", "logits/rejected"),
+                 "cpo": ("nll_loss", "logits/chosen", "logits/rejected")}  # fmt: skip
 OURS = {"dpo": (DPOConfig, DPOTrainer), "orpo": (ORPOConfig, ORPOTrainer), "cpo": (CPOConfig, CPOTrainer)}
 SUBJECTS = ["the sky", "a cat", "the sea", "an apple", "the road", "a song", "the moon", "a tree"]
 COLOURS = ["blue", "grey", "green", "red", "black", "white"]

@@ -158,7 +158,11 @@ def sigmoid_loss(logits: torch.Tensor, beta: float, smoothing: float) -> torch.T
 
 
 class PairObjective(Objective):
-    """A loss per pair from one forward over both sequences; metrics summed per pair."""
+    """A loss per pair from one forward over both sequences. Its metrics are TRL's: each measured over
+    the global micro-batch (every rank's pairs) and logged as the mean over the micro-batches that
+    measured it. Those that read the whole logits (``logit_sums``: the logits' mean, entropy and
+    top-1 accuracy over the answers) are not measured with the tiled loss, sequence parallelism or
+    padding-free batches: no rank holds them."""
 
     label_names = ("completion_mask",)  # every pair batch has one: the loss needs no other labels
     metric_names: tuple[str, ...] = REWARD_METRICS
@@ -200,19 +204,83 @@ class PairObjective(Objective):
         return loss.sum() * self.share, loss.new_tensor(len(loss) * self.share), outputs
 
     def _pairs(self, forward: Forward, batch: Batch, evaluation: bool) -> tuple[torch.Tensor, Any]:
-        """(each pair's loss, the model's outputs); the metrics summed over the pairs are recorded."""
+        """(each pair's loss, the model's outputs); the micro-batch's metrics are recorded."""
         nll, outputs = token_nll(forward, batch, self.loss_tiles, self.sequence_parallel)
         loss, metrics = self.pair_terms(batch, nll)
-        values = torch.stack([m.detach().float() for m in metrics]).sum(dim=1)
-        sums = torch.cat([values, values.new_tensor([float(len(loss))])])
-        self.record_metrics(sums * self.share, evaluation)
+        pairs = nll.new_tensor(float(len(loss)))
+        sums = [(m.detach().float().sum(), pairs) for m in metrics]
+        sums += self.logit_sums(batch, outputs)
+        self.record_global(torch.stack([x for pair in sums for x in pair]), evaluation)
         return loss, outputs
+
+    def logit_sums(self, batch: Batch, outputs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(sum, count) over this rank's pairs of each metric after the pair metrics that reads
+        the whole logits; zero counts where they are not whole."""
+        return []
+
+    def whole_logits(self, batch: Batch, outputs: Any) -> torch.Tensor | None:
+        """The logits of both sequences of every pair, shape (pairs, 2, L, vocab), where this rank
+        holds them whole (padded batches, untiled, no sequence split); else None."""
+        logits = getattr(outputs, "logits", None)
+        if logits is None or self.loss_tiles is not None or self.sequence_parallel is not None:
+            return None
+        if "token_index" in batch:  # padding-free: one packed row
+            return None
+        return logits.view(*batch["completion_mask"].shape, -1)
+
+    def record_global(self, sums: torch.Tensor, evaluation: bool) -> None:
+        """Record one micro-batch's metrics from this rank's (sum, count) per metric, interleaved:
+        summed over every rank (a collective: every rank records each micro-batch), each becomes
+        its mean over the global micro-batch, or is not measured where its count is 0."""
+        totals = all_reduce_sum(sums.detach().double() * self.share).view(-1, 2)
+        present = (totals[:, 1] > 0).double()
+        self.record_values(totals[:, 0] / totals[:, 1].clamp(min=1e-30) * present, present, evaluation)
+
+    def record_values(self, values: torch.Tensor, present: torch.Tensor, evaluation: bool) -> None:
+        """One micro-batch's value of each metric, the same on every rank, and whether it was
+        measured; each rank keeps its share, so that the logging step's sum over ranks restores them."""
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self.record_metrics(torch.stack([values, present], dim=1).reshape(-1) / world, evaluation)
+
+    def metric_means(self, device: torch.device, evaluation: bool = False) -> dict[str, float]:
+        """Each metric's mean over the micro-batches that measured it since the last call."""
+        sums = self.__dict__.get("_metric_sums", {}).pop(evaluation, None)
+        if sums is None:
+            sums = torch.zeros(2 * len(self.metric_names), device=device)
+        totals = all_reduce_sum(sums.double()).tolist()
+        return {
+            name: totals[2 * i] / totals[2 * i + 1]
+            for i, name in enumerate(self.metric_names)
+            if totals[2 * i + 1] > 0.5
+        }
 
 
 class DPO(PairObjective):
     """TRL's DPO losses over a pair's log-ratios against the reference."""
 
     label_names = (REFERENCE_COLUMN,)  # a batch without the reference's log-probs has no loss
+    metric_names = (*REWARD_METRICS, "entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
+
+    def logit_sums(self, batch: Batch, outputs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """TRL's DPO: the predicted distribution's entropy over both answers' targets, the mean logit
+        (over the vocabulary) over each answer's targets, and the chosen answers' top-1 accuracy."""
+        logits, zero = self.whole_logits(batch, outputs), outputs.logits.new_zeros(())
+        if logits is None:
+            return [(zero, zero)] * 4
+        with torch.no_grad():
+            targets, mask = batch["input_ids"][..., 1:], answer_mask(batch).to(torch.float32)
+            logits = logits[:, :, :-1].float()
+            logp = logits.log_softmax(-1)
+            entropy = -(logp.exp() * logp).sum(-1)
+            mean_logit = logits.mean(-1)
+            top1 = (logits.argmax(-1) == targets).to(torch.float32)
+        chosen, rejected = mask[:, 0], mask[:, 1]
+        return [
+            ((entropy * mask).sum(), mask.sum()),
+            ((mean_logit[:, 0] * chosen).sum(), chosen.sum()),
+            ((mean_logit[:, 1] * rejected).sum(), rejected.sum()),
+            ((top1[:, 0] * chosen).sum(), chosen.sum()),
+        ]
 
     def __init__(
         self,
@@ -258,7 +326,17 @@ class DPO(PairObjective):
 class ORPO(PairObjective):
     """Odds-ratio preference optimisation: supervised NLL plus ``beta`` times the odds-ratio term."""
 
-    metric_names = (*REWARD_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
+    metric_names = (
+        *REWARD_METRICS,
+        "nll_loss",
+        "log_odds_ratio",
+        "log_odds_chosen",
+        "logits/chosen",
+        "logits/rejected",
+    )
+
+    def logit_sums(self, batch: Batch, outputs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return whole_mean_logits(self.whole_logits(batch, outputs), outputs, last=False)
 
     def __init__(self, beta: float = 0.1):
         super().__init__()
@@ -280,7 +358,10 @@ class ORPO(PairObjective):
 class CPO(PairObjective):
     """Contrastive preference optimisation; its ``simpo`` loss type is SimPO."""
 
-    metric_names = (*REWARD_METRICS, "nll_loss")
+    metric_names = (*REWARD_METRICS, "nll_loss", "logits/chosen", "logits/rejected")
+
+    def logit_sums(self, batch: Batch, outputs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return whole_mean_logits(self.whole_logits(batch, outputs), outputs, last=True)
 
     def __init__(
         self,
@@ -318,6 +399,20 @@ class CPO(PairObjective):
         sft = chosen_nll(nll, answers) if self.cpo_alpha else logits.new_zeros(())
         loss = loss + self.cpo_alpha * sft
         return loss, [*reward_rows(beta * logps, logps), sft.expand_as(logits)]
+
+
+def whole_mean_logits(
+    logits: torch.Tensor | None, outputs: Any, last: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """TRL's ORPO and CPO ``logits/chosen`` and ``logits/rejected``: the mean of each answer's
+    sequences' logits over their positions (prompt and padding included; the last one too where
+    ``last``, as CPO's) and the vocabulary, as (sum, count); zero counts where they are not whole."""
+    if logits is None:
+        zero = outputs.logits.new_zeros(())
+        return [(zero, zero)] * 2
+    with torch.no_grad():
+        halves = (logits if last else logits[:, :, :-1]).float()
+        return [(halves[:, i].sum(), halves.new_tensor(float(halves[:, i].numel()))) for i in (0, 1)]
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -393,7 +488,7 @@ class KTO(PairObjective):
         else:
             desirable, undesirable = 1 - torch.sigmoid(beta * r), torch.sigmoid(beta * r)
         loss = torch.where(chosen, self.desirable_weight * desirable, self.undesirable_weight * undesirable)
-        self.record_metrics(_kto_metric_values(stats, kl), evaluation)
+        self.record_values(*_kto_metric_values(stats, kl), evaluation)
         return loss, outputs
 
     def reference_logps(
@@ -438,42 +533,25 @@ class KTO(PairObjective):
         entropy = -(logp.exp() * logp).sum(-1)
         return (entropy * tokens).sum(-1), (main.mean(-1) * tokens).sum(-1), tokens.sum(-1)
 
-    def metric_means(self, device: torch.device, evaluation: bool = False) -> dict[str, float]:
-        """Each metric's mean over the micro-batches that measured it since the last call (every
-        rank recorded the same global values, each its share of them)."""
-        sums = self.__dict__.get("_metric_sums", {}).pop(evaluation, None)
-        if sums is None:
-            sums = torch.zeros(2 * len(self.metric_names), device=device)
-        totals = all_reduce_sum(sums.double()).tolist()
-        return {
-            name: totals[2 * i] / totals[2 * i + 1]
-            for i, name in enumerate(self.metric_names)
-            if totals[2 * i + 1] > 0.5
-        }
 
+def _kto_metric_values(stats: torch.Tensor, kl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(value, measured or not) of each KTO metric for one global micro-batch, from its sums."""
 
-def _kto_metric_values(stats: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
-    """[value, 1 or 0 (measured or not)] per KTO metric for one global micro-batch, each divided by
-    the world size: every rank records them, and the logging step's sum over ranks restores them."""
-
-    def mean(total: torch.Tensor, count: torch.Tensor) -> list[torch.Tensor]:
+    def mean(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         present = (count > 0).double()
-        return [total / count.clamp(min=1) * present, present]
+        return total / count.clamp(min=1) * present, present
 
     chosen, rejected = mean(stats[8], stats[9]), mean(stats[11], stats[12])
     both = chosen[1] * rejected[1]
-    values = [
-        kl.double(),
-        torch.ones_like(both),
-        *mean(stats[2], stats[3]),
-        *mean(stats[4], stats[5]),
-        *mean(stats[6], stats[7]),
-        *chosen,
-        *mean(stats[10], stats[9]),
-        *rejected,
-        *mean(stats[13], stats[12]),
-        (chosen[0] - rejected[0]) * both,
-        both,
+    pairs = [
+        (kl.double(), torch.ones_like(both)),
+        mean(stats[2], stats[3]),
+        mean(stats[4], stats[5]),
+        mean(stats[6], stats[7]),
+        chosen,
+        mean(stats[10], stats[9]),
+        rejected,
+        mean(stats[13], stats[12]),
+        ((chosen[0] - rejected[0]) * both, both),
     ]
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    return torch.stack(values) / world
+    return torch.stack([v for v, _ in pairs]), torch.stack([p for _, p in pairs])
