@@ -1,6 +1,6 @@
 """One plan per run: a CLI run (``scripts/train.py``) and a hand-built ``Trainer`` each resolve
 their DeepSpeed config once (a hand-built ZeRO-3 run also partly at its arguments' creation, for
-``zero.Init``), start their process group once, check the sequence split and claim output_dir once,
+``zero.Init``), start their process group once, check the sequence split and take output_dir's lock once,
 and under ZeRO-3 ``zero.Init`` partitions the model with the very config the engine is built from.
 Counted in real runs (tests/helpers/count_run.py wraps the functions), on one process."""
 
@@ -34,7 +34,8 @@ def test_a_cli_run_resolves_once_and_partitions_with_the_engines_config(tmp_path
     assert counts["init_process_group"] == 1, counts
     assert counts["deepspeed.initialize"] == 1, counts
     assert counts["zero.Init"] >= 1, counts
-    assert counts["claim_output_dir"] == 1 and counts["claim_output_dir from run"] == 1, counts
+    # The CLI's door claims output_dir; the Trainer's claim of it later takes no lock again.
+    assert counts["lock"] == 1 and counts["claim_output_dir from run"] == 1, counts
     # The CLI's early check is the run's one (before anything loads); build_run does not repeat it.
     # At one process the split is 1, which the CLI has nothing to check for.
     assert counts.get("check_layout", 0) == counts.get("check_layout from _check_inputs", 0) == 0, counts
@@ -50,7 +51,7 @@ def test_an_api_run_resolves_once_and_starts_one_process_group(tmp_path):
     assert counts["init_distributed"] == 1, counts
     assert counts["init_process_group"] == 1, counts
     assert counts["deepspeed.initialize"] == 1, counts
-    assert counts["claim_output_dir"] == 1 and counts["claim_output_dir from train"] == 1, counts
+    assert counts["lock"] == 1 and counts["claim_output_dir from train"] == 1, counts
     assert "zero.Init" not in counts and "check_layout" not in counts, counts
     assert configs["engine"][0] == json.loads((tmp_path / "run" / "ds_config.json").read_text())
 
@@ -67,7 +68,7 @@ def test_a_zero3_api_run_partitions_with_the_dict_its_engine_runs(tmp_path):
     assert counts["init_distributed"] == 1, counts
     assert counts["init_process_group"] == 1, counts  # zero.Init's, at the model: the Trainer joins it
     assert counts["deepspeed.initialize"] == 1, counts
-    assert counts["claim_output_dir"] == 1, counts
+    assert counts["lock"] == 1, counts
     assert counts["zero.Init"] >= 1, counts
     engine_id = configs["engine_ids"][0]
     assert configs["zero_init_ids"] and all(i == engine_id for i in configs["zero_init_ids"]), configs

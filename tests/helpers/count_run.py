@@ -1,5 +1,5 @@
 """One run, on one process, counting what the run plan promises to do once: resolutions of the
-DeepSpeed config, process-group starts, the sequence-split check, the claim on output_dir, and the
+DeepSpeed config, process-group starts, the sequence-split check, the claim on output_dir (its lock taken), and the
 config ``zero.Init`` partitions with against the one the engine is built from (a copy of each as it
 was then, and the object's id). ``python tests/helpers/count_run.py cli OUT [scripts/train.py
 flags]`` runs ``scripts/train.py`` as the launcher would; ``... api OUT`` a hand-built ``Trainer``;
@@ -67,6 +67,8 @@ rebind(
     trainer.runtime.ownership.claim_output_dir,
     counted("claim_output_dir", trainer.runtime.ownership.claim_output_dir),
 )
+# What a claim does the first time only: rank 0 takes output_dir's lock (a later claim in the process returns).
+trainer.runtime.ownership._lock = counted("lock", trainer.runtime.ownership._lock)
 dist.init_process_group = counted("init_process_group", dist.init_process_group)
 
 

@@ -302,6 +302,7 @@ def ref_model(out: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from trainer.engine import Tokens
     from trainer.engine.preference import sequence_logps
 
     their_eval: dict[str, float] = {}
@@ -320,7 +321,9 @@ def ref_model(out: Path) -> dict[str, Any]:
     for name, rows in (("train", apart.train_dataset), ("eval", apart.eval_dataset)):
         cached = load_file(out / "other" / "reference" / f"{name}.safetensors")["ref_logps"]
         with torch.no_grad():
-            direct, _ = sequence_logps(other.eval(), apart.data_collator([rows[i] for i in range(len(rows))]))
+            direct, _ = sequence_logps(
+                Tokens(other.eval()), apart.data_collator([rows[i] for i in range(len(rows))])
+            )
         gaps[name] = (cached - direct).abs().max().item()
     return {
         "ours": ours,
@@ -454,11 +457,11 @@ def reference_resume(out: Path) -> dict[str, Any]:
     reference.FLUSH_PAIRS = 4
     calls, real = [], PairObjective.reference_logps  # what the reference stage asks of each batch
 
-    def counted(objective, forward, batch, tiles, sp, stop_after=None):
+    def counted(objective, tokens, batch, stop_after=None):
         calls.append(1)
         if stop_after is not None and len(calls) > stop_after:
             raise KeyboardInterrupt("stopped in the reference pass")
-        return real(objective, forward, batch, tiles, sp)
+        return real(objective, tokens, batch)
 
     fields = dict(precompute_ref_batch_size=4, max_steps=2)
     _, whole = run_ours(out, "text", "whole", **fields)

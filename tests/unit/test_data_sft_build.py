@@ -11,7 +11,7 @@ from tests.helpers.sft_data import TURNS, sft_args, sharegpt_row, trained_runs, 
 from tests.helpers.sft_data import tokenizer as make_tokenizer
 from trainer.args import DataArguments
 from trainer.data import IGNORE_INDEX, CausalLMCollator, DataError, build_datasets, prepare_datasets
-from trainer.engine.loss import causal_lm_loss_sum
+from trainer.engine.objectives import causal_lm_loss_sum
 
 # Chats of one to three exchanges, so rows differ in length.
 CHATS = [sharegpt_row(TURNS[: 1 + i % 3], system=None if i % 2 else "You write Python.") for i in range(9)]

@@ -35,7 +35,7 @@ from transformers.trainer_pt_utils import nested_concat
 import trainer.loop.evaluation
 import trainer.loop.predictions
 from trainer.data import CausalLMCollator
-from trainer.engine import objective_for
+from trainer.engine import Tokens, objective_for
 from trainer.loop.evaluation import Predictions, eval_batches, evaluation_loop
 from trainer.loop.predictions import RowStore, concat
 from trainer.runtime.mesh import Mesh
@@ -117,7 +117,7 @@ class ModelEngine:
     @torch.no_grad()
     def eval_step(self, batch, outputs=False):
         self.forwards += 1
-        loss, count, out = self.objective.eval_sum(self.module, batch)
+        loss, count, out = self.objective.eval_sum(Tokens(self.module), batch)
         return loss, count, out if outputs else None
 
 
@@ -248,7 +248,7 @@ def test_without_labels_a_compute_loss_override_is_not_called():
 
     objective = objective_for(model, compute_loss=compute_loss)
     batch = collator([{"input_ids": r["input_ids"]} for r in rows[:2]])
-    loss, count, outputs = objective.eval_sum(model, batch)
+    loss, count, outputs = objective.eval_sum(Tokens(model), batch)
     assert (float(loss), float(count), outputs.logits.shape) == (0.0, 0.0, (2, 3))
 
 
@@ -266,8 +266,8 @@ def test_a_compute_loss_override_that_pops_the_labels_evaluates_the_builtin_loss
     batch = collator(rows[:3])
     model.eval()
     with torch.no_grad():
-        builtin = objective_for(model).eval_sum(model, dict(batch))
-        override = objective_for(model, compute_loss=popping).eval_sum(model, batch)
+        builtin = objective_for(model).eval_sum(Tokens(model), dict(batch))
+        override = objective_for(model, compute_loss=popping).eval_sum(Tokens(model), batch)
     assert "labels" in batch and float(override[1]) == float(builtin[1]) == 3.0
     assert float(override[0]) == pytest.approx(float(builtin[0]), rel=1e-6)
 

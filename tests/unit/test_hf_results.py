@@ -26,7 +26,7 @@ from trainer.data import CausalLMCollator
 from trainer.engine import CausalLM, ModelLoss, causal_lm_loss_sum
 from trainer.loop import trainer as trainer_module
 from trainer.loop.callbacks import TrainerState
-from trainer.loop.evaluation import Predictions, eval_batches, evaluation_loop, without_padding_rows
+from trainer.loop.evaluation import Predictions, eval_batches, evaluation_loop
 from trainer.observe.results import TrainTotals, format_metrics, save_metrics, save_state, train_metrics
 from trainer.runtime.mesh import Mesh
 
@@ -212,16 +212,17 @@ def test_eval_batches_shard_and_pad_with_masked_rows():
     shards = [list(eval_batches(data, CausalLMCollator(0), 2, rank, 2)) for rank in (0, 1)]
     assert [idx for _, idx in shards[0]] == [[0, 2], [4, 6]]
     assert [idx for _, idx in shards[1]] == [[1, 3], [5, -1]]
-    last, rows = without_padding_rows(*shards[1][-1], token_exact=True)
+    last, rows = CausalLM().eval_rows(*shards[1][-1])
     assert rows == [5, -1] and (last["labels"][1] == -100).all()
     assert (last["labels"][0, : len(ROWS[5])] != -100).all()
 
 
 def test_padding_rows_are_cut_from_a_models_own_loss_and_a_batch_of_padding_counts_nothing():
     batch = {"input_ids": torch.arange(6).view(3, 2), "labels": torch.tensor([0.5, 1.5, 2.5])}
-    cut, rows = without_padding_rows(batch, [4, 7, -1], token_exact=False)
+    own = ModelLoss(per_item=False)
+    cut, rows = own.eval_rows(batch, [4, 7, -1])
     assert rows == [4, 7] and cut["labels"].tolist() == [0.5, 1.5] and cut["input_ids"].shape == (2, 2)
-    alone, rows = without_padding_rows(batch, [-1, -1, -1], token_exact=False)
+    alone, rows = own.eval_rows(batch, [-1, -1, -1])
     assert rows == [-1] and alone["labels"].tolist() == [0.5]
 
 

@@ -15,7 +15,7 @@ from transformers import (
 )
 
 from trainer.config.errors import ConfigError
-from trainer.engine import CausalLM, ModelLoss, Tiling, build_engine, objective_for
+from trainer.engine import CausalLM, ModelLoss, Tiling, Tokens, build_engine, objective_for
 from trainer.runtime.mesh import Mesh
 
 LLAMA = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -24,7 +24,7 @@ LLAMA = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_lay
 
 def window_loss(objective, model, window):
     items = sum(objective.count(b) for b in window)
-    return sum(objective.loss_sum(model, b, items)[0] for b in window) / items
+    return sum(objective.loss_sum(Tokens(model), b, items)[0] for b in window) / items
 
 
 def causal_window():
@@ -99,7 +99,7 @@ def test_evaluation_weights_each_batch_mean_by_its_rows_as_hf():
     torch.manual_seed(0)
     model = LlamaForSequenceClassification(LlamaConfig(num_labels=3, **LLAMA)).eval()
     batch = {"input_ids": torch.randint(1, 40, (3, 6)), "labels": torch.tensor([0, 2, 1])}
-    loss, rows, _ = objective_for(model).eval_sum(model, batch)
+    loss, rows, _ = objective_for(model).eval_sum(Tokens(model), batch)
     assert rows.item() == 3
     torch.testing.assert_close(loss, model(**batch).loss * 3)
 
@@ -110,14 +110,14 @@ def test_seq2seq_evaluation_counts_each_batch_mean_once_and_causal_stays_token_e
     torch.manual_seed(0)
     model = LlamaForSequenceClassification(LlamaConfig(num_labels=3, **LLAMA)).eval()
     batch = {"input_ids": torch.randint(1, 40, (3, 6)), "labels": torch.tensor([0, 2, 1])}
-    loss, count, _ = objective_for(model, eval_per_batch=True).eval_sum(model, batch)
+    loss, count, _ = objective_for(model, eval_per_batch=True).eval_sum(Tokens(model), batch)
     assert count.item() == 1
     torch.testing.assert_close(loss, model(**batch).loss)
     causal = LlamaForCausalLM(LlamaConfig(**LLAMA)).eval()
     input_ids = torch.randint(1, 40, (2, 6))
     tokens = {"input_ids": input_ids, "labels": input_ids.clone()}
     tokens["labels"][1, 3:] = -100
-    loss, count, _ = objective_for(causal, eval_per_batch=True).eval_sum(causal, tokens)
+    loss, count, _ = objective_for(causal, eval_per_batch=True).eval_sum(Tokens(causal), tokens)
     assert count.item() == 5 + 2  # the shifted targets that are not -100
     torch.testing.assert_close(loss / count, causal(**tokens).loss)
 

@@ -53,7 +53,8 @@ def test_each_entry_loads_and_its_parts_agree(name):
         assert name == DEFAULT
     else:
         objective = loss.from_args(args)
-        assert objective.metric_names and objective.sequences_per_row == entry.sequences_per_row
+        assert objective.metric_names  # what a row forwards is the registry's alone (sequences_per_row)
+        assert not hasattr(objective, "sequences_per_row")
 
 
 def test_the_exports_are_the_registrys_and_the_cli_offers_every_name():

@@ -10,7 +10,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from trainer.args import RunConfig
 from trainer.config.errors import ConfigError
-from trainer.engine.loss import causal_lm_loss_sum, count_targets, token_loss_sum
+from trainer.engine.objectives import causal_lm_loss_sum, count_targets, token_loss_sum
 from trainer.engine.sequence_parallel import SequenceParallel, _isolating, block_causal_mask, check_layout
 
 

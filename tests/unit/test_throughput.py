@@ -13,13 +13,12 @@ import pytest
 import torch
 
 from trainer.observe.throughput import (
-    StepTimer,
     flops_per_token_for_model,
     lookup_params,
     model_flops_per_token,
-    non_padding_tokens,
     peak_tflops,
 )
+from trainer.observe.window import StepTimer, non_padding_tokens
 
 # ---- FLOPs and peaks
 
@@ -141,7 +140,7 @@ def test_non_padding_tokens():
 RANK_SCRIPT = textwrap.dedent(
     """
     import json, torch, torch.distributed as dist
-    from trainer.observe.throughput import StepTimer, non_padding_tokens
+    from trainer.observe.window import StepTimer, non_padding_tokens
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     masks = {0: [[1, 1, 1, 1], [1, 0, 0, 0]], 1: [[1, 1, 1, 0], [1, 1, 1, 1]]}  # 5 and 7 real tokens

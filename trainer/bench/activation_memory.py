@@ -7,7 +7,7 @@ of a small Llama on the CPU.
 The tensors autograd keeps for backward are the same on a CPU as on a GPU, so the CPU's peak resident
 set measures what ``trainer.planner.activation_bytes`` predicts for a GPU: the model is built in fp32
 with SDPA attention (PyTorch's CPU flash kernel, which like the GPU kernels never stores the s x s
-scores), and the loss is the trainer's summed cross-entropy (``trainer.engine.loss``, repeated here
+scores), and the loss is the trainer's summed cross-entropy (``trainer.engine.objectives``, repeated here
 so that the child imports neither DeepSpeed nor the engine). Each case runs in a fresh interpreter,
 so its peak (VmHWM) belongs to that case alone and the allocator starts from the same state.
 

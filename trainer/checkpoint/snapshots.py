@@ -49,7 +49,6 @@ class Snapshots:
     """Takes the run's snapshots (collective calls, like ``Saver``'s)."""
 
     def __init__(self, args: Any, dist: DistInfo, ds_config: dict[str, Any], run_config: Any, *hf_files: Any):
-        self.every = args.snapshot_steps
         self.dir = snapshot_dir(args.output_dir)
         self.dist = dist
         if dist.local_rank == 0:
@@ -61,8 +60,9 @@ class Snapshots:
         )
         self.saver = Saver(shm_args, dist, ds_config, run_config, *hf_files)
 
-    def due(self, step: int) -> bool:
-        return step % self.every == 0
+    @property
+    def pending(self) -> bool:
+        return self.saver.pending
 
     def take(self, engine: Engine, state: Any) -> None:
         """A snapshot of this step (the loop calls it when one is due)."""

@@ -63,8 +63,6 @@ def run(run_config: RunConfig) -> int:
         callbacks=callbacks,
         hardware=hardware,
         dist=dist,
-        layout_checked=True,
-        output_dir_claimed=True,
     )
     trainer.train()
     state = trainer.state

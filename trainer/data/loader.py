@@ -134,3 +134,12 @@ def row_length(dataset: Any) -> int:
     if isinstance(dataset, StreamedDataset):
         return dataset.block_size or len(next(iter(dataset))["input_ids"])
     return len(dataset[0]["input_ids"])
+
+
+def epoch_at(state: Any, dataset: Any, readers: int) -> float:
+    """The epoch HF logs once a step has ended: epochs done plus the share of this one read (each of
+    ``readers`` ranks reads a ``1 / readers`` of the set); for a stream, which has no length,
+    ``global_step / max_steps``, as HF counts a dataset without a length."""
+    if isinstance(dataset, StreamedDataset):
+        return state.global_step / state.max_steps
+    return state.epoch_index + state.samples_into_epoch / max(len(dataset) / readers, 1)

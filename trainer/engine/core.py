@@ -176,6 +176,8 @@ class Engine(ABC):
         self.device: torch.device = self.ds.device
         self.lr_scale = 1.0
         self.step_lr: float | None = None
+        #: Whether a step's loss was NaN/Inf since the loop's guard last cleared it (on the device).
+        self.nonfinite_loss = torch.zeros((), dtype=torch.bool, device=self.device)
 
     # ---- what each engine does its own way ------------------------------------------------------
 
@@ -285,10 +287,14 @@ class Engine(ABC):
         """A rollback's learning-rate cut: every later step's rate (as the scheduler sets it) times ``scale``."""
         self.lr_scale = scale
 
-    def _apply_lr_scale(self) -> None:
+    def _stepped(self, loss: torch.Tensor) -> torch.Tensor:
+        """After the optimizer step: a rollback's rate cut applied to the next, and a non-finite
+        ``loss`` noted for the guard (on the device: nothing waits). Returns ``loss``."""
+        self.nonfinite_loss |= ~torch.isfinite(loss)
         if self.lr_scale != 1.0:
             for group in self.ds.optimizer.param_groups:
                 group["lr"] *= self.lr_scale
+        return loss
 
     # ---- DeepSpeed state on disk ---------------------------------------------------------------
 

@@ -16,14 +16,12 @@ import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
 from trainer.config.errors import ConfigError
-from trainer.data import IGNORE_INDEX
 from trainer.engine import zero
 from trainer.engine.core import Batch, Engine, TorchCompile, weight_decay_groups
-from trainer.engine.loss import next_token_targets
-from trainer.engine.objectives import CausalLM, Objective, causal_inputs
+from trainer.engine.objectives import CausalLM, Objective, Tokens
 from trainer.engine.sequence_parallel import SequenceParallel
 from trainer.engine.tensor_parallel import tensor_groups, warn_whole_head
-from trainer.engine.tiling import Tiling, decoder_and_head, offload_activations, tile_mlp, tiled_loss_sum
+from trainer.engine.tiling import Tiling, decoder_and_head, offload_activations, tile_mlp
 from trainer.runtime.mesh import Mesh
 
 
@@ -48,8 +46,6 @@ class DeepSpeedEngine(Engine):
             tile_mlp(model, tiling.mlp)
         # Groups and the attention exchange exist before DeepSpeed, which reduces over them.
         self.sp = SequenceParallel(model, mesh) if mesh.sequence > 1 else None
-        if self.sp is not None and self.objective.per_token_nll:
-            self.objective.sequence_parallel = self.sp  # it splits and gathers its sequences itself
         if "activation_checkpointing" in ds_config:
             # Custom models that call deepspeed.checkpointing.checkpoint read these settings.
             deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
@@ -81,18 +77,13 @@ class DeepSpeedEngine(Engine):
         # ZeRO-3's reduce-scatter averages over every rank, sequence-parallel ones too (0.19).
         zero3_sp = self.sp is not None and self.ds.zero_optimization_partition_weights()
         self.grad_divisor = mesh.zero_shards if zero3_sp else mesh.data_parallel_size
-        if tiling.loss:  # the head as the engine left it (AutoTP replaces the layers it splits)
-            self.head = decoder_and_head(self.module)[1]
-            if self.objective.per_token_nll:  # it computes its loss from tiled NLL itself
-                self.objective.loss_tiles = (self.head, tiling.loss)
+        # The objectives' per-token service; predictions read the logits, so they forward untiled.
+        # A tiled loss runs the head as the engine left it (AutoTP replaces the layers it splits).
+        tiles = (decoder_and_head(self.module)[1], tiling.loss) if tiling.loss else None
+        self.tokens = Tokens(self.ds, tiles, self.sp)
+        self.untiled = Tokens(self.ds, None, self.sp)
         if mesh.tensor > 1:
             warn_whole_head(self.module, mesh.tensor)
-
-    @property
-    def _causal_pieces(self) -> bool:
-        """The engine computes a causal-LM loss from pieces (split sequences, loss tiles) itself; an
-        objective with ``per_token_nll`` is handed them instead."""
-        return (self.sp is not None or bool(self.tiling.loss)) and not self.objective.per_token_nll
 
     @property
     def module(self) -> torch.nn.Module:
@@ -109,37 +100,12 @@ class DeepSpeedEngine(Engine):
             loss_sum += loss.detach()
         self._about_to_step()
         self.ds.step()
-        self._apply_lr_scale()
-        return loss_sum
-
-    def local_targets(self, window: list[Batch]) -> float:
-        if self._causal_pieces and self.sp is not None:
-            window = [self.sp.shard(b) for b in window]
-        return super().local_targets(window)
+        return self._stepped(loss_sum)
 
     def loss_sum(self, batch: Batch, items: float) -> torch.Tensor:
         """One micro-batch's summed loss; ``items``: the window's normaliser on all ranks."""
         with offload_activations() if self.tiling.offload else nullcontext():
-            if self._causal_pieces:  # causal-LM only (build_engine checks)
-                return self._token_loss(*self._shifted_inputs(batch))
-            return self.objective.loss_sum(self.ds, self.to_device(batch), items)[0]
-
-    def _shifted_inputs(self, batch: Batch) -> tuple[torch.Tensor, Batch]:
-        """(next-token targets, model inputs) on the device: this rank's slice under sequence parallelism."""
-        if self.sp is not None:
-            return self.sp.model_inputs(batch, self.device)
-        labels, inputs = causal_inputs(self.to_device(batch))
-        return next_token_targets(labels), inputs
-
-    def _token_loss(self, targets: torch.Tensor, inputs: Batch) -> torch.Tensor:
-        """The summed loss of shifted targets. Tiled, the model's own head computes one position only
-        and the loss runs the head again per tile over the last hidden states. The forward still goes
-        through DeepSpeed's engine: ZeRO-3 keeps a step's bookkeeping there (with the decoder called
-        alone, gradients of the tied head were lost)."""
-        if self.tiling.loss:
-            hidden = self.ds(**inputs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
-            return tiled_loss_sum(hidden, self.head, targets, self.tiling.loss)
-        return self.objective.token_loss_sum(self.ds(**inputs).logits, targets)
+            return self.objective.loss_sum(self.tokens, self.to_device(batch), items)[0]
 
     @torch.no_grad()
     def _eval_step(self, batch: Batch, outputs: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -148,10 +114,8 @@ class DeepSpeedEngine(Engine):
                 "predictions (predict, compute_metrics) with sequence_parallel_size > 1: each rank holds a "
                 "slice of every row's logits; evaluate the loss, or predict in a run without it"
             )
-        if self._causal_pieces and (self.sp is not None or not outputs):
-            targets, inputs = self._shifted_inputs(batch)
-            return self._token_loss(targets, inputs), (targets != IGNORE_INDEX).sum().float(), None
-        loss, count, out = self.objective.eval_sum(self.ds, self.to_device(batch))
+        tokens = self.untiled if outputs else self.tokens
+        loss, count, out = self.objective.eval_sum(tokens, self.to_device(batch))
         return loss, count, out if outputs else None
 
     @torch.no_grad()

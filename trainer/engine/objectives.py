@@ -4,7 +4,15 @@ A step's loss is ``sum(loss_sum(mb)) / sum(count(mb))`` over the micro-batches o
 window on all ranks. An objective says what a micro-batch counts for (``count``, on the host, so
 the Trainer's vote can add it up over ranks before any forward) and what its summed loss is
 (``loss_sum``, from a forward through DeepSpeed's engine). The engine divides once by the window's
-total; the loop never branches on which objective runs.
+total; the loop never branches on which objective runs. ``count`` counts whole rows; the ranks of a
+sequence- or tensor-parallel group read the same rows, and the loop divides the window's total by
+the group's size.
+
+The engine hands each objective its per-token service (``Tokens``, the first argument of
+``loss_sum`` and ``eval_sum``): the model's forward, and next-token losses and NLL computed as the
+run's features require (the head in tiles, rows split over a sequence-parallel group). An objective
+is a function over that service or over the model's own output; what a feature cannot do with it,
+the objective says once (``check``), before the engine is built.
 
 - ``CausalLM``: next-token cross-entropy summed over target tokens (token-exact over
   micro-batches and ranks), optionally label-smoothed.
@@ -26,30 +34,176 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.nn.functional import all_reduce
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import find_labels
 
+from trainer.config.errors import ConfigError
 from trainer.data import IGNORE_INDEX
 from trainer.data.collator import is_causal_lm
-from trainer.engine.loss import count_targets, next_token_targets, token_loss_sum
+from trainer.engine.tiling import tiled_loss_sum, tiled_token_nll
 from trainer.runtime.distributed import all_reduce_sum
 
 Batch = dict[str, torch.Tensor]
 Forward = Callable[..., Any]  # DeepSpeed's engine (or the bare model): forward(**inputs) -> outputs
 # A Trainer subclass's compute_loss, bound: (model, inputs, return_outputs=True, num_items_in_batch=N)
 ComputeLoss = Callable[..., Any]
+Tiles = tuple[torch.nn.Module, int] | None  # (the output head, tokens per tile): a tiled loss
+
+
+# ---- the causal-LM loss: a per-token sum, so windows and ranks add up exactly ----------------
+# A summed (not averaged) loss lets an engine divide once by the target tokens of the whole window
+# on all ranks; the update then equals one big batch however it is split into micro-batches and ranks.
+
+
+def count_targets(batch: dict[str, torch.Tensor]) -> int:
+    """Target tokens of a causal-LM batch: labels after the one-token shift, minus ignored ones (a
+    sequence-parallel shard carries its targets shifted already, as ``shift_labels``)."""
+    if "shift_labels" in batch:
+        return int((batch["shift_labels"] != IGNORE_INDEX).sum())
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def target_count(labels: torch.Tensor) -> torch.Tensor:
+    """``count_targets`` on the device, for evaluation sums that stay there."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum().float()
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Position i's target is label i+1; the last position has none (-100).
+
+    The labels are shifted (and padded) rather than the logits sliced: slicing would copy the
+    largest activation in forward and write a full-size zero gradient in backward."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Sum (not mean) of cross-entropy over non-ignored targets (already shifted), in fp32;
+    ``label_smoothing`` as ``F.cross_entropy`` applies it (HF's label smoother's uniform term)."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over non-ignored targets, in fp32."""
+    return token_loss_sum(logits, next_token_targets(labels))
+
+
+class Split(NamedTuple):
+    """What a run splits that a loss must know of: rows over a sequence-parallel group, the head's
+    logits into tiles, the model into pipeline stages."""
+
+    sequence: bool = False
+    tiles: bool = False
+    stages: bool = False
+
+
+SPLIT_FEATURES = (
+    ("sequence", "sequence_parallel_size > 1 (each rank holds a slice of every row)"),
+    ("tiles", "a tiled loss (never the whole logits at once)"),
+    ("stages", "pipeline_parallel_size > 1 (the last stage computes the loss)"),
+)
+
+
+class Tokens:
+    """The engine's per-token service, the first argument of an objective's ``loss_sum`` and
+    ``eval_sum``: the model's forward (``tokens(**inputs)``, or ``tokens.forward``) and next-token
+    losses computed as the run's features require. ``tiles``: from the last hidden states a tile
+    at a time, never holding a micro-batch's logits whole (the model's own head computes one
+    position); ``sp``: each rank of the sequence-parallel group forwards its slice of every row.
+    A plain model is the service without either: ``Tokens(model)``."""
+
+    def __init__(self, forward: Forward, tiles: Tiles = None, sp: Any = None):
+        self.forward, self.tiles, self.sp = forward, tiles, sp
+        #: What one rank carries of a row that every rank of a sequence-parallel group computes whole
+        #: (from NLL gathered over the group): 1/N, so the group's sums count it once.
+        self.share = 1.0 / sp.size if sp is not None else 1.0
+        #: Whether the model's outputs hold every position's logits (no tiles, no split rows).
+        self.whole_logits = tiles is None and sp is None
+
+    def __call__(self, **inputs: Any) -> Any:
+        return self.forward(**inputs)
+
+    def next_token_loss(
+        self, batch: Batch, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(the summed loss of this rank's next-token targets, those targets, the model's outputs)
+        of a causal-LM batch on the device: ``loss(logits, targets)`` over whole logits; tiled, plain
+        cross-entropy a tile at a time. Under sequence parallelism, this rank's slice of every row."""
+        if self.sp is not None:
+            targets, inputs = self.sp.model_inputs(batch)
+        else:
+            labels, inputs = causal_inputs(batch)
+            targets = next_token_targets(labels)
+        if self.tiles is not None:
+            head, size = self.tiles
+            # Through the engine still: ZeRO-3 keeps a step's bookkeeping there (with the decoder
+            # called alone, gradients of a tied head were lost).
+            outputs = self.forward(**inputs, output_hidden_states=True, logits_to_keep=1)
+            return tiled_loss_sum(outputs.hidden_states[-1], head, targets, size), targets, outputs
+        outputs = self.forward(**inputs)
+        return loss(outputs.logits, targets), targets, outputs
+
+    def row_nll(self, inputs: Batch) -> tuple[torch.Tensor, Any]:
+        """(each row's next-token NLL, shape (rows, width - 1), in fp32; the model's outputs), whole
+        on every rank: under sequence parallelism each rank forwards its slice of every row and the
+        slices' NLL are summed over the group into whole rows (a differentiable all-reduce, whose
+        backward sums the ranks' gradients); its outputs are its slice's."""
+        width, sp = inputs["input_ids"].shape[1], self.sp
+        if sp is None:
+            inputs, targets = {**inputs, "use_cache": False}, inputs["input_ids"][:, 1:]
+        else:
+            targets, inputs = sp.model_inputs({**inputs, "labels": inputs["input_ids"]})
+        if self.tiles is not None:
+            head, size = self.tiles
+            outputs = self.forward(**inputs, output_hidden_states=True, logits_to_keep=1)
+            hidden = outputs.hidden_states[-1]
+            nll = tiled_token_nll(hidden if sp else hidden[:, :-1], head, targets, size)
+        else:
+            outputs = self.forward(**inputs)
+            logits = outputs.logits if sp else outputs.logits[:, :-1]
+            nll = F.cross_entropy(
+                logits.float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
+            )
+        if sp is not None:
+            before = sp.rank * nll.shape[1]
+            nll = F.pad(nll, (before, (sp.size - 1 - sp.rank) * nll.shape[1]))
+            nll = all_reduce(nll, group=sp.mpu.get_sequence_parallel_group())[:, : width - 1]
+        return nll, outputs
+
+
+def takes(objective: Objective, split: Split) -> bool:
+    """Whether ``objective`` runs with what ``split`` splits (its ``check`` refuses nothing)."""
+    try:
+        objective.check(split)
+    except ConfigError:
+        return False
+    return True
+
+
+def refused(objective: Any, feature: str) -> ConfigError:
+    """One line: ``feature`` computes per-token losses that ``objective`` does not take."""
+    model_loss = isinstance(objective, ModelLoss)
+    why = " (a model that is not a causal LM, or a Trainer subclass's compute_loss)" if model_loss else ""
+    return ConfigError(
+        f"{feature} computes the causal-LM loss itself; this run's objective is "
+        f"{type(objective).__name__}{why}. Run without that feature.",
+        path="compute_loss" if model_loss and objective.compute_loss else "model",
+    )
 
 
 class Objective(ABC):
     """One micro-batch's contribution to its window's loss."""
 
-    #: The next-token loss over shifted targets: what the pipeline, sequence parallelism and the
-    #: tiled loss compute themselves (they never hold a whole row's logits on one rank).
-    token_exact_causal: bool = False
     #: The batch keys that hold the targets (HF's ``label_names``).
     label_names: tuple[str, ...] = ("labels",)
     #: Evaluation counts each batch's mean loss once, not once per row. HF's ``Seq2SeqTrainer``
@@ -57,15 +211,6 @@ class Objective(ABC):
     #: short last batch's mean to (``losses.repeat(eval_batch_size)``): every batch weighs alike.
     #: HF's ``Trainer`` gathers for metrics, which cuts them to the rows there are.
     eval_per_batch: bool = False
-
-    #: The objective weighs each token's NLL itself (a preference loss sums each answer's), so the
-    #: engine hands it the pieces long sequences need: ``loss_tiles`` (the head, tokens per tile)
-    #: when the run tiles its loss, ``sequence_parallel`` (the group's ``SequenceParallel``) when
-    #: sequences are split over ranks. Sequences a row holds: a pair's two.
-    per_token_nll: bool = False
-    loss_tiles: tuple[torch.nn.Module, int] | None = None
-    sequence_parallel: Any = None
-    sequences_per_row: int = 1
 
     #: What the objective logs besides the loss (TRL's metric names); ``record_metrics`` adds to them.
     metric_names: tuple[str, ...] = ()
@@ -92,31 +237,58 @@ class Objective(ABC):
             return {}
         return {name: total / items for name, total in zip(self.metric_names, totals, strict=True)}
 
+    def check(self, split: Split) -> None:
+        """Refuse, in one line, what the run splits that this loss cannot take (the engine asks
+        before it is built). By default a loss over the model's own output takes none of it."""
+        for name, feature in SPLIT_FEATURES:
+            if getattr(split, name):
+                raise refused(self, feature)
+
+    def eval_rows(self, batch: Batch, indices: list[int]) -> tuple[Batch, list[int]]:
+        """(the evaluation batch to forward, the dataset index of each of its rows, -1 for a
+        padding row). Ranks run the same number of forwards (ZeRO-3 and the pipeline need it), so a
+        shard that ran out forwards padding rows. A loss that is a mean cannot leave rows out, so
+        they are cut, and a batch of padding alone forwards one padding row (whose loss the
+        evaluation weighs by zero)."""
+        real = torch.tensor([i >= 0 for i in indices])
+        if bool(real.all()):
+            return batch, indices
+        if not bool(real.any()):
+            return {k: v[:1] if torch.is_tensor(v) else v for k, v in batch.items()}, [-1]
+        rows = len(indices)
+        cut = {k: v[real] if torch.is_tensor(v) and len(v) == rows else v for k, v in batch.items()}
+        return cut, [i for i in indices if i >= 0]
+
+    def batch_mean(self, batch: Batch, outputs: Any, loss: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """An evaluation batch's mean loss on this rank (HF's per-row ``losses``), from its
+        ``eval_sum``."""
+        return loss.float() / count.float()
+
     def labelled(self, batch: Batch) -> bool:
         """HF's ``has_labels``: the batch carries every label (none named: no loss to compute)."""
         return bool(self.label_names) and all(batch.get(k) is not None for k in self.label_names)
 
     @abstractmethod
     def count(self, batch: Batch) -> float:
-        """This micro-batch's share of the window's normaliser, from the batch on the host."""
+        """This micro-batch's share of the window's normaliser, from its whole rows on the host."""
 
     @abstractmethod
-    def loss_sum(self, forward: Forward, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
+    def loss_sum(self, tokens: Tokens, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
         """(summed loss, model outputs) of a micro-batch on the device. ``items``: the window's
         normaliser on all ranks, which HF-style losses are divided by inside the forward."""
 
-    def eval_sum(self, forward: Forward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def eval_sum(self, tokens: Tokens, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """(summed loss, its count, model outputs) of one evaluation batch: by default HF's
         weighting, the batch's mean loss counted once per row (once, with ``eval_per_batch``).
         Without labels, the forward alone (a
         ``compute_loss`` override is not called, as HF's) and a zero loss over a zero count."""
         if not self.labelled(batch):
-            outputs = forward(**batch)
+            outputs = tokens(**batch)
             zero = torch.zeros((), device=next(v.device for v in batch.values() if torch.is_tensor(v)))
             return zero, zero, outputs
         # Counted first, and the forward given a copy: a compute_loss override may pop the labels.
         count = float(self.count(batch))
-        loss, outputs = self.loss_sum(forward, dict(batch), count)
+        loss, outputs = self.loss_sum(tokens, dict(batch), count)
         loss = loss / max(count, 1.0)
         weight = torch.tensor(1.0 if self.eval_per_batch else float(batch_rows(batch)), device=loss.device)
         return loss * weight, weight, outputs
@@ -126,27 +298,49 @@ class CausalLM(Objective):
     """Summed next-token cross-entropy in fp32; ``label_smoothing`` as ``F.cross_entropy`` applies
     it (HF's label smoother mixes in the same uniform term), still summed over target tokens."""
 
-    token_exact_causal = True
-
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing
+
+    def check(self, split: Split) -> None:
+        """Every split computes the next-token loss; the tiles' is plain cross-entropy."""
+        if split.tiles and self.label_smoothing:
+            raise ConfigError(
+                "label_smoothing_factor with a tiled loss: the tiles compute plain cross-entropy; set "
+                "tiled_loss false or label_smoothing_factor 0",
+                path="label_smoothing_factor",
+            )
 
     def count(self, batch: Batch) -> float:
         return float(count_targets(batch))
 
-    def loss_sum(self, forward: Forward, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
-        labels, inputs = causal_inputs(batch)
-        outputs = forward(**inputs)
-        return self.token_loss_sum(outputs.logits, next_token_targets(labels)), outputs
+    def loss_sum(self, tokens: Tokens, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
+        loss, _, outputs = tokens.next_token_loss(batch, self.token_loss_sum)
+        return loss, outputs
 
     def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of cross-entropy over non-ignored (already shifted) targets, in fp32."""
         return token_loss_sum(logits, targets, self.label_smoothing)
 
-    def eval_sum(self, forward: Forward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        loss, outputs = self.loss_sum(forward, batch, 1.0)
-        targets = (batch["labels"][:, 1:] != IGNORE_INDEX).sum().float()
-        return loss, targets, outputs
+    def eval_sum(self, tokens: Tokens, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        loss, targets, outputs = tokens.next_token_loss(batch, self.token_loss_sum)
+        return loss, (targets != IGNORE_INDEX).sum().float(), outputs
+
+    def eval_rows(self, batch: Batch, indices: list[int]) -> tuple[Batch, list[int]]:
+        """A token-exact loss masks the labels of padding rows, keeping every rank's shapes; a batch
+        without labels gets ignored ones (no target: the loss is 0 over 0)."""
+        if not self.labelled(batch):
+            batch = {**batch, "labels": torch.full_like(batch["input_ids"], IGNORE_INDEX)}
+        real = torch.tensor([i >= 0 for i in indices])
+        if not bool(real.all()):
+            batch = {**batch, "labels": batch["labels"].masked_fill(~real[:, None], IGNORE_INDEX)}
+        return batch, indices
+
+    def batch_mean(self, batch: Batch, outputs: Any, loss: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """From the batch's own logits: a pipeline's stages return the loss of the batches pooled
+        over them (on the last stage), not their own batch's."""
+        labels = batch["labels"].to(outputs["logits"].device)
+        loss = self.token_loss_sum(outputs["logits"], next_token_targets(labels))
+        return loss.float() / target_count(labels).float()
 
 
 class SFT(CausalLM):
@@ -155,14 +349,30 @@ class SFT(CausalLM):
     distribution and ``mean_token_accuracy`` (the share of targets that are the top prediction)
     over its targets, logged as the mean over micro-batches (evaluation: over batches), as TRL logs
     them. They come from a forward that holds the logits: the tiled loss and sequence parallelism
-    log none."""
+    log none (and evaluate token-weighted, as the causal LM does)."""
 
     metric_names = ("entropy", "mean_token_accuracy")
 
     def __init__(self, loss_type: str = "nll"):
         super().__init__()
         self.dft = loss_type == "dft"
-        self.token_exact_causal = not self.dft  # the tiled, pipelined and SP losses are plain NLL
+
+    def check(self, split: Split) -> None:
+        """``dft`` weighs each target by its probability from the whole logits: no split takes it."""
+        if self.dft:
+            Objective.check(self, split)
+        else:
+            super().check(split)
+
+    # dft's evaluation is a model's own loss's: padding rows cut, each batch's mean from its sums.
+
+    def eval_rows(self, batch: Batch, indices: list[int]) -> tuple[Batch, list[int]]:
+        return Objective.eval_rows(self, batch, indices) if self.dft else super().eval_rows(batch, indices)
+
+    def batch_mean(self, batch: Batch, outputs: Any, loss: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        if self.dft:
+            return Objective.batch_mean(self, batch, outputs, loss, count)
+        return super().batch_mean(batch, outputs, loss, count)
 
     def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not self.dft:
@@ -175,15 +385,18 @@ class SFT(CausalLM):
         )
         return (nll * torch.exp(-nll).detach()).sum()
 
-    def loss_sum(self, forward: Forward, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
-        loss, outputs = super().loss_sum(forward, batch, items)
-        self.record_metrics(self._token_metrics(outputs.logits, batch))
+    def loss_sum(self, tokens: Tokens, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
+        loss, outputs = super().loss_sum(tokens, batch, items)
+        if tokens.whole_logits:
+            self.record_metrics(self._token_metrics(outputs.logits, batch))
         return loss, outputs
 
-    def eval_sum(self, forward: Forward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def eval_sum(self, tokens: Tokens, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """TRL's evaluation loss, which is HF's: each batch's token mean, weighted by its rows (HF
         weighs a padding-free batch, flattened into one row, by the rows it was made of)."""
-        loss, outputs = super().loss_sum(forward, batch, 1.0)
+        if not tokens.whole_logits:
+            return super().eval_sum(tokens, batch)
+        loss, outputs = super().loss_sum(tokens, batch, 1.0)
         self.record_metrics(self._token_metrics(outputs.logits, batch), evaluation=True)
         rows = float(batch_rows(batch))
         return loss / max(count_targets(batch), 1) * rows, loss.new_tensor(rows), outputs
@@ -229,8 +442,8 @@ class ModelLoss(Objective):
             return float(count_targets(batch))
         return float((batch["labels"] != IGNORE_INDEX).sum())
 
-    def loss_sum(self, forward: Forward, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
-        per_item = self._counts_items(batch)
+    def loss_sum(self, tokens: Tokens, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
+        per_item, forward = self._counts_items(batch), tokens.forward
         items = max(items, 1.0)  # a window with no labelled item: its loss is 0 either way
         if self.compute_loss is not None:
             loss, outputs = self.compute_loss(

@@ -22,8 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.engine.core import Batch, Engine, checkpoints_activations, weight_decay_groups
-from trainer.engine.loss import next_token_targets, target_count
-from trainer.engine.objectives import CausalLM
+from trainer.engine.objectives import CausalLM, next_token_targets, target_count
 from trainer.engine.pipeline_layers import build_pipeline_module, gather_hf_state_dict
 from trainer.runtime.mesh import Mesh
 
@@ -125,8 +124,7 @@ class PipelineEngine(Engine):
             self.ds.train_batch(self._micro_batches(pooled))
         finally:
             self.ds.micro_batches = self.ds.gradient_accumulation_steps()
-        self._apply_lr_scale()
-        return self.loss.result(self.device)[0]
+        return self._stepped(self.loss.result(self.device)[0])
 
     @torch.no_grad()
     def _eval_step(self, batch: Batch, outputs: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:

@@ -32,17 +32,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_reduce
 
 from trainer.args.preference import CPO_LOSS_TYPES, LOSS_TYPES
-from trainer.data import IGNORE_INDEX
 from trainer.data.preference import REFERENCE_COLUMN
-from trainer.engine.objectives import Batch, Forward, Objective
-from trainer.engine.sequence_parallel import SequenceParallel
-from trainer.engine.tiling import tiled_token_nll
+from trainer.engine.objectives import Batch, Objective, Split, Tokens, refused
 from trainer.runtime.distributed import all_reduce_sum
-
-Tiles = tuple[torch.nn.Module, int] | None  # (the output head, tokens per tile): a tiled loss
 
 REWARD_METRICS = (
     "rewards/chosen",
@@ -55,20 +49,18 @@ REWARD_METRICS = (
 MODEL_KEYS = ("input_ids", "attention_mask")
 
 
-def token_nll(
-    forward: Forward, batch: Batch, tiles: Tiles = None, sp: SequenceParallel | None = None
-) -> tuple[torch.Tensor, Any]:
+def token_nll(tokens: Tokens, batch: Batch) -> tuple[torch.Tensor, Any]:
     """(the next-token negative log-likelihood at every position of both sequences of every pair,
-    shape (pairs, 2, L - 1), in fp32; the model's outputs). A padding-free batch forwards its one
-    row, and each sequence's NLL is read from it (``token_index``). ``tiles`` and ``sp``: as
-    ``row_nll``."""
+    shape (pairs, 2, L - 1), in fp32; the model's outputs), from the engine's per-token service
+    (tiled, split over a sequence-parallel group, as the run is). A padding-free batch forwards
+    its one row, and each sequence's NLL is read from it (``token_index``)."""
     pairs, _, length = batch["completion_mask"].shape
     index = batch.get("token_index")
     if index is None:
         inputs = {k: batch[k].reshape(2 * pairs, length) for k in MODEL_KEYS}
     else:
         inputs = {k: batch[k] for k in ("input_ids", "position_ids")}
-    nll, outputs = row_nll(forward, inputs, tiles, sp)
+    nll, outputs = tokens.row_nll(inputs)
     if index is not None:
         # Position j predicts token j + 1 of the same sequence; where j is a sequence's last token
         # (or past it, -1) the value is the appended 0, or the next sequence's first token's NLL,
@@ -77,49 +69,11 @@ def token_nll(
     return nll.view(pairs, 2, length - 1), outputs
 
 
-def row_nll(
-    forward: Forward, inputs: Batch, tiles: Tiles = None, sp: SequenceParallel | None = None
-) -> tuple[torch.Tensor, Any]:
-    """(each row's next-token NLL, shape (rows, width - 1); the model's outputs).
-
-    ``tiles``: (the model's output head, tokens per tile) to compute it from the last hidden states
-    a tile at a time, never holding the logits whole (the model's own head computes one position).
-    ``sp``: each rank of the sequence-parallel group forwards its slice of every row, and the
-    slices' NLL are summed over the group into whole rows (a differentiable all-reduce, whose
-    backward sums the ranks' gradients), so every rank holds every token's; its outputs are its
-    slice's."""
-    width = inputs["input_ids"].shape[1]
-    if sp is None:
-        inputs, targets = {**inputs, "use_cache": False}, inputs["input_ids"][:, 1:]
-    else:
-        piece = sp.shard({**inputs, "labels": inputs["input_ids"]})
-        targets = piece.pop("shift_labels")
-        inputs = {**piece, "use_cache": False}
-    if tiles is not None:
-        head, size = tiles
-        outputs = forward(**inputs, output_hidden_states=True, logits_to_keep=1)
-        hidden = outputs.hidden_states[-1]
-        nll = tiled_token_nll(hidden if sp else hidden[:, :-1], head, targets, size)
-    else:
-        outputs = forward(**inputs)
-        logits = outputs.logits if sp else outputs.logits[:, :-1]
-        nll = F.cross_entropy(
-            logits.float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
-        )
-    if sp is not None:
-        before = sp.rank * nll.shape[1]
-        nll = F.pad(nll, (before, (sp.size - 1 - sp.rank) * nll.shape[1]))
-        nll = all_reduce(nll, group=sp.mpu.get_sequence_parallel_group())[:, : width - 1]
-    return nll, outputs
-
-
-def half_logps(
-    forward: Forward, batch: Batch, half: int, tiles: Tiles = None, sp: SequenceParallel | None = None
-) -> tuple[torch.Tensor, Any]:
+def half_logps(tokens: Tokens, batch: Batch, half: int) -> tuple[torch.Tensor, Any]:
     """(each row's summed answer log-probability for one sequence of its pair, shape (rows,); the
     model's outputs), from a forward of those sequences alone, padded to their own longest."""
     width = int(batch["attention_mask"][:, half].sum(dim=1).max())
-    nll, outputs = row_nll(forward, {k: batch[k][:, half, :width] for k in MODEL_KEYS}, tiles, sp)
+    nll, outputs = tokens.row_nll({k: batch[k][:, half, :width] for k in MODEL_KEYS})
     return -(nll * batch["completion_mask"][:, half, 1:width]).sum(dim=1), outputs
 
 
@@ -128,11 +82,9 @@ def answer_mask(batch: Batch) -> torch.Tensor:
     return batch["completion_mask"][..., 1:]
 
 
-def sequence_logps(
-    forward: Forward, batch: Batch, tiles: Tiles = None, sp: SequenceParallel | None = None
-) -> tuple[torch.Tensor, Any]:
+def sequence_logps(tokens: Tokens, batch: Batch) -> tuple[torch.Tensor, Any]:
     """(summed answer-token log-probabilities of shape (pairs, 2), the model's outputs)."""
-    nll, outputs = token_nll(forward, batch, tiles, sp)
+    nll, outputs = token_nll(tokens, batch)
     return -(nll * answer_mask(batch)).sum(dim=2), outputs
 
 
@@ -166,8 +118,6 @@ class PairObjective(Objective):
 
     label_names = ("completion_mask",)  # every pair batch has one: the loss needs no other labels
     metric_names: tuple[str, ...] = REWARD_METRICS
-    per_token_nll = True
-    sequences_per_row = 2
 
     @classmethod
     @abstractmethod
@@ -178,61 +128,63 @@ class PairObjective(Objective):
     def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(each pair's loss, each metric's value per pair) from the per-token NLL."""
 
-    def reference_logps(
-        self, forward: Forward, batch: Batch, tiles: Tiles = None, sp: SequenceParallel | None = None
-    ) -> torch.Tensor:
+    def check(self, split: Split) -> None:
+        """Per-token NLL comes tiled and from split rows; no pipeline stage holds both sequences."""
+        if split.stages:
+            raise refused(self, "pipeline_parallel_size > 1 (the last stage computes the loss)")
+
+    def reference_logps(self, tokens: Tokens, batch: Batch) -> torch.Tensor:
         """What the reference stage records of a batch under the reference: each sequence's summed
         answer log-probability, shape (rows, 2), from one forward of both."""
-        return sequence_logps(forward, batch, tiles, sp)[0]
-
-    @property
-    def share(self) -> float:
-        """What one rank carries of a pair: every rank of a sequence-parallel group computes the
-        same pairs' losses (from NLL gathered over the group), so each counts 1/N of them, and the
-        group's sums count each pair once."""
-        return 1.0 / self.sequence_parallel.size if self.sequence_parallel is not None else 1.0
+        return sequence_logps(tokens, batch)[0]
 
     def count(self, batch: Batch) -> float:
-        return float(batch["completion_mask"].shape[0]) * self.share
+        return float(batch["completion_mask"].shape[0])
 
-    def loss_sum(self, forward: Forward, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
-        loss, outputs = self._pairs(forward, batch, evaluation=False)
-        return loss.sum() * self.share, outputs
+    # Every rank of a sequence-parallel group computes the same pairs' losses (from NLL gathered over
+    # the group), so each carries ``tokens.share`` of them and the group's sums count a pair once.
 
-    def eval_sum(self, forward: Forward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        loss, outputs = self._pairs(forward, batch, evaluation=True)
-        return loss.sum() * self.share, loss.new_tensor(len(loss) * self.share), outputs
+    def loss_sum(self, tokens: Tokens, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
+        loss, outputs = self._pairs(tokens, batch, evaluation=False)
+        return loss.sum() * tokens.share, outputs
 
-    def _pairs(self, forward: Forward, batch: Batch, evaluation: bool) -> tuple[torch.Tensor, Any]:
+    def eval_sum(self, tokens: Tokens, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        loss, outputs = self._pairs(tokens, batch, evaluation=True)
+        return loss.sum() * tokens.share, loss.new_tensor(len(loss) * tokens.share), outputs
+
+    def _pairs(self, tokens: Tokens, batch: Batch, evaluation: bool) -> tuple[torch.Tensor, Any]:
         """(each pair's loss, the model's outputs); the micro-batch's metrics are recorded."""
-        nll, outputs = token_nll(forward, batch, self.loss_tiles, self.sequence_parallel)
+        nll, outputs = token_nll(tokens, batch)
         loss, metrics = self.pair_terms(batch, nll)
         pairs = nll.new_tensor(float(len(loss)))
         sums = [(m.detach().float().sum(), pairs) for m in metrics]
-        sums += self.logit_sums(batch, outputs)
-        self.record_global(torch.stack([x for pair in sums for x in pair]), evaluation)
+        sums += self.logit_sums(batch, outputs, tokens)
+        self.record_global(torch.stack([x for pair in sums for x in pair]), evaluation, tokens.share)
         return loss, outputs
 
-    def logit_sums(self, batch: Batch, outputs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def logit_sums(
+        self, batch: Batch, outputs: Any, tokens: Tokens
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(sum, count) over this rank's pairs of each metric after the pair metrics that reads
         the whole logits; zero counts where they are not whole."""
         return []
 
-    def whole_logits(self, batch: Batch, outputs: Any) -> torch.Tensor | None:
+    def whole_logits(self, batch: Batch, outputs: Any, tokens: Tokens) -> torch.Tensor | None:
         """The logits of both sequences of every pair, shape (pairs, 2, L, vocab), where this rank
         holds them whole (padded batches, untiled, no sequence split); else None."""
         logits = getattr(outputs, "logits", None)
-        if logits is None or self.loss_tiles is not None or self.sequence_parallel is not None:
+        if logits is None or not tokens.whole_logits:
             return None
         if "token_index" in batch:  # padding-free: one packed row
             return None
         return logits.view(*batch["completion_mask"].shape, -1)
 
-    def record_global(self, sums: torch.Tensor, evaluation: bool) -> None:
+    def record_global(self, sums: torch.Tensor, evaluation: bool, share: float) -> None:
         """Record one micro-batch's metrics from this rank's (sum, count) per metric, interleaved:
-        summed over every rank (a collective: every rank records each micro-batch), each becomes
-        its mean over the global micro-batch, or is not measured where its count is 0."""
-        totals = all_reduce_sum(sums.detach().double() * self.share).view(-1, 2)
+        summed over every rank (a collective: every rank records each micro-batch; ``share``: this
+        rank's part of its pairs), each becomes its mean over the global micro-batch, or is not
+        measured where its count is 0."""
+        totals = all_reduce_sum(sums.detach().double() * share).view(-1, 2)
         present = (totals[:, 1] > 0).double()
         self.record_values(totals[:, 0] / totals[:, 1].clamp(min=1e-30) * present, present, evaluation)
 
@@ -261,10 +213,12 @@ class DPO(PairObjective):
     label_names = (REFERENCE_COLUMN,)  # a batch without the reference's log-probs has no loss
     metric_names = (*REWARD_METRICS, "entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
 
-    def logit_sums(self, batch: Batch, outputs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def logit_sums(
+        self, batch: Batch, outputs: Any, tokens: Tokens
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """TRL's DPO: the predicted distribution's entropy over both answers' targets, the mean logit
         (over the vocabulary) over each answer's targets, and the chosen answers' top-1 accuracy."""
-        logits, zero = self.whole_logits(batch, outputs), outputs.logits.new_zeros(())
+        logits, zero = self.whole_logits(batch, outputs, tokens), outputs.logits.new_zeros(())
         if logits is None:
             return [(zero, zero)] * 4
         with torch.no_grad():
@@ -335,8 +289,10 @@ class ORPO(PairObjective):
         "logits/rejected",
     )
 
-    def logit_sums(self, batch: Batch, outputs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return whole_mean_logits(self.whole_logits(batch, outputs), outputs, last=False)
+    def logit_sums(
+        self, batch: Batch, outputs: Any, tokens: Tokens
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return whole_mean_logits(self.whole_logits(batch, outputs, tokens), outputs, last=False)
 
     def __init__(self, beta: float = 0.1):
         super().__init__()
@@ -360,8 +316,10 @@ class CPO(PairObjective):
 
     metric_names = (*REWARD_METRICS, "nll_loss", "logits/chosen", "logits/rejected")
 
-    def logit_sums(self, batch: Batch, outputs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return whole_mean_logits(self.whole_logits(batch, outputs), outputs, last=True)
+    def logit_sums(
+        self, batch: Batch, outputs: Any, tokens: Tokens
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return whole_mean_logits(self.whole_logits(batch, outputs, tokens), outputs, last=True)
 
     def __init__(
         self,
@@ -470,17 +428,17 @@ class KTO(PairObjective):
     def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         raise NotImplementedError("KTO weighs its rows over the global micro-batch (_pairs)")
 
-    def _pairs(self, forward: Forward, batch: Batch, evaluation: bool) -> tuple[torch.Tensor, Any]:
+    def _pairs(self, tokens: Tokens, batch: Batch, evaluation: bool) -> tuple[torch.Tensor, Any]:
         # As TRL's: the KL partners in a forward of their own, without gradients (the estimate is
         # never differentiated), then the completions; each padded to its own longest sequence.
         with torch.no_grad():
-            partners, _ = self._half_logps(forward, batch, 1)
-        completions, outputs = self._half_logps(forward, batch, 0)
+            partners, _ = half_logps(tokens, batch, 1)
+        completions, outputs = half_logps(tokens, batch, 0)
         logps = torch.stack([completions, partners], dim=1)  # (rows, 2)
         ratios = logps - batch[REFERENCE_COLUMN].to(logps)
         chosen = batch["label"].to(device=logps.device, dtype=torch.bool)
         r, beta = ratios[:, 0], self.beta
-        stats = self._global_stats(batch, outputs, logps, ratios, chosen)
+        stats = self._global_stats(batch, outputs, logps, ratios, chosen, tokens)
         kl = stats[0] / stats[1].clamp(min=1)
         kl = kl.clamp(min=0) if self.loss_type == "kto" else torch.zeros_like(kl)
         if self.loss_type == "kto":
@@ -491,40 +449,43 @@ class KTO(PairObjective):
         self.record_values(*_kto_metric_values(stats, kl), evaluation)
         return loss, outputs
 
-    def reference_logps(
-        self, forward: Forward, batch: Batch, tiles: Tiles = None, sp: SequenceParallel | None = None
-    ) -> torch.Tensor:
+    def reference_logps(self, tokens: Tokens, batch: Batch) -> torch.Tensor:
         """As TRL scores them: the KL partners in a forward of their own, then the completions."""
-        partners = half_logps(forward, batch, 1, tiles, sp)[0]
-        return torch.stack([half_logps(forward, batch, 0, tiles, sp)[0], partners], dim=1)
-
-    def _half_logps(self, forward: Forward, batch: Batch, half: int) -> tuple[torch.Tensor, Any]:
-        return half_logps(forward, batch, half, self.loss_tiles, self.sequence_parallel)
+        partners = half_logps(tokens, batch, 1)[0]
+        return torch.stack([half_logps(tokens, batch, 0)[0], partners], dim=1)
 
     def _global_stats(
-        self, batch: Batch, outputs: Any, logps: torch.Tensor, ratios: torch.Tensor, chosen: torch.Tensor
+        self,
+        batch: Batch,
+        outputs: Any,
+        logps: torch.Tensor,
+        ratios: torch.Tensor,
+        chosen: torch.Tensor,
+        tokens: Tokens,
     ) -> torch.Tensor:
         """The micro-batch's sums over every rank (detached, float64): [KL log-ratio sum, rows,
         entropy sum and its tokens, the chosen and the rejected rows' mean-logit sums and tokens,
         then for chosen and for rejected rows: reward sum, rows, logp sum]."""
         desirable = chosen.to(logps.dtype)
         undesirable = 1 - desirable
-        entropy, mean_logit, tokens = self._token_sums(batch, outputs, logps)
+        entropy, mean_logit, targets = self._token_sums(batch, outputs, logps, tokens.whole_logits)
         rewards = self.beta * ratios[:, 0]
-        sums = [ratios[:, 1].sum(), logps.new_tensor(float(len(logps))), entropy.sum(), tokens.sum()]
+        sums = [ratios[:, 1].sum(), logps.new_tensor(float(len(logps))), entropy.sum(), targets.sum()]
         for rows in (desirable, undesirable):
-            sums += [(mean_logit * rows).sum(), (tokens * rows).sum()]
+            sums += [(mean_logit * rows).sum(), (targets * rows).sum()]
         for rows in (desirable, undesirable):
             sums += [(rewards * rows).sum(), rows.sum(), (logps[:, 0] * rows).sum()]
-        return all_reduce_sum(torch.stack(sums).detach().double() * self.share)
+        return all_reduce_sum(torch.stack(sums).detach().double() * tokens.share)
 
     @torch.no_grad()
-    def _token_sums(self, batch: Batch, outputs: Any, logps: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _token_sums(
+        self, batch: Batch, outputs: Any, logps: torch.Tensor, whole: bool
+    ) -> tuple[torch.Tensor, ...]:
         """Per row, over its completion's targets: the predicted distribution's entropy summed, the
         mean logit (over the vocabulary) summed, and the targets counted; zeros where the logits are
-        not whole (tiled, or split over a sequence-parallel group)."""
+        not ``whole`` (tiled, or split over a sequence-parallel group)."""
         logits = getattr(outputs, "logits", None)
-        if logits is None or self.loss_tiles is not None or self.sequence_parallel is not None:
+        if logits is None or not whole:
             zeros = logps.new_zeros(len(logps))
             return zeros, zeros, zeros
         main = logits[:, :-1].float()

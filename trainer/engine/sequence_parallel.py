@@ -31,7 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from trainer.config.errors import ConfigError
 from trainer.data import IGNORE_INDEX
-from trainer.engine.loss import next_token_targets
+from trainer.engine.objectives import next_token_targets
 from trainer.runtime.mesh import Mesh
 
 Batch = dict[str, torch.Tensor]
@@ -156,12 +156,13 @@ class SequenceParallel:
         rows, length = ids.shape
         positions = batch.get("position_ids")
         if positions is None:
-            positions = torch.arange(length).expand(rows, length)
+            positions = torch.arange(length, device=ids.device).expand(rows, length)
         targets = next_token_targets(batch["labels"])
         pad = -length % self.size
         if pad:
             ids = F.pad(ids, (0, pad), value=0)
-            positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1)], dim=1)
+            more = torch.arange(1, pad + 1, device=ids.device)
+            positions = torch.cat([positions, positions[:, -1:] + more], dim=1)
             targets = F.pad(targets, (0, pad), value=IGNORE_INDEX)
         piece = (length + pad) // self.size
         keep = slice(self.rank * piece, (self.rank + 1) * piece)
@@ -171,9 +172,9 @@ class SequenceParallel:
             "shift_labels": targets[:, keep],
         }
 
-    def model_inputs(self, batch: Batch, device: torch.device) -> tuple[torch.Tensor, Batch]:
-        """(next-token targets, model inputs) of this rank's slice, on the device."""
-        shard = {k: v.to(device, non_blocking=True) for k, v in self.shard(batch).items()}
+    def model_inputs(self, batch: Batch) -> tuple[torch.Tensor, Batch]:
+        """(next-token targets, model inputs) of this rank's slice, where the batch is."""
+        shard = self.shard(batch)
         return shard.pop("shift_labels"), {**shard, "use_cache": False}
 
 

@@ -98,10 +98,10 @@ class VotedForward:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def loss_sum(self, forward: Any, batch: Any, items: float) -> Any:
+    def loss_sum(self, tokens: Any, batch: Any, items: float) -> Any:
         message = ""
         try:
-            result = self.inner.loss_sum(forward, batch, items)
+            result = self.inner.loss_sum(tokens, batch, items)
         except RuntimeError as err:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(err):
                 raise
@@ -191,3 +191,16 @@ class AutoBatchSize(TrainerCallback):
         if self.engine is not None and isinstance(self.engine.objective, VotedForward):
             self.engine.objective = self.engine.objective.inner
         self.engine = None
+
+
+def start_over(trainer: Any, micro_batch: int, saved: tuple[Any, Any]) -> None:
+    """The retry's fresh start: the trainer's engine freed and its snapshots released (both built
+    before the first step), its state and control as ``train`` found them, its arguments (and run
+    config) copied with ``micro_batch``; ``train`` then plans the run again."""
+    trainer.engine.close()
+    trainer.checkpoints.release_snapshots()
+    trainer.engine = trainer.checkpoints = trainer.plan = None
+    trainer.state, trainer.control = saved
+    trainer.args = trainer.args.model_copy(update={"per_device_train_batch_size": micro_batch})
+    if trainer.run_config is not None:
+        trainer.run_config = trainer.run_config.model_copy(update={"training": trainer.args})

@@ -19,15 +19,13 @@ from torch.utils.data import Dataset
 from transformers import set_seed
 
 from trainer.args import RunConfig
-from trainer.config import Hardware, custom_tensor_plan
+from trainer.config import Hardware
 from trainer.data import build_datasets, get_tokenizer
 from trainer.data.loader import data_seed
 from trainer.data.preference import load_pairs
 from trainer.data.sources import DataError
 from trainer.data.stream import STREAM_LENGTH, StreamedDataset
 from trainer.data.stream_sources import build_stream
-from trainer.engine.sequence_parallel import check_layout
-from trainer.engine.tensor_parallel import check_tensor_layout
 from trainer.loop.callbacks import TrainerCallback
 from trainer.loop.plan import plan_run
 from trainer.loop.preference import PreferenceTrainer
@@ -36,7 +34,6 @@ from trainer.model.liger import check_liger
 from trainer.model.modeling import build_model, hidden_size_of, model_config
 from trainer.objectives import OBJECTIVES
 from trainer.runtime.distributed import DistInfo, detect_hardware, init_distributed
-from trainer.runtime.mesh import sizes_for
 
 
 def build_run(
@@ -50,16 +47,13 @@ def build_run(
     callbacks: list[TrainerCallback] | None = None,
     hardware: Hardware | None = None,
     dist: DistInfo | None = None,
-    layout_checked: bool = False,
-    output_dir_claimed: bool = False,
 ) -> Trainer:
     """A Trainer for ``run_config``, its model built. The tokenizer, the datasets and the model's HF
     config come from ``run_config`` unless given (tests and benchmarks bring their own; either
     dataset alone counts as given, so an evaluation-only run loads no training data). ``hardware``
     and ``dist``: the caller detected the one and started the process group already (``trainer
-    train``); otherwise both happen here, once. ``layout_checked``: the caller checked the sequence
-    split against the model's config before anything loaded; ``output_dir_claimed``: it holds
-    ``output_dir`` (``trainer train`` does both, so neither happens twice in a run)."""
+    train``); otherwise both happen here, once. The sequence and tensor split is checked against the
+    model's config at the CLI's door, before anything loads, and by the engine that splits it."""
     args, model_args, data_args = run_config.training, run_config.model, run_config.data
     hardware = hardware or detect_hardware()
     check_liger(args, hardware)  # before anything loads
@@ -69,10 +63,6 @@ def build_run(
     if tokenizer is None and (not given_data or config is None):
         tokenizer = get_tokenizer(model_args, data_args)
     config = config if config is not None else model_config(model_args, tokenizer, data_args.block_size)
-    if not layout_checked:
-        sizes = sizes_for(run_config)
-        check_layout(config, sizes.sequence, dist.world_size)  # before any data loads
-        check_tensor_layout(config, sizes.tensor, custom_tensor_plan(run_config))
     entry = OBJECTIVES[args.objective]
     trainer_class, rows_of_its_own = entry.trainer_class(), entry.data != "rows"
     if not given_data:
@@ -94,7 +84,6 @@ def build_run(
         dist,
         num_samples=len(train_dataset) if train_dataset is not None else None,
         hidden_size=hidden_size_of(config),
-        output_dir_claimed=output_dir_claimed,
     )
     set_seed(args.seed)
     model: torch.nn.Module = build_model(

@@ -13,7 +13,11 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from trainer.args import TrainingArguments
+from trainer.model.neftune import NEFTune
 from trainer.observe.metrics import MetricsWriter
+from trainer.observe.monitor import EmptyDeviceCache
+from trainer.observe.reporting import reporting_callbacks
+from trainer.runtime.mesh import Mesh
 from trainer.runtime.state import CONTROL_FLAGS, TrainerCallback, TrainerControl, TrainerState
 
 logger = logging.getLogger(__name__)
@@ -53,14 +57,29 @@ class CallbackHandler:
         """Run ``event`` on every callback, as HF's handler does: a callback may change the control it
         is given, return it, return None, or return another control (transformers' own class too,
         whose flags are taken over)."""
+        base = getattr(TrainerCallback, event, None)
         for cb in self.callbacks:
-            result = getattr(cb, event)(args, state, control, **kw)
+            method = getattr(cb, event)
+            if getattr(method, "__func__", None) is base:  # the base class's no-op
+                continue
+            result = method(args, state, control, **kw)
             if isinstance(result, TrainerControl):
                 control = result
             elif result is not None and all(hasattr(result, flag) for flag in CONTROL_FLAGS):
                 for flag in CONTROL_FLAGS:
                     setattr(control, flag, bool(getattr(result, flag)))
         return control
+
+
+def default_callbacks(args: TrainingArguments, mesh: Mesh) -> list[TrainerCallback]:
+    """The Trainer's own callbacks, before the user's: the flow, ``metrics.jsonl``, the progress bar,
+    transformers' own for ``report_to``, NEFTune's noise and emptying the device cache, when asked for."""
+    default = [DefaultFlowCallback(), MetricsCallback(), ProgressCallback(), *reporting_callbacks(args)]
+    if args.neftune_noise_alpha is not None:
+        default.append(NEFTune(args, mesh))
+    if args.torch_empty_cache_steps is not None:
+        default.append(EmptyDeviceCache(args.torch_empty_cache_steps))
+    return default
 
 
 class DefaultFlowCallback(TrainerCallback):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -27,11 +28,9 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
-from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
+from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize, speed_metrics
 
-from trainer.data import IGNORE_INDEX
 from trainer.engine import Batch, Engine
-from trainer.engine.loss import next_token_targets, target_count
 from trainer.loop.predictions import Nested, Part, RowStore, gather, select_rows, to_numpy, to_tensors
 from trainer.runtime.distributed import all_reduce_sum
 
@@ -137,24 +136,6 @@ def eval_batches(
         yield batch, indices[start : start + batch_size]
 
 
-def without_padding_rows(batch: Batch, indices: list[int], token_exact: bool) -> tuple[Batch, list[int]]:
-    """(the batch to forward, the dataset index of each of its rows, -1 for a padding row). Ranks
-    run the same number of forwards (ZeRO-3 and the pipeline need it), so a shard that ran out
-    forwards padding rows. A token-exact causal loss masks their labels, keeping every rank's
-    shapes; a model's own loss is a mean that cannot leave rows out, so they are cut, and a batch of
-    padding alone forwards one padding row (whose loss ``_forward`` weighs by zero)."""
-    real = torch.tensor([i >= 0 for i in indices])
-    if bool(real.all()):
-        return batch, indices
-    if token_exact:
-        return {**batch, "labels": batch["labels"].masked_fill(~real[:, None], IGNORE_INDEX)}, indices
-    if not bool(real.any()):
-        return {k: v[:1] if torch.is_tensor(v) else v for k, v in batch.items()}, [-1]
-    rows = len(indices)
-    cut = {k: v[real] if torch.is_tensor(v) and len(v) == rows else v for k, v in batch.items()}
-    return cut, [i for i in indices if i >= 0]
-
-
 def evaluation_loop(
     engine: Engine,
     batches: Iterable[tuple[Batch, list[int]]],
@@ -207,9 +188,7 @@ def _forward(
     """(this batch's rows to keep, [summed loss, its count, 1 if labelled] on the device)."""
     objective = engine.objective
     labelled = objective.labelled(batch)
-    if objective.token_exact_causal and not labelled:  # no target: the engines' causal loss is 0 / 0
-        batch = {**batch, "labels": torch.full_like(batch["input_ids"], IGNORE_INDEX)}
-    batch, rows = without_padding_rows(batch, indices, objective.token_exact_causal)
+    batch, rows = objective.eval_rows(batch, indices)
     loss, count, outputs = engine.eval_step(batch, outputs=predictions is not None)
     # A batch of padding alone counts nothing, nor do a tensor-parallel group's ranks but its first
     # (they hold the same rows).
@@ -234,20 +213,8 @@ def _forward(
         main_input = getattr(engine.module, "main_input_name", "input_ids")
         part["inputs"] = select_rows(batch[main_input], keep)
     if "loss" in predictions.include and labelled:  # HF's: each row carries its batch's mean loss
-        part["losses"] = _batch_loss(engine, batch, outputs, loss, count).expand(int(keep.sum()))
+        part["losses"] = objective.batch_mean(batch, outputs, loss, count).expand(int(keep.sum()))
     return part, sums
-
-
-def _batch_loss(
-    engine: Engine, batch: Batch, outputs: Any, loss: torch.Tensor, count: torch.Tensor
-) -> torch.Tensor:
-    """This rank's batch's mean loss. A causal LM's is taken from its logits: a pipeline's stages
-    return the loss of the batches pooled over them (on the last stage), not their own batch's."""
-    if engine.objective.token_exact_causal:
-        labels = batch["labels"].to(engine.device)
-        loss = engine.objective.token_loss_sum(outputs["logits"], next_token_targets(labels))
-        count = target_count(labels)
-    return loss.float() / count.float()
 
 
 def _labels(batch: Batch, names: tuple[str, ...], device: torch.device) -> Nested:
@@ -317,3 +284,31 @@ def _with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
 
 def safe_exp(x: float) -> float:
     return math.exp(x) if x < 700 else float("inf")
+
+
+def evaluate_set(
+    trainer: Any,
+    dataset: Any,
+    prefix: str,
+    with_predictions: bool,
+    ignore_keys: list[str] | None = None,
+    returned: bool = True,
+) -> EvalLoopOutput:
+    """``evaluate``'s and ``predict``'s loop over ``dataset`` on the trainer's engine: each rank's
+    padded shard, the loss, with ``with_predictions`` the predictions (the trainer's ``generation()``
+    in place of the logits where it has one) and metrics, and HF's speed metrics."""
+    args, (world, rank) = trainer.args, trainer.mesh.data_ranks
+    start, bs = time.time(), args.per_device_eval_batch_size
+    hooks = (trainer.preprocess_logits_for_metrics, trainer.compute_metrics, ignore_keys, returned)
+    output = evaluation_loop(
+        trainer.engine,
+        eval_batches(dataset, trainer.data_collator, bs, rank, world, args.dataloader_drop_last),
+        len(dataset),
+        prefix,
+        Predictions.from_args(args, *hooks, trainer.generation()) if with_predictions else None,
+        collectives=lambda: trainer.watchdog.phase("eval"),
+    )
+    shard = math.ceil(len(dataset) / world)  # each rank's rows, padding included
+    steps = shard // bs if args.dataloader_drop_last else math.ceil(shard / bs)
+    output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
+    return output

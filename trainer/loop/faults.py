@@ -86,9 +86,6 @@ class NaNLoss:
         loss, outputs = self.objective.loss_sum(*args, **kwargs)
         return loss * float("nan"), outputs
 
-    def token_loss_sum(self, *args: Any) -> Any:
-        return self.objective.token_loss_sum(*args) * float("nan")
-
 
 def _crash_if(due: Callable[..., bool]) -> Callable[..., None]:
     """An engine hook (``Engine.after``): SIGKILL after the first call that ``due`` picks out."""

@@ -10,8 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from trainer import checkpoint as ckpt
 from trainer.engine import Engine
 from trainer.loop.vote import poll
@@ -21,8 +19,8 @@ from trainer.runtime.state import TrainerControl, TrainerState
 
 
 class NonfiniteGuard:
-    """Watches the losses of the steps since the last check (on the device until a check reads them)
-    and the engine's grad norm and skipped steps. A participant of a vote of its own (``check``).
+    """Reads what the engine noted of the steps since the last check (a non-finite loss, on the
+    device until a check reads it), its grad norm and its skipped steps. A participant of a vote of its own (``check``).
 
     ``finish_save`` commits the checkpoint in flight (a rollback may want it); ``roll_back`` loads a
     checkpoint into the run and returns the run's state from then on."""
@@ -35,25 +33,20 @@ class NonfiniteGuard:
         roll_back: Callable[[Path], TrainerState],
     ):
         self.args, self.engine, self.finish_save, self.roll_back = args, engine, finish_save, roll_back
-        self.nonfinite = torch.zeros((), dtype=torch.bool, device=engine.device)
         self.skipped_seen = engine.skipped_steps
         self.bad = False
 
     def reset(self) -> None:
         """A new window of steps; the skipped steps so far are the baseline (a checkpoint restores them)."""
-        self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.engine.device)
+        self.engine.nonfinite_loss.zero_()
         self.skipped_seen = self.engine.skipped_steps
-
-    def observe(self, loss: torch.Tensor) -> None:
-        """A step's loss (on the device: nothing waits for it here)."""
-        self.nonfinite |= ~torch.isfinite(loss)
 
     def ballot(self) -> list[float]:
         norm = self.engine.grad_norm()
         # Under fp16 a non-finite grad norm is a loss-scale overflow: DeepSpeed skipped that step and
         # lowered the scale, as it is meant to. Only a non-finite loss counts there.
         norm_bad = norm is not None and not math.isfinite(norm) and self.engine.loss_scale() is None
-        return [float(bool(self.nonfinite.item()) or norm_bad)]
+        return [float(bool(self.engine.nonfinite_loss.item()) or norm_bad)]
 
     def tally(self, totals: list[float]) -> None:
         self.bad = totals[0] != 0
@@ -68,7 +61,7 @@ class NonfiniteGuard:
             return True
         args = self.args
         state.nonfinite_windows += 1
-        self.nonfinite.zero_()
+        self.engine.nonfinite_loss.zero_()
         control.should_save = False  # a non-finite state is never checkpointed
         if args.nonfinite_policy == "skip" and skipped > self.skipped_seen:
             self.skipped_seen = skipped

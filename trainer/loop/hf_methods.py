@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from trainer.data.loader import train_dataloader, train_sampler
-from trainer.engine import Objective, is_decayed, objective_for
+from trainer.engine import Objective, Tokens, is_decayed, objective_for
 from trainer.loop.callbacks import TrainerCallback
 from trainer.loop.evaluation import EvalShard, eval_dataloader
 from trainer.loop.model_card import (
@@ -41,6 +41,7 @@ from trainer.loop.model_card import (
     hyperparameters,
     task_of,
 )
+from trainer.loop.setup import ensure_engine
 from trainer.loop.steps import plan_steps
 from trainer.runtime.processes import Processes
 
@@ -111,7 +112,7 @@ class HFMethods:
         micro-batch's own mean, as HF's). Only an override runs in the loop (this is its super)."""
         objective = self._model_objective
         items = float(num_items_in_batch or objective.count(inputs))
-        loss_sum, outputs = objective.loss_sum(model, inputs, items)
+        loss_sum, outputs = objective.loss_sum(Tokens(model), inputs, items)
         loss = loss_sum / max(items, 1.0)
         return (loss, outputs) if return_outputs else loss
 
@@ -135,16 +136,6 @@ class HFMethods:
         """Remove a callback: the first instance of a class, or that instance."""
         self.callback_handler.remove(callback)
 
-    # ---- logging -------------------------------------------------------------------------------
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """HF's log: ``logs`` gets the state's ``epoch`` (in place, as HF's), the row with the step
-        goes into ``state.log_history``, and ``on_log`` fires (so it reaches ``metrics.jsonl`` and
-        ``report_to``). ``start_time`` only matters in HF with ``include_num_input_tokens_seen``,
-        which is refused here."""
-        logs["epoch"] = self.state.epoch
-        self._log({**logs, "step": self.state.global_step})
-
     # ---- data ----------------------------------------------------------------------------------
 
     def get_train_dataloader(self) -> DataLoader:
@@ -154,7 +145,7 @@ class HFMethods:
         moves it to another epoch."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        sampler = train_sampler(self.train_dataset, *self.mesh.data_ranks, self.args, self._lengths)
+        sampler = train_sampler(self.train_dataset, *self.mesh.data_ranks, self.args, self.train_lengths)
         sampler.set_epoch(self.state.epoch_index, self.state.samples_into_epoch)
         pin = self.hardware.device == "cuda"
         return train_dataloader(self.train_dataset, sampler, self.data_collator, self.args, pin_memory=pin)
@@ -164,9 +155,9 @@ class HFMethods:
         ...``, the shard padded with copies of row 0, which ``loader.dataset.indices`` marks -1), in
         batches of ``per_device_eval_batch_size``. A string picks one of a dict of eval datasets."""
         if isinstance(eval_dataset, str):
-            dataset = self._model_columns(self.eval_dataset[eval_dataset])
+            dataset = self.model_columns(self.eval_dataset[eval_dataset])
         elif eval_dataset is not None:
-            dataset = self._model_columns(eval_dataset)
+            dataset = self.model_columns(eval_dataset)
         else:
             dataset = self.eval_dataset
         if dataset is None:
@@ -175,7 +166,7 @@ class HFMethods:
 
     def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
         """This rank's batches of ``test_dataset``, as ``predict`` reads them."""
-        return self._eval_loader(self._model_columns(test_dataset))
+        return self._eval_loader(self.model_columns(test_dataset))
 
     def _eval_loader(self, dataset: Any) -> DataLoader:
         world, rank = self.mesh.data_ranks
@@ -243,7 +234,7 @@ class HFMethods:
         without one the engine is built now, its schedule over the run's planned steps."""
         self._check_own_model(model)
         if self.optimizer is None:
-            self._ensure_engine(self._planned_steps())
+            ensure_engine(self, self._planned_steps())
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
@@ -256,7 +247,7 @@ class HFMethods:
                 "to train with another optimizer pass optimizers=(optimizer, scheduler) to the Trainer"
             )
         if self.lr_scheduler is None and self.engine is None:
-            self._ensure_engine(num_training_steps)
+            ensure_engine(self, num_training_steps)
         if self.lr_scheduler is None:
             raise ValueError(
                 "Trainer.create_scheduler: the DeepSpeed config of this run has no scheduler and one "
@@ -267,7 +258,7 @@ class HFMethods:
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
         """Both at once: the engine, if not built yet, with a schedule over ``num_training_steps``."""
         if self.engine is None and (self.optimizer is None or self.lr_scheduler is None):
-            self._ensure_engine(num_training_steps)
+            ensure_engine(self, num_training_steps)
 
     def compute_loss_context_manager(self) -> contextlib.ExitStack:
         """The context ``compute_loss`` runs in: empty, as DeepSpeed casts the model itself for

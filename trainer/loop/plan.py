@@ -45,7 +45,6 @@ class RunPlan:
     checkpoint: Path | None  # the verified checkpoint to resume
     resume: Any  # the resume_from_checkpoint spec the checkpoint was found for
     ds_config: dict[str, Any]
-    output_dir_claimed: bool = False  # the caller (`trainer train`) holds output_dir already
 
 
 def plan_run(
@@ -60,14 +59,12 @@ def plan_run(
     client_optimizer: bool = False,
     client_scheduler: bool = False,
     ds_config: dict[str, Any] | None = None,
-    output_dir_claimed: bool = False,
 ) -> RunPlan:
     """The run's plan, after the process group is up (the checkpoint to resume is verified on every
     rank). ``num_samples``: the training set's size (None: evaluation only, whose schedule spans
     ``total_steps`` if given, else ``max_steps``, or one step). ``resume``: the
     ``resume_from_checkpoint`` spec (default: the arguments'). ``ds_config``: an engine's config
-    already built, kept as it is. ``output_dir_claimed``: the caller holds ``output_dir`` (the Trainer
-    then claims it no more).
+    already built, kept as it is.
 
     Where the arguments registered a ZeRO-3 config with transformers when they were created (a
     hand-built run: the script's model is partitioned by ``zero.Init`` with it), the resolution is
@@ -107,6 +104,4 @@ def plan_run(
         if refused := ckpt.uncarried(checkpoint, args.objective, stage, mesh.tensor, mesh.pipeline):
             raise ConfigError([refused])
     check_auto_batch(args, ds_config, mesh)  # before the model is built (build_run) or trained
-    return RunPlan(
-        hardware, dist, mesh, args, steps, total_steps, checkpoint, spec, ds_config, output_dir_claimed
-    )
+    return RunPlan(hardware, dist, mesh, args, steps, total_steps, checkpoint, spec, ds_config)

@@ -106,16 +106,16 @@ class PreferenceTrainer(Trainer):
             cls.tokenize_row,
         )
 
-    def _model_columns(self, dataset: Any, description: str | None = None) -> Any:
+    def model_columns(self, dataset: Any, description: str | None = None) -> Any:
         """Tokenised (a set passed to ``evaluate`` may be raw rows), and kept whole: the pair collator
         reads the pairs' columns, not the model's forward arguments."""
         return self.pairs(dataset, description or "eval", self.args, self.processing_class)
 
-    def _objective(self) -> PairObjective:
+    def make_objective(self) -> PairObjective:
         """The loss the registry names for the run's objective, built from its arguments."""
         return OBJECTIVES[self.args.objective].loss_class().from_args(self.args)
 
-    def _flops_per_token(self) -> float | None:
+    def flops_per_token(self) -> float | None:
         """Both sequences of a pair are tokens the model reads: FLOPs per token at ``max_length``."""
         return flops_per_token_for_model(self.model, self.args.max_length or 1024, self.mesh.tensor)
 

@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer.data.preference import REFERENCE_COLUMN, pairs_digest
+from trainer.engine.objectives import Tokens
 from trainer.engine.zero import frozen_forward, gathered
 from trainer.loop.evaluation import eval_batches
 from trainer.loop.stages import DataStage
@@ -129,15 +130,13 @@ class ReferenceStage(DataStage):
             # The policy as it trains: its head in tiles, its sequences split over a group's ranks,
             # where the run does so; a ref_model whole on each rank.
             own = self.ref_model is None
-            tiles, sp = (
-                (engine.objective.loss_tiles, engine.objective.sequence_parallel) if own else (None, None)
-            )
             with self._reference_forward(trainer) as forward:
+                tokens = engine.tokens if own else Tokens(forward)
                 for batch, indices in eval_batches(dataset, trainer.data_collator, size, rank, world):
                     needed = any(i >= 0 and i not in scored for i in indices)
                     if resumed and not host_all_reduce([float(needed)])[0]:
                         continue  # no rank needs this batch: every rank skips its forward
-                    logps = engine.objective.reference_logps(forward, engine.to_device(batch), tiles, sp)
+                    logps = engine.objective.reference_logps(tokens, engine.to_device(batch))
                     fresh.update((i, row) for i, row in zip(indices, logps.tolist(), strict=True) if i >= 0)
                     if len(fresh) >= FLUSH_PAIRS:
                         _write_chunk(partial, rank, fresh)

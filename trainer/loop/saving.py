@@ -1,7 +1,8 @@
 """The loop's saves: checkpoints (synchronous or asynchronous) and flash snapshots.
 
 An asynchronous checkpoint and a snapshot are committed at a later step's vote, once every rank
-has written its part (``Checkpoints`` and ``Snapshots`` are participants of ``trainer.loop.vote``).
+has written its part: while either is in flight, ``Checkpoints`` is a participant of the step's vote
+(``trainer.loop.vote``); with none in flight, a step runs none of this module.
 A checkpoint that cannot be written follows ``save_failure_policy``; a snapshot that cannot is skipped.
 """
 
@@ -11,13 +12,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainer import checkpoint as ckpt
+from trainer.checkpoint.export import export_hf
 from trainer.checkpoint.snapshots import Snapshots
 from trainer.data import ResumableDistributedSampler
 from trainer.data.loader import data_seed
 from trainer.data.stream import StreamPosition
 from trainer.loop.vote import Participant
-from trainer.runtime.distributed import all_gather_object, dist_info
+from trainer.model.modeling import is_adapter
+from trainer.runtime.distributed import all_gather_object, barrier, dist_info
 from trainer.runtime.full_disk import note_full_disk
 from trainer.runtime.resilience import save_failed
 from trainer.runtime.state import TrainerState
@@ -34,23 +39,30 @@ class Checkpoints:
         self.snapshots: Snapshots | None = None
         self.saved: tuple[int, bool] | None = None  # (step, weights alone) of the last save
         self.data: Any = None  # the run's sampler; a stream's position goes into every checkpoint
-
-    @property
-    def participants(self) -> list[Participant]:
-        """This step's vote: the checkpoint in flight, then the snapshot in flight."""
-        return [self] if self.snapshots is None else [self, self.snapshots]
+        self.in_flight: list[Participant] = []  # in the step's vote: [self] while anything is in flight
 
     @property
     def pending(self) -> bool:
         return self.saver is not None and self.saver.pending
 
     def ballot(self) -> list[float]:
-        """While an asynchronous save is in flight: this rank's "my files are written"."""
-        return [float(self.saver.written())] if self.pending else []
+        """This rank's "my files are written": of the asynchronous save in flight, then of the
+        snapshot in flight (each only while it is)."""
+        mine = [float(self.saver.written())] if self.pending else []
+        return mine + (self.snapshots.ballot() if self.snapshots is not None else [])
 
     def tally(self, totals: list[float]) -> None:
-        if totals:
+        if self.pending:
             self._committed(lambda: self.saver.commit_if_written(totals[0]))
+            totals = totals[1:]
+        if self.snapshots is not None:
+            self.snapshots.tally(totals)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Whether the next step's vote needs this saver: a save or a snapshot is in flight."""
+        in_flight = self.pending or (self.snapshots is not None and self.snapshots.pending)
+        self.in_flight = [self] if in_flight else []
 
     def save(
         self,
@@ -74,11 +86,13 @@ class Checkpoints:
         self._stamp(state)
         state.stateful_callbacks = stateful()
         self._committed(lambda: self.saver.save(engine, state, model_only=model_only))
+        self._refresh()
 
     def finish(self) -> None:
         """Commit the pending asynchronous save now, waiting for its writes; none pending, a no-op."""
         if self.saver is not None:
             self._committed(self.saver.finish)
+        self._refresh()
 
     def _committed(self, save: Callable[[], Path | None]) -> None:
         """One step of saving; ``on_save`` once a checkpoint is committed. A checkpoint that cannot
@@ -99,17 +113,17 @@ class Checkpoints:
         if self.args.snapshot_steps:
             self.snapshots = Snapshots(*self.saver_args)
 
-    def snapshot_due(self, step: int) -> bool:
-        return self.snapshots is not None and self.snapshots.due(step)
-
     def settle_snapshot(self) -> None:
         """Commit the snapshot in flight (before the next one, a checkpoint save or an evaluation)."""
         if self.snapshots is not None:
             self.snapshots.settle()
+        self._refresh()
 
     def take_snapshot(self, engine: Any, state: TrainerState) -> None:
+        """A snapshot of this step (due every ``snapshot_steps`` steps)."""
         self._stamp(state)
         self.snapshots.take(engine, state)
+        self._refresh()
 
     def _stamp(self, state: TrainerState) -> None:
         """A stream's position at this step: every rank's lanes, gathered (every rank saves)."""
@@ -123,6 +137,7 @@ class Checkpoints:
         if self.snapshots is not None:
             self.snapshots.release()
             self.snapshots = None
+        self._refresh()
 
 
 def resumed_state(
@@ -148,3 +163,20 @@ def resumed_state(
     ):
         setattr(saved, plan, getattr(current, plan))
     return saved
+
+
+def export_model(trainer: Any, target: Path) -> Path:
+    """``save_model``: the trainer's current weights as an HF model directory (config, safetensors,
+    tokenizer, ``training_args.bin`` as HF's), gathered under ZeRO-3; a LoRA run's adapter alone."""
+    model, engine = trainer.model, trainer.engine
+    adapter = is_adapter(model)  # a LoRA run exports its adapter: the weights that train
+    if engine:
+        state_dict = engine.full_state_dict(trainable_only=adapter)
+    else:
+        trained = {k: p for k, p in model.named_parameters() if p.requires_grad}
+        state_dict = trained if adapter else model.state_dict()
+    if trainer.dist.is_main:
+        export_hf(engine.module if engine else model, state_dict, trainer.processing_class, target)
+        torch.save(trainer.args, target / "training_args.bin")
+    barrier("save_model")
+    return target

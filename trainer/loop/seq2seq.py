@@ -28,7 +28,7 @@ class Seq2SeqTrainer(Trainer):
     # HF's Seq2SeqTrainer gathers evaluation losses with plain ``gather`` ("we don't want to drop
     # samples"): a short last batch's mean keeps all ``eval_batch_size`` repeats, so each batch's
     # mean loss weighs alike where HF's Trainer weighs it by its rows.
-    _eval_per_batch = True
+    eval_per_batch = True
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -68,7 +68,7 @@ class Seq2SeqTrainer(Trainer):
             kwargs["num_beams"] = getattr(self.args, "generation_num_beams", None)
         return {k: v for k, v in kwargs.items() if v is not None}
 
-    def _generation(self) -> Callable[[dict[str, torch.Tensor]], Any] | None:
+    def generation(self) -> Callable[[dict[str, torch.Tensor]], Any] | None:
         if not getattr(self.args, "predict_with_generate", False) or self.args.prediction_loss_only:
             return None
         return self._generate

@@ -130,10 +130,10 @@ class SFTTrainer(Trainer):
             **kwargs,
         )
 
-    def _objective(self) -> Objective:
+    def make_objective(self) -> Objective:
         """TRL's loss and metrics; a ``compute_loss`` override runs in its place, as the Trainer's."""
         if type(self).compute_loss is not Trainer.compute_loss:
-            return super()._objective()
+            return super().make_objective()
         return SFT(self.args.loss_type)
 
 

@@ -16,9 +16,9 @@ from transformers import get_scheduler
 from trainer import checkpoint as ckpt
 from trainer.args import TrainingArguments
 from trainer.config.optim import lars_params
-from trainer.data.stream import StreamedDataset
-from trainer.engine import Objective, Tiling, TorchCompile, plan_tiling, weight_decay_groups
+from trainer.engine import Objective, Split, Tiling, TorchCompile, plan_tiling, takes, weight_decay_groups
 from trainer.engine.lars import LARS
+from trainer.objectives import OBJECTIVES
 from trainer.runtime.distributed import print_main
 from trainer.runtime.mesh import Mesh
 
@@ -39,15 +39,6 @@ def plan_steps(args: TrainingArguments, num_samples: int, readers: int) -> StepP
     steps_per_epoch = math.ceil(micro_per_epoch / args.gradient_accumulation_steps)
     max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
     return StepPlan(steps_per_epoch, max_steps, math.ceil(max_steps / steps_per_epoch))
-
-
-def epoch_at(state: Any, dataset: Any, readers: int) -> float:
-    """The epoch HF logs once a step has ended: epochs done plus the share of this one read (each of
-    ``readers`` ranks reads a ``1 / readers`` of the set); for a stream, which has no length,
-    ``global_step / max_steps``, as HF counts a dataset without a length."""
-    if isinstance(dataset, StreamedDataset):
-        return state.global_step / state.max_steps
-    return state.epoch_index + state.samples_into_epoch / max(len(dataset) / readers, 1)
 
 
 def kept_accumulation(args: TrainingArguments, checkpoint: Path, data_parallel: int) -> int | None:
@@ -77,10 +68,9 @@ def tiling_for(
         if run_config
         else getattr(args, "max_length", None) or getattr(text, "max_position_embeddings", 0)
     )
-    tileable = objective.token_exact_causal or objective.per_token_nll
-    auto_off = not tileable or mesh.pipeline > 1 or args.label_smoothing_factor > 0
+    auto_off = not takes(objective, Split(tiles=True)) or mesh.pipeline > 1 or args.label_smoothing_factor > 0
     mode = "false" if auto_off and args.tiled_loss == "auto" else args.tiled_loss
-    rows = args.per_device_train_batch_size * objective.sequences_per_row
+    rows = args.per_device_train_batch_size * OBJECTIVES[args.objective].sequences_per_row
     tokens = rows * (block or 0) // mesh.sequence
     vocab = getattr(text, "vocab_size", None) or 1
     tiling = plan_tiling(mode, args.tiled_mlp, args.offload_activations, args.tile_tokens, vocab, tokens)

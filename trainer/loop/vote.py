@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from trainer.engine import Engine, batch_rows
-from trainer.observe.throughput import input_ids_count, non_padding_tokens
+from trainer.observe.window import input_ids_count, non_padding_tokens
 from trainer.runtime.distributed import host_all_reduce
 from trainer.runtime.mesh import Mesh
 from trainer.runtime.resilience import PreemptionFlag

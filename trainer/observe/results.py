@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerState as HFTrainerState
 from transformers.trainer_pt_utils import metrics_format
-from transformers.trainer_utils import TrainOutput, speed_metrics
+from transformers.trainer_utils import speed_metrics
 
 if TYPE_CHECKING:
     from trainer.runtime.state import TrainerState
@@ -113,17 +113,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 class ResultsAPI:
     """HF's result methods, mixed into the Trainer (which has ``args``, ``state`` and
-    ``is_world_process_zero``): each writes or prints on the main process only. Also the end of a
-    ``train`` call: its metrics and HF's ``TrainOutput``."""
-
-    def _train_output(self) -> TrainOutput:
-        """HF's end of training: the call's metrics, logged as one row, and the TrainOutput."""
-        if getattr(self, "_token_sum", 0.0) > 0:  # steps since the last logging step (collective)
-            self._take_window_loss()
-        flops = self.state.total_flos = (self._flops_per_token() or 0.0) * self.state.num_input_tokens_seen
-        metrics = train_metrics(self._run, flops, self.state.epoch)
-        self._log({**metrics, "step": self.state.global_step})
-        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+    ``is_world_process_zero``): each writes or prints on the main process only."""
 
     def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
         """HF's metrics block: ``***** train metrics *****``, then ``key = value`` lines."""

@@ -1,14 +1,12 @@
 """Throughput, model FLOPs and MFU: what a training step achieves against what the GPU could do.
 
-The one rule: nothing here synchronises host and device except ``StepTimer.flush``, which the Trainer
-calls at a logging step. docs/observability.md defines each metric.
+The step timer that measures them over a logging window is ``trainer.observe.window``'s.
+docs/observability.md defines each metric.
 """
 
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,117 +88,3 @@ def peak_tflops(device_name: str, dtype: str) -> float | None:
 
 
 # ---------------------------------------------------------------- throughput
-
-
-def non_padding_tokens(batch: dict[str, Any]) -> Any:
-    """Tokens of a batch that are not padding: the attention mask's sum, else every input id; a
-    batch of no token ids (an image classifier's ``pixel_values``) has none.
-
-    Returns a tensor on the batch's device (summing it does not synchronise); pass it to
-    ``StepTimer.step_end`` as is.
-    """
-    mask = batch.get("attention_mask")
-    if mask is not None:
-        return mask.sum()
-    ids = batch.get("input_ids")
-    return ids.numel() if ids is not None else 0
-
-
-def input_ids_count(batch: dict[str, Any]) -> int:
-    """Every input id of a batch, padding too: what HF's ``include_num_input_tokens_seen="all"`` counts."""
-    ids = batch.get("input_ids")
-    return ids.numel() if ids is not None else 0
-
-
-def device_sync(hardware: Any) -> Callable[[], None]:
-    """What waits for the device's queued work before a timer reads the clock (nothing on a CPU)."""
-    return torch.cuda.synchronize if hardware.device == "cuda" else (lambda: None)
-
-
-class StepTimer:
-    """Step time, throughput, model TFLOP/s and MFU over the window between two logging steps.
-
-    ``step_end`` only reads the host clock and adds counts, so it never waits for the device; the counts
-    may be ints or device tensors (added lazily, on the device). ``flush`` calls ``sync_fn`` once (e.g.
-    ``torch.cuda.synchronize``) so that the window's queued device work is finished before the clock is
-    read; as the previous flush also synced, the window's wall time is exact.
-
-    Counts passed to ``step_end`` are taken as global (all ranks). If they are this rank's, pass
-    ``all_reduce_sum`` to ``flush``: it gets ``[tokens, samples]`` of this rank's window and returns the
-    sums over ranks (one collective, at the logging step).
-
-    MFU's peak is ``peak_tflops_override`` if given, else the table's entry for ``device_name`` and
-    ``precision``; with neither, TFLOP/s is reported without MFU.
-    """
-
-    def __init__(
-        self,
-        flops_per_token: float | None = None,
-        device_name: str = "",
-        precision: str = "fp32",
-        peak_tflops_override: float | None = None,
-        world_size: int = 1,
-        clock: Callable[[], float] = time.perf_counter,
-    ):
-        self.flops_per_token = flops_per_token
-        self.peak = peak_tflops_override or (peak_tflops(device_name, precision) if device_name else None)
-        self.world_size = world_size
-        self.clock = clock
-        self.total_tokens = 0.0
-        self.total_samples = 0.0
-        self.elapsed_s = 0.0
-        self.start()
-
-    def start(self, sync_fn: Callable[[], None] | None = None) -> None:
-        """Begin a window now; call again after evaluation or a checkpoint so they are not counted.
-
-        Steps of the current window not yet flushed are dropped, so call it right after a flush.
-        """
-        if sync_fn is not None:
-            sync_fn()
-        self._t0 = self.clock()
-        self._steps = 0
-        self._tokens: Any = 0
-        self._samples: Any = 0
-
-    def step_end(self, tokens: Any, samples: Any) -> None:
-        self._steps += 1
-        self._tokens = self._tokens + tokens
-        self._samples = self._samples + samples
-
-    def flush(
-        self,
-        sync_fn: Callable[[], None] | None = None,
-        all_reduce_sum: Callable[[list[float]], list[float]] | None = None,
-        world_size: int | None = None,
-    ) -> dict[str, float]:
-        """Metrics of the window since the last flush (or start), then a new window; {} if no step ran.
-
-        ``world_size`` (default: the constructor's) is the number of devices sharing the FLOPs.
-        """
-        if sync_fn is not None:
-            sync_fn()
-        now = self.clock()
-        elapsed, steps = now - self._t0, self._steps
-        tokens, samples = float(self._tokens), float(self._samples)
-        if all_reduce_sum is not None:
-            tokens, samples = (float(v) for v in all_reduce_sum([tokens, samples]))
-        self._t0, self._steps, self._tokens, self._samples = now, 0, 0, 0
-        if steps == 0 or elapsed <= 0:
-            return {}
-        self.total_tokens += tokens
-        self.total_samples += samples
-        self.elapsed_s += elapsed
-        out = {
-            "step_time_s": elapsed / steps,
-            "tokens_per_second": tokens / elapsed,
-            "samples_per_second": samples / elapsed,
-            "total_tokens": self.total_tokens,
-            "train_time_s": self.elapsed_s,
-        }
-        if self.flops_per_token:
-            # Model FLOP/s per device: the FLOPs of the global token rate shared by the devices.
-            out["tflops"] = self.flops_per_token * tokens / elapsed / (world_size or self.world_size) / 1e12
-            if self.peak:
-                out["mfu"] = out["tflops"] / self.peak
-        return out

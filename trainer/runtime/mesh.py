@@ -40,6 +40,29 @@ class Mesh:
     expert: int = 1
     groups: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
+    # Derived in __post_init__ (plain attributes: a step reads them without a call).
+    #: The replicas a global batch is split over (DeepSpeed's ``dp_world_size``, what
+    #: ``train_batch_size`` counts).
+    data_parallel_size: int = field(init=False, repr=False, compare=False)
+    #: The ranks ZeRO shards parameters, gradients and optimizer states over: the data-parallel ranks
+    #: and, under sequence parallelism, every rank of their groups (DeepSpeed's ``seq_dp_world_size``).
+    #: What a checkpoint's optimizer shards are cut for.
+    zero_shards: int = field(init=False, repr=False, compare=False)
+    #: The consecutive ranks that read the same rows: a sequence- or tensor-parallel group.
+    sharing: int = field(init=False, repr=False, compare=False)
+    #: How many ranks read rows of their own: one per sequence- or tensor-parallel group (its ranks
+    #: share rows). A pipeline's stages each read their own micro-batches and pool them.
+    readers: int = field(init=False, repr=False, compare=False)
+    #: This rank's index among the readers.
+    reader_rank: int = field(init=False, repr=False, compare=False)
+    #: (readers, this rank's index among them): what the samplers shard by.
+    data_ranks: tuple[int, int] = field(init=False, repr=False, compare=False)
+    #: Whether this rank's rows count in a sum over all ranks: a tensor-parallel group's ranks hold
+    #: the same rows, and only its first counts them (a sequence-parallel group's ranks hold slices
+    #: of them, and each counts its own).
+    counts_rows: bool = field(init=False, repr=False, compare=False)
+    sequence_rank: int = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ConfigError([("world_size", f"must be at least 1, got {self.world_size}")])
@@ -61,6 +84,19 @@ class Mesh:
                     )
                 ]
             )
+        sharing = self.sequence * self.tensor
+        derived = {
+            "data_parallel_size": self.world_size // (self.tensor * self.pipeline * self.sequence),
+            "sharing": sharing,
+            "readers": self.world_size // sharing,
+            "reader_rank": self.rank // sharing,
+            "counts_rows": self.rank % self.tensor == 0,
+            "sequence_rank": self.rank % self.sequence,
+        }
+        derived["zero_shards"] = derived["data_parallel_size"] * self.sequence
+        derived["data_ranks"] = (derived["readers"], derived["reader_rank"])
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
         if self.data_parallel_size % self.expert:
             raise ConfigError(
                 [
@@ -70,51 +106,6 @@ class Mesh:
                     )
                 ]
             )
-
-    @property
-    def data_parallel_size(self) -> int:
-        """The replicas a global batch is split over (DeepSpeed's ``dp_world_size``, what
-        ``train_batch_size`` counts)."""
-        return self.world_size // (self.tensor * self.pipeline * self.sequence)
-
-    @property
-    def zero_shards(self) -> int:
-        """The ranks ZeRO shards parameters, gradients and optimizer states over: the data-parallel
-        ranks and, under sequence parallelism, every rank of their groups (DeepSpeed's
-        ``seq_dp_world_size``). What a checkpoint's optimizer shards are cut for."""
-        return self.data_parallel_size * self.sequence
-
-    @property
-    def sharing(self) -> int:
-        """The consecutive ranks that read the same rows: a sequence- or tensor-parallel group."""
-        return self.sequence * self.tensor
-
-    @property
-    def readers(self) -> int:
-        """How many ranks read rows of their own: one per sequence- or tensor-parallel group (its
-        ranks share rows). A pipeline's stages each read their own micro-batches and pool them."""
-        return self.world_size // self.sharing
-
-    @property
-    def reader_rank(self) -> int:
-        """This rank's index among the readers."""
-        return self.rank // self.sharing
-
-    @property
-    def data_ranks(self) -> tuple[int, int]:
-        """(readers, this rank's index among them): what the samplers shard by."""
-        return self.readers, self.reader_rank
-
-    @property
-    def counts_rows(self) -> bool:
-        """Whether this rank's rows count in a sum over all ranks: a tensor-parallel group's ranks
-        hold the same rows, and only its first counts them (a sequence-parallel group's ranks hold
-        slices of them, and each counts its own)."""
-        return self.rank % self.tensor == 0
-
-    @property
-    def sequence_rank(self) -> int:
-        return self.rank % self.sequence
 
     def with_groups(self, **groups: Any) -> Mesh:
         """This mesh with the process groups the engine made (by dimension name) recorded."""
