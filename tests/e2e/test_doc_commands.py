@@ -403,3 +403,39 @@ def test_marked_commands_say_why():
         for line in path.read_text().splitlines():
             if line.strip().startswith(NOT_RUN):
                 assert len(line.strip()) > len(NOT_RUN) + 8, f"{path.name}: {line}"
+
+
+def written_folder(command: str) -> str | None:
+    """The folder a scripts/train.py launch writes: its --output_dir, else its --config recipe's,
+    else the embedded default's; None for a form whose recipe is a placeholder."""
+    words = shlex.split(command)
+    for i, word in enumerate(words):
+        if word.startswith("--output_dir"):
+            return word.split("=", 1)[1] if "=" in word else words[i + 1]
+    if "--config" in words:
+        recipe = ROOT / words[words.index("--config") + 1]
+        if recipe.is_file():
+            found = re.search(r"^output_dir: *(\S+)", recipe.read_text(), re.M)
+            if found:
+                return found.group(1)
+        else:
+            return None
+    return "output/default"
+
+
+@pytest.mark.parametrize("doc", sorted({c.doc for c in COMMANDS}))
+def test_walking_a_page_in_order_after_make_demo_no_example_lands_in_an_earlier_ones_folder(doc):
+    """Every scripts/train.py launch of a page's blocks in order (GPU and multi-node ones too), as a
+    newcomer types them after ``make demo``: each writes a folder no earlier one wrote, so none
+    resumes another's run (a finished one trains nothing; another objective's is refused), unless it
+    says it resumes."""
+    written = {"output/default": "make demo"}
+    for c in COMMANDS:
+        if c.doc != doc or c.inline or "scripts/train.py" not in c.command or "--help" in c.command:
+            continue
+        folder = written_folder(c.command)
+        if folder is None:
+            continue
+        if "--resume_from_checkpoint" not in c.command:
+            assert folder not in written, f"{c} writes {folder}, as {written[folder]} did before it"
+        written.setdefault(folder, str(c))
