@@ -8,6 +8,8 @@ From the source of ``CHECKOUT/trainer`` (default: this one):
   construction, the DeepSpeed schema and resolution (``trainer/config``) and the argument models
   (``trainer/args``); and the modules that read it from a ``Mesh`` (or, before it, a ``ParallelLayout``);
 - for each objective name, the places it is written as a string outside ``trainer/objectives``;
+- the reads, in ``trainer/engine`` and ``trainer/loop``, of an objective's attributes that once
+  decided how a run goes (``OBJECTIVE_FLAGS``), and the loop's private methods its Trainers override;
 - the lines of ``trainer/loop/trainer.py``.
 
 ``--steps`` also counts, with scripts/step_files.py, the files of ``trainer/`` whose code one step
@@ -48,6 +50,22 @@ EXEMPT = (
 )
 OBJECTIVES = ("causal_lm", "dpo", "orpo", "cpo", "simpo", "kto")
 LOSS_TYPES = {"simpo", "kto"}  # TRL's loss types of the same names, in the preference configs and losses
+OBJECTIVE_FLAGS = {
+    "token_exact_causal",
+    "per_token_nll",
+    "loss_tiles",
+    "sequence_parallel",
+    "sequences_per_row",
+}
+HOOKS = {
+    "_objective",
+    "_model_columns",
+    "_flops_per_token",
+    "_generation",
+    "_prepare_training",
+    "_eval_per_batch",
+}
+TRAINERS = ("sft.py", "preference.py", "dpo.py", "kto.py", "seq2seq.py")
 
 
 def _modules(root: Path) -> dict[str, ast.AST]:
@@ -93,12 +111,26 @@ def _mesh_reads(tree: ast.AST) -> set[str]:
     return found
 
 
+def _defined(node: ast.AST) -> set[str]:
+    """The names a method definition or an assignment defines."""
+    if isinstance(node, ast.FunctionDef):
+        return {node.name}
+    return {t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)}
+
+
 def source_figures(root: Path) -> dict:
     modules = _modules(root)
     sources: dict[str, dict[str, int]] = {size: {} for size in SIZES}
     readers: dict[str, list[str]] = {size: [] for size in SIZES}
     written: dict[str, int] = dict.fromkeys(OBJECTIVES, 0)
+    flag_reads, overrides = 0, 0
     for rel, tree in modules.items():
+        for node in ast.walk(tree):
+            if rel.startswith(("trainer/engine/", "trainer/loop/")) and isinstance(node, ast.Attribute):
+                owner = getattr(node.value, "id", None) or getattr(node.value, "attr", None)
+                flag_reads += owner == "objective" and node.attr in OBJECTIVE_FLAGS
+            if rel.startswith("trainer/loop/") and rel.endswith(TRAINERS):
+                overrides += bool(_defined(node) & HOOKS)
         if not rel.startswith(EXEMPT):
             for size, count in _size_reads(tree).items():
                 if count:
@@ -116,6 +148,8 @@ def source_figures(root: Path) -> dict:
         },
         "modules_reading_the_mesh": {s: len(v) for s, v in readers.items()},
         "objective_names_written_outside_the_registry": written,
+        "objective_attribute_reads_in_engine_and_loop": flag_reads,
+        "private_loop_methods_overridden_by_trainers": overrides,
         "trainer_py_lines": len((root / "trainer" / "loop" / "trainer.py").read_text().splitlines()),
     }
 

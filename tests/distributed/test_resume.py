@@ -76,7 +76,10 @@ def test_a_zero1_checkpoint_resumes_at_zero2(two_ranks):
     """A stage change the checkpoint carries: ZeRO 1 and 2 cut the optimizer states alike, so the shards
     load as they are. Step 6 runs on ZeRO-1's step-5 weights bit for bit; then the run follows both
     uninterrupted runs, which differ from each other by summing gradients in another order (measured:
-    7.3e-8 relative apart, the resumed run within 7.3e-8 of either; final weights within 1.2e-8)."""
+    7.3e-8 relative apart, the resumed run within 7.3e-8 of either). The final weights are within
+    1e-7 of either run's, plus one rounding of the value itself (2**-23 of it): a norm weight near
+    1.0 that rounded the other way in one order is one ulp, 1.19e-7, from the other (seen on one
+    machine for three norm weights against ZeRO-2's run; the matrices within 1.5e-8)."""
     out, res, log = two_ranks
     run = res["exact"]["zero1_at_zero2"]
     assert_resumed(log, run["resumed_ran"], out / "exact" / "zero1_at_zero2" / "checkpoint-5")
@@ -89,7 +92,7 @@ def test_a_zero1_checkpoint_resumes_at_zero2(two_ranks):
         assert_same_weights(
             out / "exact" / f"zero{stage}" / "reference.pt",
             out / "exact" / "zero1_at_zero2.pt",
-            rtol=0,
+            rtol=2**-23,
             atol=1e-7,
         )
 

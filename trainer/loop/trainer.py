@@ -283,11 +283,10 @@ class Trainer(HFMethods, ResultsAPI):
         """HF's predict: the predictions (logits, or what ``preprocess_logits_for_metrics`` makes of
         them) and labels of every sample in dataset order, padded with -100, and the metrics
         (``{prefix}_loss``, ... where the set has labels), on every rank."""
+        dataset = self.model_columns(test_dataset)
         ensure_engine(self, max(self.state.max_steps, 1))
         predictions = not self.args.prediction_loss_only
-        output = evaluate_set(
-            self, self.model_columns(test_dataset), metric_key_prefix, predictions, ignore_keys
-        )
+        output = evaluate_set(self, dataset, metric_key_prefix, predictions, ignore_keys)
         return PredictionOutput(
             predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics
         )
