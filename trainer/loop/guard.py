@@ -20,7 +20,8 @@ from trainer.runtime.state import TrainerControl, TrainerState
 
 class NonfiniteGuard:
     """Reads what the engine noted of the steps since the last check (a non-finite loss, on the
-    device until a check reads it), its grad norm and its skipped steps. A participant of a vote of its own (``check``).
+    device until a check reads it), its grad norm and its skipped steps. A participant of a vote of
+    its own (``check``).
 
     ``finish_save`` commits the checkpoint in flight (a rollback may want it); ``roll_back`` loads a
     checkpoint into the run and returns the run's state from then on."""

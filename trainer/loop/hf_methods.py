@@ -1,5 +1,5 @@
 """HF Trainer's public methods beyond the loop, mixed into our ``Trainer``: the data loaders, the
-callbacks list, ``log``, the optimizer and scheduler, the model card, ``accelerator`` and ``end()``
+callbacks list, the optimizer and scheduler, the model card, ``accelerator`` and ``end()``
 (what HF's and TRL's scripts call last; ``trainer.runtime.processes``), and the two HF features this
 trainer refuses (``push_to_hub``, ``hyperparameter_search``), each with HF's signature.
 
@@ -10,8 +10,9 @@ scheduler together with the engine, from the resolved config; ``create_optimizer
 return those, building the engine when it does not exist yet.
 
 ``compute_loss`` is HF's override point: the loop runs an override, never this one (its super). The
-loop calls none of the others: a subclass that overrides ``get_train_dataloader``,
-``create_optimizer`` or ``log`` changes what a user calling them gets, not what trains.
+loop calls none of the others (nor the Trainer's ``log``): a subclass that overrides
+``get_train_dataloader``, ``create_optimizer`` or ``log`` changes what a user calling them gets, not
+what trains.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 ``prepare_training`` is what ``Trainer.train`` runs before its first step: the plan (``plan_run``:
 the mesh, the checkpoint to resume and the global batch it keeps, the step plan, the DeepSpeed
 dict), the engine built from it (``ensure_engine``), the sets through the Trainer's stages, then
-the checkpoint loaded; then ``start_window`` starts the call's logging window. ``evaluate`` and HF's optimizer methods call ``ensure_engine`` alone
-where nothing has built the engine yet. Each reads the Trainer's public attributes only.
+the checkpoint loaded; ``start_window`` then starts the call's logging window. ``evaluate`` and
+HF's optimizer methods call ``ensure_engine`` alone where nothing has built the engine yet. Each
+reads the Trainer's public attributes only.
 """
 
 from __future__ import annotations
@@ -153,13 +154,13 @@ def load_checkpoint(trainer: Any, path: Path, weights_only: bool = False) -> Non
 
 def start_window(trainer: Any) -> TrainWindow:
     """A ``train`` call's logging window and step timer; the parameter counts printed, and kept for
-    its logged rows (``trainer.params``)."""
+    its logged rows."""
     trainable, total = param_counts(trainer.model, trainer.mesh.tensor)
-    trainer.params = {"trainable_params": trainable, "total_params": total}
+    params = {"trainable_params": trainable, "total_params": total}
     print_main(f"Parameters: {trainable:,} trainable of {total:,} ({100 * trainable / max(total, 1):.2f}%).")
     precision = precision_of(trainer.ds_config)
     flops = trainer.flops_per_token()
     timer = StepTimer(
         flops, trainer.hardware.name, precision, trainer.args.peak_tflops, trainer.dist.world_size
     )
-    return TrainWindow(trainer.engine.device, trainer.mesh.counts_rows, timer)
+    return TrainWindow(trainer.engine.device, trainer.mesh.counts_rows, timer, params)

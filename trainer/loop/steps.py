@@ -58,8 +58,8 @@ def tiling_for(
     """The run's tiling. ``tiled_loss: auto`` judges the largest micro-batch: its rows (a pair's two
     sequences each) times the block size (TRL's ``max_length`` in a TRL trainer, else the model's
     longest context without a run config), split over the ``mesh``'s sequence-parallel group;
-    it stays off where the objective computes neither the token-exact causal LM nor tiled per-token
-    NLL (a model's own loss, a ``compute_loss`` override), the pipeline computes the loss, or the
+    it stays off where the objective does not take a tiled loss (``Objective.check``: a model's own
+    loss, a ``compute_loss`` override, SFT's ``dft``), the pipeline computes the loss, or the
     loss is label-smoothed (the tiles compute plain cross-entropy)."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -350,7 +350,6 @@ class Trainer(HFMethods, ResultsAPI):
 
     def _log_train(self) -> None:
         logs = self.window.row(self.state, self.engine, self.hardware)
-        logs.update(self.params, activation_checkpointing=self.engine.activation_checkpointing)
         logs.update(source_shares(self.state.source_blocks))
         fingerprint = self.window.fingerprint
         self._log({**logs, "data_fingerprint": fingerprint} if fingerprint else logs)

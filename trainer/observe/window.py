@@ -138,10 +138,11 @@ class TrainWindow:
     """The steps since the last logging step: their summed loss (this rank's, on the device) and
     target tokens (all ranks'), the last window's data fingerprint, the step ``timer``; and the
     ``train`` call's ``totals``. ``counts_rows``: whether this rank's losses count in a sum over
-    ranks (a tensor-parallel group's first rank only)."""
+    ranks (a tensor-parallel group's first rank only); ``params``: the model's parameter counts,
+    in every row."""
 
-    def __init__(self, device: torch.device, counts_rows: bool, timer: StepTimer):
-        self.device, self.counts_rows, self.timer = device, counts_rows, timer
+    def __init__(self, device: torch.device, counts_rows: bool, timer: StepTimer, params: dict[str, int]):
+        self.device, self.counts_rows, self.timer, self.params = device, counts_rows, timer, params
         self.totals = TrainTotals()
         self.reset()
 
@@ -170,7 +171,8 @@ class TrainWindow:
 
     def row(self, state: Any, engine: Any, hardware: Any) -> dict[str, Any]:
         """A logging step's row: the window's mean loss, the engine's rate, grad norm (and fp16 loss
-        scale), the objective's metrics, the timer's throughput and the memory peaks."""
+        scale), the objective's metrics, the timer's throughput, the memory peaks and the parameter
+        counts."""
         loss_sum, tokens = self.take()
         logs = {
             "step": state.global_step,
@@ -185,6 +187,7 @@ class TrainWindow:
         logs.update(engine.objective.metric_means(engine.device))
         logs.update(self.timer.flush(sync_fn=device_sync(hardware), all_reduce_sum=host_all_reduce))
         logs.update(memory_stats(engine.device))
+        logs.update(self.params, activation_checkpointing=engine.activation_checkpointing)
         return logs
 
     def train_metrics(self, state: Any, flops_per_token: float | None) -> dict[str, float]:
