@@ -16,14 +16,14 @@ import datasets
 from transformers import set_seed
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from tests.helpers.preference_scenarios import COLOURS, SUBJECTS, base, lora, main, pairs
+from tests.helpers.preference_scenarios import COLOURS, SUBJECTS, base, evaluation, lora, main, pairs
 from tests.helpers.scaffold import read_metrics
 from trainer import KTOConfig, KTOTrainer
 from trainer.cli.main import exit_now
 from trainer.runtime.distributed import dist_info
 
 METRICS = ("loss", "grad_norm", "kl", "entropy", "logits/chosen", "logits/rejected", "rewards/chosen",
-           "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins")  # fmt: skip
+           "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins", "num_tokens")  # fmt: skip
 # Plain SGD, large enough a rate to move the policy and make the KL estimate positive: Adam's first
 # step divides each gradient by its own size, so rounding-level differences in a near-zero gradient
 # become whole-step differences in a weight (kto_adamw measures that apart).
@@ -72,7 +72,7 @@ def run_trl(out: Path, data: datasets.Dataset, evaluated: dict, peft_config: Any
     trainer = trl.KTOTrainer(base(out), args=args, train_dataset=data, eval_dataset=completions(32).select(range(24, 32)),
                              peft_config=peft_config)  # fmt: skip
     trainer.train()
-    evaluated.update(trainer.evaluate())
+    evaluated.update(evaluation(trainer))
     return history(trainer.state.log_history)
 
 
@@ -82,7 +82,7 @@ def run_ours(out: Path, data: datasets.Dataset, name: str = "ours", peft_config:
     trainer = KTOTrainer(base(out), args=args, train_dataset=data, eval_dataset=completions(32).select(range(24, 32)),
                          peft_config=peft_config)  # fmt: skip
     trainer.train()
-    evaluated = trainer.evaluate()
+    evaluated = evaluation(trainer)
     return history(read_metrics(out / name)), evaluated
 
 

@@ -34,7 +34,7 @@ METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/a
 # Each method's own metrics, beside the reward metrics; those that read the whole logits are not
 # logged with the tiled loss, sequence parallelism or padding-free batches
 LOGIT_METRICS = {"entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy"}
-EXTRA_METRICS = {"dpo": ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy"),
+EXTRA_METRICS = {"dpo": ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy", "num_tokens"),
                  "orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen", "logits/chosen", "logits/rejected"),
                  "cpo": ("nll_loss", "logits/chosen", "logits/rejected")}  # fmt: skip
 OURS = {"dpo": (DPOConfig, DPOTrainer), "orpo": (ORPOConfig, ORPOTrainer), "cpo": (CPOConfig, CPOTrainer)}
@@ -162,8 +162,14 @@ def run_trl(
                             processing_class=tok, peft_config=peft_config, **reference)  # fmt: skip
     trainer.train()
     if evaluated is not None:
-        evaluated.update(trainer.evaluate())
+        evaluated.update(evaluation(trainer))
     return history(trainer.state.log_history, method)
+
+
+def evaluation(trainer: Any) -> dict[str, Any]:
+    """The trained model's evaluation, with what its logged row adds (TRL's ``eval_num_tokens``)."""
+    metrics = trainer.evaluate()
+    return {**trainer.state.log_history[-1], **metrics}
 
 
 def eval_pairs(kind: str) -> datasets.Dataset:
@@ -201,7 +207,7 @@ def parity(
     theirs = run_trl(out, kind, method=method, evaluated=their_eval, **(setup or {}), **fields)
     trainer, ours = run_ours(out, kind, setup={**(setup or {}), "eval_dataset": eval_pairs(kind)}, method=method,
                              **fields)  # fmt: skip
-    return {"ours": ours, "trl": theirs, "ours_eval": trainer.evaluate(), "trl_eval": their_eval}
+    return {"ours": ours, "trl": theirs, "ours_eval": evaluation(trainer), "trl_eval": their_eval}
 
 
 @scenario
@@ -308,7 +314,7 @@ def ref_model(out: Path) -> dict[str, Any]:
     their_eval: dict[str, float] = {}
     theirs = run_trl(out, "text", evaluated=their_eval)
     trainer, ours = run_ours(out, "text", setup={"ref_model": base(out), "eval_dataset": eval_pairs("text")})
-    ours_eval = trainer.evaluate()
+    ours_eval = evaluation(trainer)
     # A reference unlike the policy (other initial weights): both sets' cached log-probs are its own.
     torch.manual_seed(1)
     other = LlamaForCausalLM(AutoConfig.from_pretrained(base(out)))

@@ -22,8 +22,8 @@ from trainer import SFTConfig, SFTTrainer
 from trainer.cli.main import exit_now
 
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {}
-METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy")
-EVAL_METRICS = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy")
+METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+EVAL_METRICS = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens")
 # The default template with the assistant's turns marked for assistant_only_loss
 MARKED_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n"
@@ -76,9 +76,10 @@ def model_and_tokenizer(out: Path, template: str | None) -> tuple[Any, Any]:
 
 
 def evaluated(trainer: Any) -> dict[str, float]:
-    """The trained model's evaluation: loss and TRL's token metrics."""
-    metrics = trainer.evaluate()
-    return {k: metrics[k] for k in EVAL_METRICS if k in metrics}
+    """The trained model's evaluation: loss and TRL's token metrics, and the tokens trained so far
+    that its logged row carries."""
+    metrics, row = trainer.evaluate(), trainer.state.log_history[-1]
+    return {k: metrics.get(k, row.get(k)) for k in EVAL_METRICS if k in metrics or k in row}
 
 
 def run_trl(out: Path, data: dict, template: str | None, setup: dict, **fields: Any) -> tuple[dict, dict]:

@@ -46,6 +46,7 @@ from trainer.config.errors import ConfigError
 from trainer.data import IGNORE_INDEX
 from trainer.data.collator import is_causal_lm
 from trainer.engine.tiling import tiled_loss_sum, tiled_token_nll
+from trainer.observe.window import input_ids_count, non_padding_tokens
 from trainer.runtime.distributed import all_reduce_sum
 
 Batch = dict[str, torch.Tensor]
@@ -271,6 +272,11 @@ class Objective(ABC):
     @abstractmethod
     def count(self, batch: Batch) -> float:
         """This micro-batch's share of the window's normaliser, from its whole rows on the host."""
+
+    def input_tokens(self, batch: Batch, every_id: bool = False) -> int:
+        """The batch's input tokens as HF's ``num_input_tokens_seen`` counts them (and TRL's
+        ``num_tokens``): the non-padding ones, or with ``every_id`` every input id, padding too."""
+        return int(input_ids_count(batch) if every_id else non_padding_tokens(batch))
 
     @abstractmethod
     def loss_sum(self, tokens: Tokens, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:

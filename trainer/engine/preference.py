@@ -425,6 +425,11 @@ class KTO(PairObjective):
     def from_args(cls, args: Any) -> KTO:
         return cls(args.beta, args.loss_type, args.desirable_weight, args.undesirable_weight)
 
+    def input_tokens(self, batch: Batch, every_id: bool = False) -> int:
+        """The completions' sequences alone, as TRL and HF count them: the KL partners' are not."""
+        mask = batch["attention_mask"][:, 0]
+        return mask.numel() if every_id else int(mask.sum())
+
     def pair_terms(self, batch: Batch, nll: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         raise NotImplementedError("KTO weighs its rows over the global micro-batch (_pairs)")
 

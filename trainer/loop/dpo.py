@@ -20,6 +20,7 @@ class DPOTrainer(PreferenceTrainer):
     """TRL's ``DPOTrainer`` arguments; ``args`` is a ``DPOConfig``."""
 
     config_class = DPOConfig
+    tokens_seen_key = "num_tokens"  # TRL's: the non-padding tokens trained so far, in every row
 
     def __init__(
         self,

@@ -30,6 +30,8 @@ from trainer.loop.trainer import Trainer
 class SFTTrainer(Trainer):
     """TRL's ``SFTTrainer`` arguments; ``args`` is an ``SFTConfig`` (a ``TrainingArguments`` is read as one)."""
 
+    tokens_seen_key = "num_tokens"  # TRL's: the non-padding tokens trained so far, in every row
+
     def __init__(
         self,
         model: str | torch.nn.Module,

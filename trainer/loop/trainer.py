@@ -62,6 +62,9 @@ class Trainer(HFMethods, ResultsAPI):
 
     #: A model's own evaluation loss counts each batch's mean once, not per row (HF's Seq2SeqTrainer).
     eval_per_batch: bool = False
+    #: The name under which each row carries ``state.num_input_tokens_seen`` (TRL's ``num_tokens``,
+    #: an evaluation's prefixed), besides HF's ``include_num_input_tokens_seen``; None: not logged.
+    tokens_seen_key: str | None = None
 
     def __init__(
         self,
@@ -100,11 +103,8 @@ class Trainer(HFMethods, ResultsAPI):
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.client_optimizer, self.client_scheduler = optimizers
         self.run_config = run_config
-        self.state = TrainerState(
-            is_world_process_zero=self.dist.is_main,
-            is_local_process_zero=self.dist.local_rank == 0,
-            world_size=self.mesh.readers,
-        )
+        self.state = TrainerState(world_size=self.mesh.readers, is_world_process_zero=self.dist.is_main)
+        self.state.is_local_process_zero = self.dist.local_rank == 0
         self.control = TrainerControl()
         default = default_callbacks(self.args, self.mesh)  # then the user's
         self.auto_batch = AutoBatchSize(self.args, model, self.dist.world_size)  # a callback when on
@@ -247,9 +247,8 @@ class Trainer(HFMethods, ResultsAPI):
             with self.watchdog.phase("save", self.args.preemption_grace_s):
                 self._save_checkpoint(resumable=True)
                 self.checkpoints.finish()
-            print_main(
-                f"Preempted: saved checkpoint-{self.state.global_step}; exiting with {EXIT_PREEMPTED}."
-            )
+            step = self.state.global_step
+            print_main(f"Preempted: saved checkpoint-{step}; exiting with {EXIT_PREEMPTED}.")
         raise SystemExit(EXIT_PREEMPTED)
 
     def evaluate(
@@ -273,7 +272,8 @@ class Trainer(HFMethods, ResultsAPI):
         returned = not self.args.batch_eval_metrics
         output = evaluate_set(self, dataset, metric_key_prefix, predictions, ignore_keys, returned)
         metrics = {**output.metrics, "epoch": self.state.epoch}
-        self._log({**metrics, "step": self.state.global_step})
+        seen = {f"{metric_key_prefix}_{self.tokens_seen_key}": self.state.num_input_tokens_seen}
+        self._log({**metrics, **(seen if self.tokens_seen_key else {}), "step": self.state.global_step})
         self._fire("on_evaluate", metrics=metrics)
         return metrics
 
@@ -351,6 +351,8 @@ class Trainer(HFMethods, ResultsAPI):
     def _log_train(self) -> None:
         logs = self.window.row(self.state, self.engine, self.hardware)
         logs.update(source_shares(self.state.source_blocks))
+        if self.tokens_seen_key:
+            logs[self.tokens_seen_key] = self.state.num_input_tokens_seen
         fingerprint = self.window.fingerprint
         self._log({**logs, "data_fingerprint": fingerprint} if fingerprint else logs)
 

@@ -27,7 +27,6 @@ from typing import Any, Protocol
 import torch
 
 from trainer.engine import Engine, batch_rows
-from trainer.observe.window import input_ids_count, non_padding_tokens
 from trainer.runtime.distributed import host_all_reduce
 from trainer.runtime.mesh import Mesh
 from trainer.runtime.resilience import PreemptionFlag
@@ -81,9 +80,10 @@ class WindowCounts:
         order: Any = None,
     ):
         # This rank's (samples, non-padding tokens): the step timer's numbers.
-        self.local = (sum(batch_rows(b) for b in window), sum(int(non_padding_tokens(b)) for b in window))
-        every_input_id = args.include_num_input_tokens_seen == "all"
-        seen = sum(input_ids_count(b) for b in window) if every_input_id else self.local[1]
+        objective = engine.objective
+        self.local = (sum(batch_rows(b) for b in window), sum(objective.input_tokens(b) for b in window))
+        every_id = args.include_num_input_tokens_seen == "all"
+        seen = sum(objective.input_tokens(b, every_id=True) for b in window) if every_id else self.local[1]
         self._ballot = [engine.local_targets(window), float(self.local[0]), float(seen), float(not window)]
         self.sources, self.mesh = getattr(order, "take_counts", dict)(), mesh
         self._ballot += [float(n) for n in self.sources.values()]
