@@ -189,7 +189,7 @@ def test_a_bad_row_is_named_by_its_index():
         tokenize_preferences(rows.remove_columns("chosen"), tokenizer(), None, "keep_start", "train")
 
 
-def test_a_prompt_that_fills_max_length_drops_its_pair():
+def test_a_prompt_that_fills_max_length_drops_its_pair(caplog):
     tok = tokenizer()
     rows = datasets.Dataset.from_list(
         [
@@ -199,7 +199,11 @@ def test_a_prompt_that_fills_max_length_drops_its_pair():
     )
     prompt = len(tok("What colour is the sky?")["input_ids"])
     assert len(tokenize_preferences(rows, tok, prompt, "keep_start", "train")) == 1
+    dropped = f"the train set: 1 of 2 pairs dropped: the prompt alone fills max_length={prompt}, leaving no answer token"
+    assert [r.getMessage() for r in caplog.records] == [dropped]
+    caplog.clear()
     assert len(tokenize_preferences(rows, tok, prompt + 1, "keep_start", "train")) == 2
+    assert not caplog.records
     assert len(tokenize_preferences(rows, tok, prompt, "keep_end", "train")) == 2
 
 

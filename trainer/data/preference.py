@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ from trainer.data.formats import RowProblem
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 REFERENCE_COLUMN = "ref_logps"  # [chosen, rejected] summed log-probs under the reference model
 TRUNCATION_MODES = ("keep_start", "keep_end")
+logger = logging.getLogger(__name__)
 
 
 def is_conversation(value: Any) -> bool:
@@ -184,7 +186,17 @@ def tokenize_preferences(
         one, with_indices=True, remove_columns=columns, num_proc=num_proc, desc=f"Tokenizing {name} pairs"
     )
     if max_length is not None and truncation_mode == "keep_start":
+        total = len(out)
         out = out.filter(lambda row: len(row["prompt_ids"]) < max_length, num_proc=num_proc)
+        if len(out) < total:
+            logger.warning(
+                "the %s set: %d of %d pairs dropped: the prompt alone fills max_length=%d, leaving no "
+                "answer token",
+                name,
+                total - len(out),
+                total,
+                max_length,
+            )
     return out
 
 
