@@ -1,0 +1,141 @@
+"""Walk the docs as a newcomer does: ``make demo``, then each page's ``scripts/train.py`` launches in
+the order the page shows them, as written, each page in a scratch copy of the repository that holds
+the demo's finished run (``output/default``).
+
+    python scripts/walk_docs.py [--pages README.md parallelism.md] [--max_steps N] [--report walk.json]
+
+Launchers are sized to this machine (its GPUs, or 2 CPU ranks: ``--num_gpus``, ``--nproc_per_node``
+and ``--num_processes``); nothing else is changed, except ``--max_steps N`` when given, which caps a
+launch that would take hours here (GPT-2's recipe on a CPU). A launch passes when it exits 0 and its
+folder gained a training row, so one that resumed a finished run ("nothing to train"), was refused
+or died late fails. Commands marked ``# not run by the tests`` (GPU-only features, several nodes,
+SLURM) and forms with placeholders are listed as skipped. One line per launch; ``--report``: the
+same as JSON. Exit 1 when a launch failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.e2e.test_doc_commands import COMMANDS, is_synopsis, written_folder  # noqa: E402
+
+SIZING = {"--num_gpus", "--nproc_per_node", "--num_processes"}
+BIN = Path(sys.executable).parent
+
+
+def gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
+
+
+def sized(command: str, ranks: int, max_steps: int | None) -> list[str]:
+    """The command's words with its launcher's rank count set to ``ranks`` (and ``--max_steps``)."""
+    words = shlex.split(command)
+    for i, word in enumerate(words[: words.index("scripts/train.py")]):
+        if word in SIZING:
+            words[i + 1] = str(ranks)
+    if max_steps is not None:
+        words += ["--max_steps", str(max_steps)]
+    return words
+
+
+def train_rows(folder: Path) -> int:
+    metrics = folder / "metrics.jsonl"
+    if not metrics.is_file():
+        return 0
+    return sum('"loss"' in line and '"train_runtime"' not in line for line in metrics.open())
+
+
+def scratch_copy(into: Path) -> None:
+    """The repository's tracked files (what a clone holds) under ``into``."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        target = into / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if (ROOT / name).is_file():
+            shutil.copy2(ROOT / name, target)
+
+
+def environment(single_process: bool) -> dict[str, str]:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    if not gpus():
+        env["DS_ACCELERATOR"] = "cpu"
+        # As the Makefile: one process uses every core, ranks one thread each.
+        env["OMP_NUM_THREADS"] = str(len(os.sched_getaffinity(0)) if single_process else 1)
+    return env
+
+
+def run(words: list[str], cwd: Path, log: Path) -> tuple[int, float]:
+    start = time.monotonic()
+    with log.open("w") as out:
+        code = subprocess.run(words, cwd=cwd, env=environment(words[0] == "python"), stdout=out,
+                              stderr=subprocess.STDOUT).returncode  # fmt: skip
+    return code, time.monotonic() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pages", nargs="*", help="README.md and docs/ page names (default: all)")
+    parser.add_argument("--max_steps", type=int, help="cap each launch at this many steps")
+    parser.add_argument("--report", type=Path, help="write the results as JSON here")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copies")
+    args = parser.parse_args()
+    ranks = gpus() or 2
+    pages = list(dict.fromkeys(c.doc for c in COMMANDS if not args.pages or c.doc in args.pages))
+    work = Path(tempfile.mkdtemp(prefix="walk_docs_"))
+    demo = work / "demo"
+    scratch_copy(demo)
+    code, seconds = run([str(BIN / "python"), "scripts/train.py"], demo, work / "demo.log")
+    print(f"make demo: exit {code} in {seconds:.0f} s", flush=True)
+    results, failed = [], code != 0
+    for page in pages if not failed else []:
+        here = work / page.removesuffix(".md")
+        shutil.copytree(demo, here, symlinks=True)
+        for c in COMMANDS:
+            if c.doc != page or c.inline or "scripts/train.py" not in c.command or "--help" in c.command:
+                continue
+            row = {"page": page, "command": c.command}
+            if c.marked or is_synopsis(c.command):
+                results.append({**row, "skipped": "marked not run" if c.marked else "a form to fill in"})
+                continue
+            folder = here / (written_folder(c.command) or "output/default")
+            before = train_rows(folder)
+            log = here / f"walk_{len(results)}.log"
+            words = sized(c.command, ranks, args.max_steps)
+            code, seconds = run([str(BIN / words[0]), *words[1:]], here, log)
+            trained = train_rows(folder) > before
+            ok = code == 0 and (trained or "--resume_from_checkpoint" in c.command)
+            failed |= not ok
+            results.append({**row, "exit": code, "seconds": round(seconds, 1), "trained": trained, "ok": ok})
+            tail = "" if ok else f"  (log: {log})"
+            print(f"{'ok  ' if ok else 'FAIL'} {page}: {c.command}  [{seconds:.0f} s]{tail}", flush=True)
+    for row in results:
+        if "skipped" in row:
+            print(f"skip {row['page']}: {row['command']}  ({row['skipped']})")
+    if args.report:
+        args.report.write_text(
+            json.dumps({"ranks": ranks, "max_steps": args.max_steps, "results": results}, indent=1)
+        )
+    if not (args.keep or failed):
+        shutil.rmtree(work)
+    return int(failed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
