@@ -2,15 +2,16 @@
 the order the page shows them, as written, each page in a scratch copy of the repository that holds
 the demo's finished run (``output/default``).
 
-    python scripts/walk_docs.py [--pages README.md parallelism.md] [--max_steps N] [--report walk.json]
+    python scripts/walk_docs.py [--pages README.md parallelism.md] [--max_steps N] [--timeout S] [--report F]
 
 Launchers are sized to this machine (its GPUs, or 2 CPU ranks: ``--num_gpus``, ``--nproc_per_node``
 and ``--num_processes``); nothing else is changed, except ``--max_steps N`` when given, which caps a
-launch that would take hours here (GPT-2's recipe on a CPU). A launch passes when it exits 0 and its
-folder gained a training row, so one that resumed a finished run ("nothing to train"), was refused
-or died late fails. Commands marked ``# not run by the tests`` (GPU-only features, several nodes,
-SLURM) and forms with placeholders are listed as skipped. One line per launch; ``--report``: the
-same as JSON. Exit 1 when a launch failed.
+launch that would take hours here. A launch passes when it exits 0 and its folder's metrics reach a
+later step than before, so one that resumed a finished run ("nothing to train"), was refused or died
+late fails. ``--timeout S`` stops a launch after S seconds and reports it as too long for this
+machine (GPT-2's recipe on a CPU), neither passed nor failed. Commands marked ``# not run by the
+tests`` (GPU-only features, several nodes, SLURM) and forms with placeholders are listed as skipped.
+One line per launch; ``--report``: the same as JSON. Exit 1 when a launch failed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,11 +57,12 @@ def sized(command: str, ranks: int, max_steps: int | None) -> list[str]:
     return words
 
 
-def train_rows(folder: Path) -> int:
+def last_step(folder: Path) -> int:
+    """The latest step the folder's metrics logged (0: none)."""
     metrics = folder / "metrics.jsonl"
     if not metrics.is_file():
         return 0
-    return sum('"loss"' in line and '"train_runtime"' not in line for line in metrics.open())
+    return max((json.loads(line).get("step", 0) for line in metrics.open() if line.strip()), default=0)
 
 
 def scratch_copy(into: Path) -> None:
@@ -81,11 +84,20 @@ def environment(single_process: bool) -> dict[str, str]:
     return env
 
 
-def run(words: list[str], cwd: Path, log: Path) -> tuple[int, float]:
+def run(words: list[str], cwd: Path, log: Path, timeout: float | None = None) -> tuple[int | None, float]:
+    """(exit code, or None when stopped at ``timeout``; seconds)."""
     start = time.monotonic()
+    env = environment(Path(words[0]).name == "python")
     with log.open("w") as out:
-        code = subprocess.run(words, cwd=cwd, env=environment(words[0] == "python"), stdout=out,
-                              stderr=subprocess.STDOUT).returncode  # fmt: skip
+        proc = subprocess.Popen(
+            words, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks
+            proc.wait()
+            code = None
     return code, time.monotonic() - start
 
 
@@ -93,6 +105,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pages", nargs="*", help="README.md and docs/ page names (default: all)")
     parser.add_argument("--max_steps", type=int, help="cap each launch at this many steps")
+    parser.add_argument("--timeout", type=float, help="stop a launch after this many seconds")
     parser.add_argument("--report", type=Path, help="write the results as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copies")
     args = parser.parse_args()
@@ -115,16 +128,17 @@ def main() -> int:
                 results.append({**row, "skipped": "marked not run" if c.marked else "a form to fill in"})
                 continue
             folder = here / (written_folder(c.command) or "output/default")
-            before = train_rows(folder)
+            before = last_step(folder)
             log = here / f"walk_{len(results)}.log"
             words = sized(c.command, ranks, args.max_steps)
-            code, seconds = run([str(BIN / words[0]), *words[1:]], here, log)
-            trained = train_rows(folder) > before
-            ok = code == 0 and (trained or "--resume_from_checkpoint" in c.command)
-            failed |= not ok
+            code, seconds = run([str(BIN / words[0]), *words[1:]], here, log, args.timeout)
+            trained = last_step(folder) > before
+            ok = None if code is None else code == 0 and trained
+            failed |= ok is False
             results.append({**row, "exit": code, "seconds": round(seconds, 1), "trained": trained, "ok": ok})
+            verdict = {True: "ok  ", False: "FAIL", None: "slow"}[ok]
             tail = "" if ok else f"  (log: {log})"
-            print(f"{'ok  ' if ok else 'FAIL'} {page}: {c.command}  [{seconds:.0f} s]{tail}", flush=True)
+            print(f"{verdict} {page}: {c.command}  [{seconds:.0f} s]{tail}", flush=True)
     for row in results:
         if "skipped" in row:
             print(f"skip {row['page']}: {row['command']}  ({row['skipped']})")

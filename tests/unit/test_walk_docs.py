@@ -27,13 +27,14 @@ def test_a_launcher_is_sized_to_the_machine_and_nothing_else_changes():
     )  # the script's own option
 
 
-def test_a_folder_gains_training_rows_only(tmp_path):
-    train_rows = WALK["train_rows"]
-    assert train_rows(tmp_path) == 0
+def test_a_folders_last_logged_step_is_read(tmp_path):
+    last_step = WALK["last_step"]
+    assert last_step(tmp_path) == 0
     rows = [
         {"step": 1, "loss": 2.0},
-        {"step": 1, "eval_loss": 2.1},
-        {"step": 1, "train_runtime": 3.0, "loss": 2.0},
+        {"step": 2, "eval_loss": 2.1},
+        {"step": 2, "train_runtime": 3.0},
+        {"x": 1},
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert train_rows(tmp_path) == 1
+    assert last_step(tmp_path) == 2
