@@ -75,8 +75,10 @@ def scratch_copy(into: Path) -> None:
             shutil.copy2(ROOT / name, target)
 
 
-def environment(single_process: bool) -> dict[str, str]:
+def environment(single_process: bool, words: tuple[str, ...] = ()) -> dict[str, str]:
+    """This process's, with the launch's own ``NAME=value`` words (``words``)."""
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env.update(word.split("=", 1) for word in words)
     if not gpus():
         env["DS_ACCELERATOR"] = "cpu"
         # As the Makefile: one process uses every core, ranks one thread each.
@@ -84,10 +86,12 @@ def environment(single_process: bool) -> dict[str, str]:
     return env
 
 
-def run(words: list[str], cwd: Path, log: Path, timeout: float | None = None) -> tuple[int | None, float]:
+def run(
+    words: list[str], cwd: Path, log: Path, timeout: float | None = None, env_words: tuple[str, ...] = ()
+) -> tuple[int | None, float]:
     """(exit code, or None when stopped at ``timeout``; seconds)."""
     start = time.monotonic()
-    env = environment(Path(words[0]).name == "python")
+    env = environment(Path(words[0]).name == "python", env_words)
     with log.open("w") as out:
         proc = subprocess.Popen(
             words, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -131,7 +135,7 @@ def main() -> int:
             before = last_step(folder)
             log = here / f"walk_{len(results)}.log"
             words = sized(c.command, ranks, args.max_steps)
-            code, seconds = run([str(BIN / words[0]), *words[1:]], here, log, args.timeout)
+            code, seconds = run([str(BIN / words[0]), *words[1:]], here, log, args.timeout, c.env)
             trained = last_step(folder) > before
             ok = None if code is None else code == 0 and trained
             failed |= ok is False

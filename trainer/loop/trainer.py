@@ -57,8 +57,8 @@ from trainer.runtime.resilience import EXIT_PREEMPTED, PreemptionFlag, Watchdog,
 class Trainer(HFMethods, ResultsAPI):
     """HF's Trainer over a DeepSpeed engine. A subclass changes what trains through the public
     points below (``make_objective``, ``model_columns``, ``generation``, ``flops_per_token``,
-    ``eval_per_batch``), the data stages and the producer (``stages``, ``producer``), and callbacks;
-    never through a private method."""
+    ``eval_per_batch``, ``tokens_seen_key``), the data stages and the producer (``stages``,
+    ``producer``), and callbacks; never through a private method."""
 
     #: A model's own evaluation loss counts each batch's mean once, not per row (HF's Seq2SeqTrainer).
     eval_per_batch: bool = False
