@@ -17,6 +17,7 @@ One line per launch; ``--report``: the same as JSON. Exit 1 when a launch failed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -86,6 +87,12 @@ def environment(single_process: bool, words: tuple[str, ...] = ()) -> dict[str, 
     return env
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process under it, deepest first."""
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [p for child in found for p in process_tree(int(child))] + [pid]
+
+
 def run(
     words: list[str], cwd: Path, log: Path, timeout: float | None = None, env_words: tuple[str, ...] = ()
 ) -> tuple[int | None, float]:
@@ -99,7 +106,9 @@ def run(
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks
+            for pid in process_tree(proc.pid):  # the launcher and its ranks (in sessions of their own)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             proc.wait()
             code = None
     return code, time.monotonic() - start

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import runpy
+import time
 
 from tests.helpers.launch import ROOT
 
@@ -38,3 +39,13 @@ def test_a_folders_last_logged_step_is_read(tmp_path):
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert last_step(tmp_path) == 2
+
+
+def test_a_launch_past_its_timeout_is_stopped_with_every_process_under_it(tmp_path):
+    """A rank in a session of its own (as the launchers start them) is stopped too."""
+    marker = tmp_path / "still_running"
+    script = f"setsid bash -c 'sleep 3; touch {marker}' & sleep 30"
+    code, seconds = WALK["run"](["bash", "-c", script], tmp_path, tmp_path / "log", timeout=1)
+    assert code is None and seconds < 10
+    time.sleep(3)
+    assert not marker.exists()
