@@ -71,10 +71,10 @@ def test_two_ranks_follow_one_process_and_trl(runs, run, one, method):
 def test_sft_on_two_ranks_follows_one_process_and_trl(runs):
     """Loss and grad norm are token-exact over ranks and micro-batches. Entropy and token accuracy
     are means over micro-batches, as TRL's, so four micro-batches of one row each log other means
-    than one of four rows: they are only checked to be there."""
+    than one of four rows: they are only checked to be there. TRL's num_tokens counts every rank's."""
     ranks, single = runs["zero_stages"]["sft_packed_zero3_accumulated"], runs["text_packed"]
-    assert set(ranks) == {"loss", "grad_norm", "entropy", "mean_token_accuracy"}
-    for key in ("loss", "grad_norm"):
+    assert set(ranks) == {"loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"}
+    for key in ("loss", "grad_norm", "num_tokens"):
         assert ranks[key] == pytest.approx(single["ours"][key], rel=1e-5, abs=1e-6), key
         assert ranks[key] == pytest.approx(single["trl"][key], rel=1e-5, abs=1e-6), key
 
