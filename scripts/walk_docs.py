@@ -2,7 +2,7 @@
 the order the page shows them, as written, each page in a scratch copy of the repository that holds
 the demo's finished run (``output/default``).
 
-    python scripts/walk_docs.py [--pages README.md parallelism.md] [--max_steps N] [--timeout S] [--report F]
+    python -m scripts.walk_docs [--pages README.md parallelism.md] [--max_steps N] [--timeout S] [--report F]
 
 Launchers are sized to this machine (its GPUs, or 2 CPU ranks: ``--num_gpus``, ``--nproc_per_node``
 and ``--num_processes``); nothing else is changed, except ``--max_steps N`` when given, which caps a
@@ -29,10 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tests.e2e.test_doc_commands import COMMANDS, is_synopsis, written_folder
 
-from tests.e2e.test_doc_commands import COMMANDS, is_synopsis, written_folder  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SIZING = {"--num_gpus", "--nproc_per_node", "--num_processes"}
 BIN = Path(sys.executable).parent

@@ -12,13 +12,14 @@ import textwrap
 import pytest
 import torch
 
+from trainer.data.collator import non_padding_tokens
 from trainer.observe.throughput import (
     flops_per_token_for_model,
     lookup_params,
     model_flops_per_token,
     peak_tflops,
 )
-from trainer.observe.window import StepTimer, non_padding_tokens
+from trainer.observe.window import StepTimer
 
 # ---- FLOPs and peaks
 
@@ -140,7 +141,8 @@ def test_non_padding_tokens():
 RANK_SCRIPT = textwrap.dedent(
     """
     import json, torch, torch.distributed as dist
-    from trainer.observe.window import StepTimer, non_padding_tokens
+    from trainer.data.collator import non_padding_tokens
+    from trainer.observe.window import StepTimer
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     masks = {0: [[1, 1, 1, 1], [1, 0, 0, 0]], 1: [[1, 1, 1, 0], [1, 1, 1, 1]]}  # 5 and 7 real tokens

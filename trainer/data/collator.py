@@ -92,3 +92,23 @@ class CausalLMCollator:
 
 # SFT rows carry their own masked labels, which the causal-LM collator already honours.
 SFTCollator = CausalLMCollator
+
+
+def non_padding_tokens(batch: dict[str, Any]) -> Any:
+    """Tokens of a batch that are not padding: the attention mask's sum, else every input id; a
+    batch of no token ids (an image classifier's ``pixel_values``) has none.
+
+    Returns a tensor on the batch's device (summing it does not synchronise); pass it to
+    ``StepTimer.step_end`` as is.
+    """
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return mask.sum()
+    ids = batch.get("input_ids")
+    return ids.numel() if ids is not None else 0
+
+
+def input_ids_count(batch: dict[str, Any]) -> int:
+    """Every input id of a batch, padding too: what HF's ``include_num_input_tokens_seen="all"`` counts."""
+    ids = batch.get("input_ids")
+    return ids.numel() if ids is not None else 0

@@ -44,9 +44,8 @@ from transformers.utils import find_labels
 
 from trainer.config.errors import ConfigError
 from trainer.data import IGNORE_INDEX
-from trainer.data.collator import is_causal_lm
+from trainer.data.collator import input_ids_count, is_causal_lm, non_padding_tokens
 from trainer.engine.tiling import tiled_loss_sum, tiled_token_nll
-from trainer.observe.window import input_ids_count, non_padding_tokens
 from trainer.runtime.distributed import all_reduce_sum
 
 Batch = dict[str, torch.Tensor]
