@@ -78,10 +78,10 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", ["dpo_zero3", "dpo_sp2"])
 def test_dpo_on_two_ranks_follows_one_process(runs, name):
     """Under ZeRO-3 with a tiled loss (each rank 2 of the 4 pairs), and with sequence parallelism
-    (both ranks the 4 pairs, each half of every sequence)."""
+    (both ranks the 4 pairs, each half of every sequence). TRL's num_tokens counts every rank's."""
     one, three = train_rows(runs["dpo_one"]), train_rows(runs[name])
     assert [r["step"] for r in one] == [r["step"] for r in three] == [1, 2, 3, 4]
-    for key in ("loss", "grad_norm", *METRICS[2:]):
+    for key in ("loss", "grad_norm", *METRICS[2:], "num_tokens"):
         first = 1 if key == "rewards/accuracies" else 0  # step 1's margins are 0 up to rounding
         ours = [r[key] for r in three][first:]
         assert ours == pytest.approx([r[key] for r in one][first:], rel=1e-5, abs=1e-6), key
