@@ -21,7 +21,8 @@ from tests.helpers.launch import ROOT
 from trainer.args import TrainingArguments
 from trainer.config import ConfigError, Hardware, resolve
 from trainer.engine import weight_decay_groups
-from trainer.engine.lars import LARS, Layout, Piece
+from trainer.engine.lars import LARS
+from trainer.engine.partitions import Layout, Piece
 
 
 def test_one_step_by_hand():
@@ -158,21 +159,25 @@ def test_a_slice_without_the_other_ranks_norms_steps_differently():
     assert torch.equal(stepped[first:], whole[first:])
 
 
-# One rank of two: its slice stepped with the group of both. lars.py is loaded alone, without the
+# One rank of two: its slice stepped with the group of both. lars.py (and the partitions it reads) is loaded alone, without the
 # package's imports (DeepSpeed, transformers), which would take each rank about 10 s here.
 RANK_SCRIPT = textwrap.dedent(
     """
     import importlib.util, sys, torch, torch.distributed as dist
-    spec = importlib.util.spec_from_file_location("lars", "trainer/engine/lars.py")
-    lars = sys.modules["lars"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lars)
+    def alone(name, path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    parts = alone("trainer.engine.partitions", "trainer/engine/partitions.py")
+    lars = alone("lars", "trainer/engine/lars.py")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mine = torch.load(sys.argv[1], weights_only=True)[rank]
     flat = mine["flat"].requires_grad_()
     flat.grad = mine["grad"]
     opt = lars.LARS([flat], lr=0.3, momentum=0.0, trust_coefficient=0.02)
-    layout = lars.Layout(tuple(lars.Piece(*piece) for piece in mine["pieces"]), mine["keys"])
+    layout = parts.Layout(tuple(parts.Piece(*piece) for piece in mine["pieces"]), mine["keys"])
     opt.partitioned({flat: layout}, dist.group.WORLD)
     opt.step()
     torch.save(flat.detach(), f"{sys.argv[2]}.{rank}")
@@ -242,7 +247,7 @@ def test_optim_args_are_lars_settings_and_named_when_wrong():
     assert args.optim_args == "momentum=0.8, trust_coefficient=0.01"
     with pytest.raises(ValueError, match=r"optim_args\.momentun: unknown key; did you mean momentum\?"):
         TrainingArguments(output_dir="out", optim="lars", optim_args="momentun=0.8")
-    with pytest.raises(ValueError, match="optim_args: read by optim lars only"):
+    with pytest.raises(ValueError, match="optim_args: read by optim lars and muon only"):
         TrainingArguments(output_dir="out", optim="sgd", optim_args="momentum=0.8")
 
 

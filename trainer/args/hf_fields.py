@@ -122,7 +122,8 @@ class HFFields(BaseModel):
     optim_args: str | None = Field(
         None,
         description="Extra optimizer arguments, as 'key=value,...': LARS's momentum, dampening, nesterov "
-        "and trust_coefficient (optim lars; refused with any other optimizer).",
+        "and trust_coefficient (optim lars); Muon's muon_lr, adam_lr, momentum, nesterov, ns_steps, update_scale "
+        "and ns_precision (optim muon); refused with any other optimizer.",
     )
     optim_target_modules: None | str | list[str] = Field(
         None, description="Modules that GaLore/APOLLO optimize."

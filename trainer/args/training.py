@@ -38,7 +38,7 @@ from trainer.args.base import (
 from trainer.args.hf import HFArgumentHelpers, zero3_init
 from trainer.args.model_data import DataArguments, ModelArguments
 from trainer.config.files import STATED_ARGUMENTS
-from trainer.config.optim import LarsParams, lars_params
+from trainer.config.optim import OPTIM_ARGS, optim_params
 from trainer.objectives import DEFAULT, NAMES, OBJECTIVES, names_for
 
 __all__ = [
@@ -118,15 +118,17 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
         False, description="transformers' enable_full_determinism(seed): deterministic kernels, slower."
     )
 
-    optim: Literal["adamw_torch", "adamw_torch_fused", "adamw_fused", "lion", "lion_32bit", "sgd", "lars"] = (
-        Field(
-            "adamw_torch",
-            description="Optimizer. adamw_torch (and HF's adamw_torch_fused) is DeepSpeed's Adam with torch_adam, "
-            "torch's AdamW (resumes bit-exactly); adamw_fused is DeepSpeed's FusedAdam; lion (lion_32bit) and "
-            "sgd are DeepSpeed's. Under optimizer offload DeepSpeed steps Adam/AdamW, Adagrad and Lion with its "
-            "CPU kernels, and nothing else. lars is ours (DeepSpeed has none): per-matrix trust ratios, exact "
-            "under ZeRO 1-3, set by optim_args. HF's other optimizers are refused with the reason.",
-        )
+    optim: Literal[
+        "adamw_torch", "adamw_torch_fused", "adamw_fused", "lion", "lion_32bit", "sgd", "lars", "muon"
+    ] = Field(
+        "adamw_torch",
+        description="Optimizer. adamw_torch (and HF's adamw_torch_fused) is DeepSpeed's Adam with torch_adam, "
+        "torch's AdamW (resumes bit-exactly); adamw_fused is DeepSpeed's FusedAdam; lion (lion_32bit) and "
+        "sgd are DeepSpeed's. Under optimizer offload DeepSpeed steps Adam/AdamW, Adagrad and Lion with its "
+        "CPU kernels, and nothing else. lars is ours (DeepSpeed has none): per-matrix trust ratios, exact "
+        "under ZeRO 1-3, set by optim_args. muon is ours too: Muon on the hidden matrices and AdamW on "
+        "the rest, exact under ZeRO 0-3, set by optim_args (muon_lr, adam_lr, momentum, ...). HF's other "
+        "optimizers are refused with the reason.",
     )
     learning_rate: float = Field(5e-5, ge=0, description="Peak learning rate.")
     weight_decay: float = Field(
@@ -468,14 +470,15 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
         return self
 
     @model_validator(mode="after")
-    def _optim_args_for_lars(self) -> TrainingFields:
+    def _optim_args_read(self) -> TrainingFields:
         optim_args = getattr(self, "optim_args", None)  # HF's field (TrainingArguments)
-        if optim_args and self.optim != "lars":
+        if self.optim in OPTIM_ARGS:
+            optim_params(self.optim, optim_args)
+        elif optim_args:
             raise ValueError(
-                f"optim_args: read by optim lars only ({', '.join(LarsParams.model_fields)}); {self.optim} "
-                "takes adam_beta1, adam_beta2, adam_epsilon, weight_decay or a --deepspeed file's optimizer.params"
+                f"optim_args: read by optim {' and '.join(OPTIM_ARGS)} only; {self.optim} takes adam_beta1, "
+                "adam_beta2, adam_epsilon, weight_decay or a --deepspeed file's optimizer.params"
             )
-        lars_params(optim_args)
         return self
 
     @model_validator(mode="after")

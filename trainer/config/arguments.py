@@ -29,6 +29,7 @@ class TrainingArgs(Protocol):
     offload_param: str
     nvme_path: str | None
     optim: str
+    optim_args: str | None
     learning_rate: float
     weight_decay: float
     adam_beta1: float

@@ -37,7 +37,7 @@ class _OptimizerParams(ConfigModel):
 
     @model_validator(mode="after")
     def _nesterov(self) -> _OptimizerParams:
-        if getattr(self, "nesterov", False) and (self.momentum <= 0 or self.dampening != 0):
+        if getattr(self, "nesterov", False) and (self.momentum <= 0 or getattr(self, "dampening", 0) != 0):
             raise rule_error(
                 [("nesterov, momentum, dampening", "Nesterov momentum needs momentum > 0 and dampening 0")]
             )
@@ -116,20 +116,46 @@ class MuAdamParams(_OptimizerParams):
     weight_decay: float = Field(0.0, ge=0, description="Weight decay.")
 
 
-class MuonParams(_OptimizerParams):
-    """Muon for 2-D weights with an auxiliary Adam for the rest (DeepSpeed's MuonWithAuxAdam)."""
+class MuonArgs(_OptimizerParams):
+    """Muon's own settings (``optim muon``), given as HF's ``optim_args`` string; the run's
+    learning_rate, weight_decay, adam_beta1/2 and adam_epsilon give the rest. Defaults are
+    torch.optim.Muon's."""
+
+    muon_lr: float | None = Field(None, ge=0, description="Learning rate of the Muon half (default: lr).")
+    adam_lr: float | None = Field(
+        None,
+        ge=0,
+        description="Learning rate of the AdamW half: embeddings, head, norms, biases (default: lr).",
+    )
+    momentum: float = Field(0.95, ge=0, lt=1, description="Muon's momentum.")
+    nesterov: bool = Field(True, description="Orthogonalise Nesterov's look-ahead rather than the momentum.")
+    ns_steps: int = Field(5, ge=1, lt=100, description="Newton-Schulz iterations per update.")
+    update_scale: Literal["original", "match_rms_adamw"] = Field(
+        "original",
+        description="Scale of a (rows, cols) matrix's rate: original sqrt(max(1, rows/cols)), or Moonlight's "
+        "match_rms_adamw 0.2 sqrt(max(rows, cols)), which lets Muon share AdamW's rate.",
+    )
+    ns_precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="What the iteration runs in; auto: bf16 on a GPU (as torch's), fp32 elsewhere."
+    )
+
+
+class MuonParams(MuonArgs):
+    """Muon for the hidden matrices with AdamW for the rest: ours (trainer/engine/muon.py), built by
+    the engine from this section and handed to DeepSpeed, exact under ZeRO 0-3 and accumulation."""
+
+    key_hints = {
+        **_OptimizerParams.key_hints,
+        "ns_method": "the iteration here is torch.optim.Muon's quintic Newton-Schulz; set ns_steps or ns_precision",
+        "torch_adam": "the AdamW half is always torch's AdamW step",
+    }
 
     lr: float = Field(
         0.02, ge=0, description="Learning rate shared by both halves unless muon_lr / adam_lr is set."
     )
-    momentum: float = Field(0.95, ge=0, lt=1, description="Muon momentum.")
-    weight_decay: float = Field(0.0, ge=0, description="Weight decay of both halves.")
-    betas: Betas = Field((0.9, 0.999), description="Betas of the auxiliary Adam.")
-    eps: float = Field(1e-8, gt=0, description="Epsilon of the auxiliary Adam.")
-    muon_lr: float | None = Field(None, ge=0, description="Learning rate of the Muon half (default: lr).")
-    adam_lr: float | None = Field(None, ge=0, description="Learning rate of the Adam half (default: lr).")
-    adam_w_mode: bool = Field(True, description="Decoupled weight decay in the Adam half.")
-    torch_adam: bool = Field(False, description="Use torch's AdamW for the Adam half.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay of both halves.")
+    betas: Betas = Field((0.9, 0.999), description="Betas of the AdamW half.")
+    eps: float = Field(1e-8, gt=0, description="Epsilon of the AdamW half.")
 
 
 OPTIMIZER_PARAMS: dict[str, type[_OptimizerParams]] = {
@@ -161,19 +187,25 @@ class LarsParams(_OptimizerParams):
     )
 
 
-def lars_params(optim_args: str | None) -> dict[str, Any]:
-    """``optim_args`` ('momentum=0.9,trust_coefficient=0.001') as LARS's keyword arguments; a key
-    LARS does not take, or a bad value, is a ConfigError naming ``optim_args.<key>``."""
+# The optimizers that read HF's optim_args, and the settings each takes there.
+OPTIM_ARGS: dict[str, type[_OptimizerParams]] = {"lars": LarsParams, "muon": MuonArgs}
+
+
+def optim_params(optim: str, optim_args: str | None) -> dict[str, Any]:
+    """``optim_args`` ('momentum=0.9,trust_coefficient=0.001') as the keyword arguments of ``optim``
+    (a key of OPTIM_ARGS); a key it does not take, or a bad value, is a ConfigError naming
+    ``optim_args.<key>``."""
     pairs: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in (optim_args or "").split(","))):
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"{item!r} is not key=value", path="optim_args")
         pairs[key.strip()] = value.strip()
+    model = OPTIM_ARGS[optim]
     try:
-        return LarsParams.model_validate(pairs).to_dict()
+        return model.model_validate(pairs).to_dict()
     except ValidationError as err:
-        raise ConfigError(problems_from_error(err, LarsParams, prefix="optim_args")) from None
+        raise ConfigError(problems_from_error(err, model, prefix="optim_args")) from None
 
 
 # Under optimizer offload DeepSpeed steps these with its own CPU kernels (DeepSpeedCPUAdam, -Adagrad,
@@ -181,7 +213,7 @@ def lars_params(optim_args: str | None) -> dict[str, Any]:
 OFFLOAD_NATIVE = ("Adam", "AdamW", "Adagrad", "Lion")
 OFFLOAD_NOTE = (
     "under optimizer offload DeepSpeed steps Adam/AdamW, Adagrad and Lion with its CPU kernels and SGD "
-    "with torch's on the host; Lamb (a GPU kernel) and lars are refused there"
+    "with torch's on the host; Lamb (a GPU kernel), lars and muon are refused there"
 )
 
 # Optimizers DeepSpeed's ZeRO accepts without zero_allow_untested_optimizer.

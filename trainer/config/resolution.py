@@ -26,7 +26,13 @@ from trainer.config.base import Problem, dedupe
 from trainer.config.errors import ConfigError
 from trainer.config.files import MISSING, base_config, get_path, is_auto, positive_int
 from trainer.config.hardware import Hardware
-from trainer.config.optim import OFFLOAD_NOTE, OPTIMIZER_PARAMS, ZERO_TESTED_OPTIMIZERS
+from trainer.config.optim import (
+    OFFLOAD_NOTE,
+    OPTIMIZER_PARAMS,
+    ZERO_TESTED_OPTIMIZERS,
+    MuonParams,
+    optim_params,
+)
 from trainer.config.parallel import tensor_size_of
 from trainer.config.presets import AIO_BLOCK, FP16_BLOCK, PRESETS
 from trainer.config.schema import validate
@@ -40,6 +46,7 @@ _OPTIMIZERS = {
     "lion": ("Lion", {}),
     "lion_32bit": ("Lion", {}),
     "sgd": ("SGD", {}),
+    "muon": ("Muon", {}),
 }
 # TrainingArguments.lr_scheduler_type -> DeepSpeed scheduler type; any other type (or any
 # lr_scheduler_kwargs) is transformers' get_scheduler, which the Trainer passes as a client scheduler.
@@ -63,10 +70,13 @@ def transformers_schedule(args: TrainingArgs, data: dict[str, Any]) -> bool:
     step k uses the rate of step k - 1 of HF's schedule), warm up over at least two steps, and
     ``WarmupDecayLR`` without warmup never decays; so every schedule but a constant rate is
     transformers' own (the rates HF's Trainer applies), unless the user's DeepSpeed file names a
-    scheduler, or DeepSpeed cannot express the schedule at all."""
+    scheduler, or DeepSpeed cannot express the schedule at all; and under Muon, whose halves have
+    two rates (a file's WarmupLR or WarmupDecayLR, which set one, is refused)."""
     if not deepspeed_schedules(args):
         return True
-    return "scheduler" not in data and args.lr_scheduler_type != "constant"
+    # Muon's halves have rates of their own, which DeepSpeed's WarmupLR would set to one.
+    muon = args.optim == "muon" or get_path(data, "optimizer.type") == "Muon"
+    return "scheduler" not in data and (args.lr_scheduler_type != "constant" or muon)
 
 
 def _set(data: dict[str, Any], path: str, value: Any) -> None:
@@ -341,21 +351,40 @@ class _Resolver:
         for key, (arg, want) in wants.items():
             if key in model.model_fields:
                 self.settle(f"optimizer.params.{key}", want, f"{arg}={_show(want)} {ARGS_NOTE}")
+        if model is MuonParams:
+            self.muon(offload)
 
     def lars(self, offload: bool) -> None:
         """optim lars: the engine builds our LARS (DeepSpeed has none) and hands it to DeepSpeed."""
+        if get_path(self.data, "optimizer") is not MISSING:
+            self.problems.append(("optimizer, optim", "optim lars is built here (DeepSpeed has no LARS); remove "
+                                  "the optimizer section or choose another optim"))  # fmt: skip
+        self.ours("LARS", "optim", offload, "LARS's trust ratio needs each matrix's whole norm")
+
+    def muon(self, offload: bool) -> None:
+        """Muon (optim muon, or a file's Muon section): the engine builds ours from this section (see
+        trainer/engine/muon.py) and hands it to DeepSpeed; optim_args fill its own settings."""
+        if self.args.optim == "muon":
+            for key, value in optim_params("muon", getattr(self.args, "optim_args", None)).items():
+                self.settle(f"optimizer.params.{key}", value, f"optim_args {key}={_show(value)} {ARGS_NOTE}")
+        if get_path(self.data, "scheduler.type") in ("WarmupLR", "WarmupDecayLR"):
+            self.problems.append(("scheduler.type, optimizer.type", "DeepSpeed's WarmupLR and WarmupDecayLR set "
+                                  "one rate for all groups, and Muon's halves have two; use WarmupCosineLR or leave "
+                                  "the schedule to lr_scheduler_type"))  # fmt: skip
+        self.ours("Muon", "optimizer.type", offload, "Muon orthogonalises each whole matrix")
+
+    def ours(self, name: str, key: str, offload: bool, whole: str) -> None:
+        """What an optimizer of ours (built by the engine and handed to DeepSpeed, stepping whole
+        parameters from ZeRO's flat slices) cannot run with, refused naming ``key``."""
         stage = get_path(self.data, "zero_optimization.stage")
         half = any(get_path(self.data, f"{p}.enabled") is True for p in ("bf16", "fp16"))
         refusals = [
-            (get_path(self.data, "optimizer") is not MISSING, "optimizer, optim",
-             "optim lars is built here (DeepSpeed has no LARS); remove the optimizer section or choose another optim"),
-            (offload, "zero_optimization.offload_optimizer.device, optim",
-             OFFLOAD_NOTE),
-            (tensor_size_of(self.data) > 1, "tensor_parallel.autotp_size, optim",
-             "LARS's trust ratio needs each matrix's whole norm, which AutoTP splits over ranks"),
-            (int((self.data.get("pipeline") or {}).get("stages") or 1) > 1, "pipeline.stages, optim",
-             "pipeline stages build their optimizer from DeepSpeed's config, which has no LARS"),
-            (half and stage in (0, MISSING), "zero_optimization.stage, optim",
+            (offload, f"zero_optimization.offload_optimizer.device, {key}", OFFLOAD_NOTE),
+            (tensor_size_of(self.data) > 1, f"tensor_parallel.autotp_size, {key}",
+             f"{whole}, which AutoTP splits over ranks"),
+            (int((self.data.get("pipeline") or {}).get("stages") or 1) > 1, f"pipeline.stages, {key}",
+             f"pipeline stages build their optimizer from DeepSpeed's config, which has no {name} of ours"),
+            (half and stage in (0, MISSING), f"zero_optimization.stage, {key}",
              "bf16/fp16 at ZeRO-0 put the optimizer behind DeepSpeed's flat mixed-precision wrapper; use zero_stage 1-3"),
         ]  # fmt: skip
         self.problems.extend((path, why) for on, path, why in refusals if on)

@@ -27,8 +27,8 @@ from deepspeed.runtime.zero.utils import get_norm_dtype
 from deepspeed.utils import groups
 
 from trainer.engine import zero
-from trainer.engine.lars import LARS, show_partitions
 from trainer.engine.objectives import Batch, Objective
+from trainer.engine.partitions import show_partitions
 from trainer.runtime.mesh import Mesh
 
 if TYPE_CHECKING:
@@ -163,6 +163,9 @@ class Engine(ABC):
         torch_compile: TorchCompile | None = None,
         **kwargs: Any,
     ) -> None:
+        if kwargs.get("optimizer") is not None and (config.get("optimizer") or {}).get("type") == "Muon":
+            # Ours, built from this section (trainer/engine/muon.py); DeepSpeed's Muon is not used.
+            config = {key: value for key, value in config.items() if key != "optimizer"}
         self.ds, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
             model=model, config=config, **kwargs
         )
@@ -171,8 +174,7 @@ class Engine(ABC):
             # checkpoints and the export stay as they are) and its ZeRO hooks keep working.
             self.ds.compile(backend=torch_compile.backend, compile_kwargs=dict(torch_compile.options))
         report_grad_norm(self.ds)
-        if isinstance(self.ds.basic_optimizer, LARS):
-            show_partitions(self.ds.basic_optimizer, self.ds.optimizer)
+        show_partitions(self.ds.basic_optimizer, self.ds.optimizer)
         self.device: torch.device = self.ds.device
         self.lr_scale = 1.0
         self.step_lr: float | None = None

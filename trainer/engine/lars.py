@@ -16,37 +16,15 @@ piece by its parameter's whole norm: the same update as on one process.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from trainer.config.errors import ConfigError
+from trainer.engine.partitions import Partitioned, Piece
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Part of one parameter inside a tensor the optimizer steps: ``length`` elements from ``start``.
-    ``key`` numbers the parameter among those of the tensor, the same on every rank; ``matrix``:
-    LARS scales it (else plain SGD)."""
-
-    start: int
-    length: int
-    key: int
-    matrix: bool
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where the parameters of a flat tensor lie: its ``pieces`` and the number of parameters it
-    holds pieces of on all ranks together (``keys``)."""
-
-    pieces: tuple[Piece, ...]
-    keys: int
-
-
-class LARS(torch.optim.Optimizer):
+class LARS(Partitioned):
     """SGD with momentum and per-matrix trust ratios. The defaults are ``pytorch_optimizer``'s."""
 
     def __init__(
@@ -75,15 +53,6 @@ class LARS(torch.optim.Optimizer):
             nesterov=nesterov,
         )
         super().__init__(params, defaults)
-        self.layouts: dict[torch.Tensor, Layout] = {}
-        self.group: Any = None  # the ranks whose pieces make up a parameter; None: each holds it all
-
-    def partitioned(self, layouts: dict[torch.Tensor, Layout], group: Any) -> None:
-        """Step flat tensors: ``layouts`` maps each to its pieces; ``group`` shares the parameters."""
-        self.layouts, self.group = layouts, group
-
-    def _layout(self, p: torch.Tensor) -> Layout:
-        return self.layouts.get(p) or Layout((Piece(0, p.numel(), 0, p.dim() > 1),), 1)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -154,54 +123,3 @@ class LARS(torch.optim.Optimizer):
                 mine.append((piece, ratio.to(p.dtype)))
             ratios.append(mine)
         return ratios
-
-
-def zero_layouts(zero_optimizer: Any) -> tuple[dict[torch.Tensor, Layout], Any]:
-    """Where each parameter lies in the flat fp32 slices DeepSpeed's ZeRO optimizer steps, and the
-    group its slices are cut over. Stages 1-2: each group's parameters end to end (with alignment
-    padding) in one flat tensor, of which a rank holds one equal slice. Stage 3: each parameter is
-    cut into equal slices itself; a rank's flat tensor is its slices of a sub-group end to end."""
-    layouts: dict[torch.Tensor, Layout] = {}
-    if hasattr(zero_optimizer, "fp32_partitioned_groups_flat"):  # stage 3
-        for flat, params in zip(
-            zero_optimizer.fp32_partitioned_groups_flat, zero_optimizer.fp16_groups, strict=True
-        ):
-            pieces, start = [], 0
-            for key, param in enumerate(params):
-                length = param.partition_numel()
-                pieces.append(Piece(start, length, key, len(param.ds_shape) > 1))
-                start += length
-            layouts[flat] = Layout(tuple(pieces), len(params))
-        return layouts, zero_optimizer.dp_process_group
-    groups = zero_optimizer.real_dp_process_group
-    for i, flat in enumerate(zero_optimizer.single_partition_of_fp32_groups):
-        size = zero_optimizer.partition_size[i]
-        low = dist.get_rank(group=groups[i]) * size
-        metas = zero_optimizer.round_robin_bit16_meta[i]  # the parameters' shapes, whatever holds their data
-        pieces = []
-        for key, (meta, offset) in enumerate(
-            zip(metas, zero_optimizer.round_robin_bit16_offsets[i], strict=True)
-        ):
-            start, end = max(offset, low), min(offset + meta.numel(), low + size)
-            if start < end:
-                pieces.append(Piece(start - low, end - start, key, meta.dim() > 1))
-        layouts[flat] = Layout(tuple(pieces), len(metas))
-    return layouts, groups[0]
-
-
-def show_partitions(lars: LARS, stepper: Any) -> None:
-    """Tell ``lars`` what DeepSpeed's ``stepper`` (the optimizer ``deepspeed.initialize`` returned)
-    hands it: the model's own parameters (ZeRO-0 in fp32) or ZeRO's flat slices. Any other wrapper
-    (ZeRO-0's mixed-precision optimizers flatten the groups too) is refused."""
-    if stepper is lars:
-        return
-    if hasattr(stepper, "fp32_partitioned_groups_flat") or hasattr(
-        stepper, "single_partition_of_fp32_groups"
-    ):
-        lars.partitioned(*zero_layouts(stepper))
-        return
-    raise ConfigError(
-        f"optim lars: DeepSpeed wraps it in {type(stepper).__name__}, whose flat tensors hide the "
-        "parameters' norms; use zero_stage 1-3 with bf16/fp16",
-        path="optim",
-    )

@@ -96,7 +96,7 @@ def ensure_engine(trainer: Any, total_steps: int) -> None:
             model,
             trainer.ds_config,
             trainer.mesh,
-            optimizer=optimizer_for(args, model, trainer.client_optimizer),
+            optimizer=optimizer_for(args, model, trainer.client_optimizer, trainer.ds_config),
             lr_scheduler=scheduler,
             weight_decay=args.weight_decay,
             gradient_checkpointing=args.gradient_checkpointing,

@@ -15,9 +15,10 @@ from transformers import get_scheduler
 
 from trainer import checkpoint as ckpt
 from trainer.args import TrainingArguments
-from trainer.config.optim import lars_params
+from trainer.config.optim import MuonParams, optim_params
 from trainer.engine import Objective, Split, Tiling, TorchCompile, plan_tiling, takes, weight_decay_groups
 from trainer.engine.lars import LARS
+from trainer.engine.muon import Muon, muon_groups
 from trainer.objectives import OBJECTIVES
 from trainer.runtime.distributed import print_main
 from trainer.runtime.mesh import Mesh
@@ -80,14 +81,38 @@ def tiling_for(
 
 
 def optimizer_for(
-    args: TrainingArguments, model: torch.nn.Module, client: torch.optim.Optimizer | None
+    args: TrainingArguments,
+    model: torch.nn.Module,
+    client: torch.optim.Optimizer | None,
+    ds_config: dict[str, Any],
 ) -> torch.optim.Optimizer | None:
-    """The optimizer the engine hands DeepSpeed: the caller's own, or LARS for ``optim lars``
-    (DeepSpeed has none), over the usual decay groups; None lets DeepSpeed build its config's."""
-    if client is not None or args.optim != "lars":
+    """The optimizer the engine hands DeepSpeed: the caller's own; LARS for ``optim lars`` (DeepSpeed
+    has none), over the usual decay groups; our Muon where the resolved config's section is Muon
+    (its settings are there); None lets DeepSpeed build its config's."""
+    if client is not None:
         return client
-    groups = weight_decay_groups(model, args.weight_decay)
-    return LARS(groups, lr=args.learning_rate, weight_decay=args.weight_decay, **lars_params(args.optim_args))
+    if args.optim == "lars":
+        groups = weight_decay_groups(model, args.weight_decay)
+        lars = optim_params("lars", args.optim_args)
+        return LARS(groups, lr=args.learning_rate, weight_decay=args.weight_decay, **lars)
+    section = ds_config.get("optimizer") or {}
+    if section.get("type") != "Muon":
+        return None
+    muon = MuonParams.model_validate(section.get("params") or {})
+    lr = muon.lr
+    groups = muon_groups(model, muon.weight_decay, muon.muon_lr or lr, muon.adam_lr or lr)
+    return Muon(
+        groups,
+        lr=lr,
+        weight_decay=muon.weight_decay,
+        momentum=muon.momentum,
+        nesterov=muon.nesterov,
+        ns_steps=muon.ns_steps,
+        update_scale=muon.update_scale,
+        ns_precision=muon.ns_precision,
+        betas=muon.betas,
+        adam_eps=muon.eps,
+    )
 
 
 def torch_compile_for(args: TrainingArguments) -> TorchCompile | None:

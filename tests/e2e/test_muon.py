@@ -1,0 +1,102 @@
+"""``--optim muon`` through the user's command.
+
+One process trains four steps on one batch of 16 rows; two ranks under torchrun train the same
+four steps under ZeRO 1, 2 and 3 (stage 3 builds the model under ``zero.Init``), each rank
+accumulating four micro-batches of 2 rows. So every stage is checked at once against a split over
+ranks and over micro-batches: a Muon that stepped on each micro-batch's gradient (DeepSpeed PR
+#8600), orthogonalised its flat slices instead of whole matrices, or was left out (PR #8438) moves
+the weights elsewhere. A copy of the ZeRO-2 run's checkpoint-2 is resumed by the same command; one
+process asked to resume it (another number of shards) is refused by name, since DeepSpeed's universal
+conversion reads Adam's moments only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.helpers.launch import launch, together
+from tests.helpers.scaffold import TINY_MODEL, assert_same_weights, tiny_flags, train_rows
+
+pytestmark = pytest.mark.distributed
+
+MUON = ["--optim", "muon", "--optim_args", "muon_lr=0.05,adam_lr=0.003"]
+# Three layers: ZeRO 1-2 then cut the Muon group's flat tensor between the ranks inside a matrix (an
+# MLP weight of the second layer); with two the cut falls between the layers, and the gather that
+# makes each matrix whole would go untested there.
+MODEL = {**TINY_MODEL, "num_hidden_layers": 3}
+COMMON = ["scripts/train.py", *tiny_flags(save_steps=2, vocab_size=4096, model_config_overrides=MODEL), *MUON]
+SPLIT = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"]
+STAGES = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("muon")
+    out = {name: root / str(name) for name in ("one", *STAGES, "resumed", "resumed_alone")}
+
+    def zero(stage: int, where: str | int) -> None:
+        launch([*COMMON, *SPLIT, "--output_dir", str(out[where]), "--zero_stage", str(stage)])
+
+    one = [*COMMON, "--output_dir", str(out["one"]), "--per_device_train_batch_size", "16"]
+    together(lambda: launch(one, launcher="python"), lambda: zero(1, 1))
+    zero(2, 2)
+    zero(3, 3)
+    for name in ("resumed", "resumed_alone"):
+        out[name].mkdir()
+        shutil.copytree(out[2] / "checkpoint-2", out[name] / "checkpoint-2")
+    alone = [*COMMON, "--output_dir", str(out["resumed_alone"]), "--zero_stage", "2"]
+    alone += ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "8"]
+    out["refused"] = together(
+        lambda: launch(alone, launcher="python", check=False), lambda: zero(2, "resumed")
+    )[0]
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_two_ranks_accumulating_take_one_process_steps(runs, stage):
+    """Losses, grad norms and the exported weights within 1e-5 of one process's single batch."""
+    one, ranks = train_rows(runs["one"]), train_rows(runs[stage])
+    assert [r["step"] for r in ranks] == [1, 2, 3, 4]
+    assert ranks[-1]["loss"] < ranks[0]["loss"] - 0.05  # it trained
+    for a, b in zip(one, ranks, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    assert_same_weights(runs[stage] / "final", runs["one"] / "final", rtol=1e-5, atol=1e-6)
+    ds = json.loads((runs[stage] / "ds_config.json").read_text())
+    assert ds["optimizer"] == {
+        "type": "Muon",
+        "params": {
+            "lr": 3e-3,
+            "muon_lr": 0.05,
+            "adam_lr": 3e-3,
+            "betas": [0.9, 0.95],
+            "eps": 1e-8,
+            "weight_decay": 0.1,
+        },
+    }
+    assert ds["zero_allow_untested_optimizer"] is True
+
+
+def test_a_checkpoint_resumes_bitwise(runs):
+    """The momentum and AdamW's moments are in the ZeRO optimizer states: steps 3 and 4 again, bit
+    for bit."""
+    names = ("loss", "grad_norm")
+    again = {(r["step"], k): r[k] for r in train_rows(runs["resumed"]) for k in names}
+    whole = {(r["step"], k): r[k] for r in train_rows(runs[2]) for k in names if r["step"] >= 3}
+    assert again == whole
+    assert_same_weights(runs["resumed"] / "final", runs[2] / "final")
+
+
+def test_another_number_of_shards_is_refused_by_name(runs):
+    """One line naming both shard counts, and the checkpoint is left as it was (no universal copy)."""
+    refused = runs["refused"]
+    assert refused.returncode != 0
+    assert (
+        "Muon's optimizer states were sharded over 2 ranks and this run shards them over 1" in refused.stderr
+    )
+    assert "Traceback" not in refused.stderr
+    assert not (runs["resumed_alone"] / "checkpoint-2" / "universal").exists()
+    assert not (runs["resumed_alone"] / "final").exists()

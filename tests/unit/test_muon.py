@@ -1,0 +1,224 @@
+"""Muon (trainer.engine.muon): torch.optim.Muon's and AdamW's steps bit for bit, an update whose
+singular values are pushed together, flat slices stepped as the parameters, and the arguments and
+config rules around ``optim muon``. The 2-rank runs under ZeRO 1-3 are tests/e2e/test_muon.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainer.args import TrainingArguments
+from trainer.config import ConfigError, Hardware, resolve
+from trainer.engine.muon import Muon, muon_groups
+from trainer.engine.partitions import Layout, Piece
+from trainer.loop.steps import optimizer_for
+
+CPU = Hardware.cpu()
+
+
+def _model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _train(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], steps: int) -> None:
+    for step in range(steps):
+        ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(step))
+        for opt in optimizers:
+            opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        for opt in optimizers:
+            opt.step()
+
+
+def test_the_split_is_hidden_matrices_against_embeddings_head_norms():
+    model = _model()
+    muon, decay, no_decay = muon_groups(model, 0.1, 0.02, 0.003)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert muon["muon"] and muon["lr"] == 0.02 and muon["weight_decay"] == 0.1
+    assert len(muon["params"]) == 14 and all(p.dim() == 2 for p in muon["params"])  # 7 per layer
+    assert sorted(names[id(p)] for p in decay["params"]) == ["lm_head.weight", "model.embed_tokens.weight"]
+    assert (decay["lr"], decay["weight_decay"]) == (0.003, 0.1)
+    assert all("norm" in names[id(p)] for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize("scale", ["original", "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_torch_muon_and_adamw_step_for_step(scale, nesterov):
+    """With the iteration in bf16 (torch's), five steps equal torch.optim.Muon on the matrices and
+    torch.optim.AdamW on the rest, bit for bit."""
+    ours, theirs = _model(), _model()
+    groups = muon_groups(ours, 0.1, 0.02, 0.003)
+    opt = Muon(groups, nesterov=nesterov, update_scale=scale, ns_precision="bf16", betas=(0.9, 0.95))
+    matrices, *rest = muon_groups(theirs, 0.1, 0.02, 0.003)
+    reference = [
+        torch.optim.Muon(
+            matrices["params"], lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=scale
+        ),
+        torch.optim.AdamW(
+            [dict(params=g["params"], weight_decay=g["weight_decay"]) for g in rest],
+            lr=0.003,
+            betas=(0.9, 0.95),
+            foreach=False,
+        ),
+    ]
+    _train(ours, [opt], 5)
+    _train(theirs, reference, 5)
+    start = _model()
+    for (name, a), b, c in zip(ours.named_parameters(), theirs.parameters(), start.parameters(), strict=True):
+        assert torch.equal(a, b), name
+        assert not torch.equal(a, c), name  # every parameter moved
+
+
+def _singular_values(matrix: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.svdvals(matrix.double())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_update_is_orthogonalised(precision):
+    """A gradient whose singular values spread over 100x moves the weight by a matrix whose singular
+    values all lie in Newton-Schulz's band (about 0.7-1.2 after five steps) times the rate: a Muon
+    left out (the update as the gradient, DeepSpeed PR #8438) keeps the spread."""
+    gen = torch.Generator().manual_seed(3)
+    u, _ = torch.linalg.qr(torch.randn(48, 48, generator=gen))
+    v, _ = torch.linalg.qr(torch.randn(32, 32, generator=gen))
+    grad = u[:, :32] @ torch.diag(torch.logspace(0, -2, 32)) @ v.T
+    weight = torch.nn.Parameter(torch.randn(48, 32, generator=gen))
+    before = weight.detach().clone()
+    opt = Muon(
+        [dict(params=[weight], muon=True)], lr=0.1, momentum=0.0, nesterov=False, ns_precision=precision
+    )
+    weight.grad = grad.clone()
+    opt.step()
+    update = (before - weight.detach()) / (0.1 * (48 / 32) ** 0.5)
+    values = _singular_values(update)
+    assert values.min() > 0.6 and values.max() < 1.25, values
+    spread = _singular_values(grad)
+    assert spread.max() / spread.min() > 50  # what a gradient step would have kept
+
+
+def test_a_flat_tensor_of_whole_matrices_steps_as_the_matrices():
+    """One flat tensor holding the Muon half's matrices end to end (ZeRO's form on one rank), told
+    where each lies, takes the same steps as the matrices themselves."""
+    model = _model()
+    matrices = muon_groups(model, 0.0, 0.02, 0.003)[0]["params"]
+    flat = torch.cat([p.detach().reshape(-1) for p in matrices]).requires_grad_()
+    pieces, start = [], 0
+    for key, p in enumerate(matrices):
+        pieces.append(Piece(start, p.numel(), key, True))
+        start += p.numel()
+    flat_opt = Muon(
+        [dict(params=[p.detach().clone() for p in matrices], muon=True)], lr=0.02, ns_precision="fp32"
+    )
+    flat_opt.param_groups[0]["params"] = [flat]  # as DeepSpeed hands its flat partition over
+    flat_opt.partitioned({flat: Layout(tuple(pieces), len(matrices), tuple(p.shape for p in matrices))}, None)
+    opt = Muon([dict(params=matrices, muon=True)], lr=0.02, ns_precision="fp32")
+    for step in range(3):
+        ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        flat.grad = torch.cat([p.grad.reshape(-1) for p in matrices])
+        opt.step()
+        flat_opt.step()
+    assert torch.equal(flat.detach(), torch.cat([p.detach().reshape(-1) for p in matrices]))
+
+
+def test_a_resume_from_the_state_dict_continues_bitwise():
+    model = _model()
+    opt = Muon(muon_groups(model, 0.1, 0.02, 0.003), ns_precision="fp32")
+    _train(model, [opt], 2)
+    twin = copy.deepcopy(model)
+    again = Muon(muon_groups(twin, 0.1, 0.02, 0.003), ns_precision="fp32")
+    again.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _train(model, [opt], 2)
+    _train(twin, [again], 2)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+# ---- arguments and config ------------------------------------------------------------------------
+
+
+def test_optim_args_are_muon_settings_and_named_when_wrong():
+    TrainingArguments(output_dir="out", optim="muon", optim_args="muon_lr=0.02,adam_lr=3e-4,ns_steps=6")
+    with pytest.raises(ValueError, match=r"optim_args\.muon_rl: unknown key; did you mean muon_lr\?"):
+        TrainingArguments(output_dir="out", optim="muon", optim_args="muon_rl=0.02")
+    with pytest.raises(ValueError, match=r"optim_args\.update_scale"):
+        TrainingArguments(output_dir="out", optim="muon", optim_args="update_scale=rms")
+
+
+def test_optim_muon_resolves_to_a_muon_section_the_engine_builds():
+    args = TrainingArguments(
+        output_dir="out", optim="muon", max_steps=1, zero_stage=3, learning_rate=1e-3, weight_decay=0.1,
+        optim_args="muon_lr=0.02,update_scale=match_rms_adamw",
+    )  # fmt: skip
+    ds = resolve(args, 2, CPU)
+    assert ds["optimizer"] == {
+        "type": "Muon",
+        "params": {
+            "lr": 1e-3,
+            "muon_lr": 0.02,
+            "update_scale": "match_rms_adamw",
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+            "weight_decay": 0.1,
+        },
+    }
+    assert ds["zero_allow_untested_optimizer"] is True
+    opt = optimizer_for(args, _model(), None, ds)
+    assert isinstance(opt, Muon) and [g["lr"] for g in opt.param_groups] == [0.02, 1e-3, 1e-3]
+    assert opt.param_groups[0]["update_scale"] == "match_rms_adamw"
+
+
+def test_a_deepspeed_files_muon_section_builds_ours():
+    ds = {"optimizer": {"type": "muon", "params": {"lr": 0.01, "adam_lr": 2e-3, "momentum": 0.9}}}
+    args = TrainingArguments(output_dir="out", max_steps=1, zero_stage=2, deepspeed=ds)
+    resolved = resolve(args, 2, CPU)
+    assert resolved["optimizer"]["type"] == "Muon"
+    opt = optimizer_for(args, _model(), None, resolved)
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 2e-3, 2e-3]  # the file's lr, learning_rate unset
+    assert opt.param_groups[0]["momentum"] == 0.9
+    bad = {"optimizer": {"type": "Muon", "params": {"ns_method": "gram"}}}
+    with pytest.raises(ConfigError, match="ns_method.*torch.optim.Muon's quintic Newton-Schulz"):
+        resolve(TrainingArguments(output_dir="out", max_steps=1, deepspeed=bad), 1, CPU)
+
+
+@pytest.mark.parametrize(
+    "fields, path",
+    [
+        (
+            dict(zero_stage=2, offload_optimizer="cpu"),
+            "zero_optimization.offload_optimizer.device, optimizer.type",
+        ),
+        (dict(zero_stage=1, tensor_parallel_size=2), "tensor_parallel.autotp_size, optimizer.type"),
+        (dict(zero_stage=1, pipeline_parallel_size=2), "pipeline.stages, optimizer.type"),
+        (dict(zero_stage=0, bf16=True), "zero_optimization.stage, optimizer.type"),
+    ],
+)
+def test_what_muon_cannot_run_with_is_refused_by_key(fields, path):
+    with pytest.raises(ConfigError) as err:
+        resolve(TrainingArguments(output_dir="out", optim="muon", max_steps=1, **fields), 2, CPU)
+    assert [p for p, _ in err.value.problems] == [path]
+
+
+def test_a_constant_rate_keeps_the_two_halves_rates():
+    """DeepSpeed's WarmupLR would set one rate for every group: under Muon the constant schedule is
+    transformers' (each group's own rate), and a file's WarmupLR is refused by key."""
+    args = TrainingArguments(output_dir="out", optim="muon", max_steps=1, lr_scheduler_type="constant")
+    assert "scheduler" not in resolve(args, 1, CPU)
+    ds = {"scheduler": {"type": "WarmupLR"}}
+    with pytest.raises(ConfigError) as err:
+        resolve(TrainingArguments(output_dir="out", optim="muon", max_steps=1, deepspeed=ds), 1, CPU)
+    assert [p for p, _ in err.value.problems] == ["scheduler.type, optimizer.type"]
