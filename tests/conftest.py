@@ -47,6 +47,7 @@ BEFORE_THE_OPS = (
     "test_streaming.py",
     "test_tensor_parallel.py",
     "test_lars.py",
+    "test_muon.py",
     "test_output_dir_lock.py",
     "test_pipeline.py",
     "test_tiling_zero.py",

@@ -5,6 +5,7 @@ config rules around ``optim muon``. The 2-rank runs under ZeRO 1-3 are tests/e2e
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -222,3 +223,39 @@ def test_a_constant_rate_keeps_the_two_halves_rates():
     with pytest.raises(ConfigError) as err:
         resolve(TrainingArguments(output_dir="out", optim="muon", max_steps=1, deepspeed=ds), 1, CPU)
     assert [p for p, _ in err.value.problems] == ["scheduler.type, optimizer.type"]
+
+
+def test_the_planner_counts_one_moment_for_muons_matrices(capsys):
+    """Llama-7B on 8 GPUs under ZeRO-3: Muon's matrices keep 4 bytes fewer a parameter than Adam's
+    two moments, and the setups the run would refuse (offload, tensor parallelism) are not offered."""
+    from trainer.cli.main import main
+
+    rows = {}
+    for optim in ("adamw", "muon"):
+        assert main(["plan", "--model", "llama-7b", "--optim", optim, "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        rows[optim] = result["configurations"]
+        spec = result["model"]
+    matrices = spec["n_params"] - spec["embedding_params"] - spec["small_params"]
+
+    def zero3(optim: str) -> dict:
+        return next(
+            r
+            for r in rows[optim]
+            if (r["zero_stage"], r["offload_optimizer"], r["tensor_parallel"]) == (3, "none", 1)
+        )
+
+    saved = zero3("adamw")["optimizer_gb_per_gpu"] - zero3("muon")["optimizer_gb_per_gpu"]
+    assert saved == pytest.approx(4 * matrices / 8 / 1e9)
+    assert all(r["offload_optimizer"] == "none" and r["tensor_parallel"] == 1 for r in rows["muon"])
+    assert any(r["offload_optimizer"] == "cpu" for r in rows["adamw"])
+
+
+def test_the_model_card_names_muon_and_its_settings():
+    from trainer.loop.model_card import _optimizer
+
+    args = TrainingArguments(output_dir="out", optim="muon", max_steps=1, optim_args="muon_lr=0.02")
+    assert _optimizer(args, resolve(args, 1, CPU), None) == (
+        "Use Muon on the hidden matrices and AdamW on the rest (muon_lr=0.02, lr=5e-05, weight_decay=0.0, "
+        "betas=[0.9, 0.999], eps=1e-08)"
+    )

@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--qlora", action="store_true", help="with --lora-r: the frozen base in 4-bit NF4")
     run.add_argument(
+        "--optim", choices=["adamw", "muon"], default="adamw",
+        help="muon: the hidden matrices keep one fp32 moment, not Adam's two (no offload, no TP)",
+    )  # fmt: skip
+    run.add_argument(
         "--objective", choices=NAMES, default=DEFAULT,
         help="what the run trains; a preference objective's micro-batch counts pairs (2 sequences each)",
     )  # fmt: skip
@@ -229,11 +233,12 @@ def run(args: argparse.Namespace) -> int:
 
     objective = Objective(args.objective, args.reference == "model")
     result = make_plan(spec, cluster, args.seq_len, args.micro_batch, args.precision, config_for,
-                       args.lora_r, args.qlora, options, objective)  # fmt: skip
+                       args.lora_r, args.qlora, options, objective, args.optim)  # fmt: skip
     best = result["recommended"]
     if best is not None:
         best["deepspeed_config"] = config_for(Setup(**{k: best[k] for k in Setup.__dataclass_fields__}))
         best["training_flags"] = training_flags(best, args.tiled_loss is not None)
+        best["training_flags"] += ["--optim muon"] if args.optim == "muon" else []
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -263,7 +268,12 @@ def _report(result: dict[str, Any], long_context: bool) -> str:
         ),
     ]
     lines += _objective_lines(result)
-    lines.append(f"optimizer states sized for Adam's two fp32 moments; {OFFLOAD_NOTE}")
+    if result["optim"] == "muon":
+        lines.append(
+            "optimizer states sized for Muon's one fp32 moment on the hidden matrices, AdamW's two on the rest"
+        )
+    else:
+        lines.append(f"optimizer states sized for Adam's two fp32 moments; {OFFLOAD_NOTE}")
     if long_context:
         lines += [
             "activations and logits per GPU, GB, by sequence-parallel size (every combination, allowed or "

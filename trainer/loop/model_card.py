@@ -208,6 +208,8 @@ def _optimizer(args: Any, ds: dict[str, Any], client_optimizer: Any) -> str:
     section = ds.get("optimizer")
     if section:
         params = ", ".join(f"{k}={_plain(v)}" for k, v in (section.get("params") or {}).items())
+        if section.get("type") == "Muon":  # ours, built from the section
+            return f"Use Muon on the hidden matrices and AdamW on the rest ({params})"
         return f"Use {args.optim} (DeepSpeed {section.get('type')}: {params})"
     if args.optim == "lars":
         return f"Use lars with weight_decay={args.weight_decay} and optim_args={args.optim_args or 'its defaults'}"

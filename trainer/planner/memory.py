@@ -36,19 +36,21 @@ def param_bytes(precision: str) -> int:
 
 
 def model_state_bytes(n_params: int, stage: int, dp: int, precision: str = "bf16",
-                      offload_optimizer: str = "none", offload_param: str = "none") -> dict[str, float]:  # fmt: skip
+                      offload_optimizer: str = "none", offload_param: str = "none",
+                      one_moment: int = 0) -> dict[str, float]:  # fmt: skip
     """Bytes of parameters, gradients and optimizer states on one GPU, and on the host for that rank.
 
     16-bit params (2Ψ) and grads (2Ψ) plus K=12 bytes of Adam states per parameter (fp32 master copy,
     momentum, variance); in fp32 params and grads take 4Ψ each and only a plain stage-0 run steps the
     parameters in place (K=8): the ZeRO optimizer keeps its own fp32 partition even in fp32.
+    ``one_moment`` of the parameters keep a single fp32 moment (Muon's matrices: K 4 bytes less).
     Stage 1 partitions the optimizer states, stage 2 the gradients too, stage 3 the parameters too.
     """
     p = param_bytes(precision)
     k = 8 if precision == "fp32" and stage == 0 else 12
     params = p * n_params / (dp if stage == 3 else 1)
     grads = p * n_params / (dp if stage >= 2 else 1)
-    optimizer = k * n_params / (dp if stage >= 1 else 1)
+    optimizer = (k * n_params - 4 * one_moment) / (dp if stage >= 1 else 1)
     cpu = 0.0
     if offload_optimizer == "cpu":
         # CPU Adam steps on the host: the optimizer states and an fp32 gradient partition live there.

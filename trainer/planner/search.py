@@ -50,8 +50,10 @@ def setups() -> list[Setup]:
 
 def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micro_batch: int,
              precision: str = "bf16", ds_config: dict[str, Any] | None = None,
-             lora_r: int | None = None, qlora: bool = False, objective: Objective = Objective()) -> dict[str, Any]:  # fmt: skip
-    """One row of the plan: every figure in GB (1e9 bytes), per GPU and per node. ``lora_r``: LoRA
+             lora_r: int | None = None, qlora: bool = False, objective: Objective = Objective(),
+             optim: str = "adamw") -> dict[str, Any]:  # fmt: skip
+    """One row of the plan: every figure in GB (1e9 bytes), per GPU and per node. ``optim`` muon:
+    the hidden matrices keep one fp32 moment instead of Adam's two. ``lora_r``: LoRA
     adapters of that rank on a frozen base (``qlora``: a 4-bit base). ZeRO partitions over the whole
     world, sequence-parallel ranks included: they hold the same model and average their gradients.
     ``objective``: pairs double the sequences a micro-batch forwards; a reference model (never under
@@ -65,8 +67,9 @@ def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micr
         states = lora_state_bytes(spec, lora_r, qlora, setup.zero_stage, dp, precision,
                                   setup.offload_optimizer, setup.offload_param)  # fmt: skip
     else:
+        matrices = held - spec.embedding_params - spec.small_params if optim == "muon" else 0
         states = model_state_bytes(held, setup.zero_stage, dp, precision,
-                                   setup.offload_optimizer, setup.offload_param)  # fmt: skip
+                                   setup.offload_optimizer, setup.offload_param, max(0, matrices))  # fmt: skip
     trainable = lora_params(spec, lora_r) if lora_r else held
     buffers = buffer_bytes(spec, setup, dp, precision, knobs_from_config(ds_config), trainable)
     acts = activation_bytes(spec, seq_len, micro_batch * objective.sequences_per_row, precision, setup)
@@ -228,7 +231,8 @@ def activation_table(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batc
 def plan(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int, precision: str = "bf16",
          config_for: Callable[[Setup], dict[str, Any]] | None = None,
          lora_r: int | None = None, qlora: bool = False,
-         long_context: LongContext = LongContext(), objective: Objective = Objective()) -> dict[str, Any]:  # fmt: skip
+         long_context: LongContext = LongContext(), objective: Objective = Objective(),
+         optim: str = "adamw") -> dict[str, Any]:  # fmt: skip
     """Every configuration, in the order ``candidate_setups`` tries them, and the first that fits (or None).
 
     ``config_for`` gives the DeepSpeed config a setup would run with, so buffers are sized from the
@@ -237,10 +241,22 @@ def plan(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int, prec
     rows = []
     sequences = micro_batch * objective.sequences_per_row  # what the loss's auto tiling judges
     for setup in candidate_setups(spec, cluster, seq_len, sequences, long_context):
+        if optim == "muon" and (setup.offload_optimizer != "none" or setup.tensor_parallel > 1):
+            continue  # refused by the run: Muon steps whole matrices on the device
         ds_config = config_for(setup) if config_for else None
         rows.append(
             estimate(
-                spec, setup, cluster, seq_len, micro_batch, precision, ds_config, lora_r, qlora, objective
+                spec,
+                setup,
+                cluster,
+                seq_len,
+                micro_batch,
+                precision,
+                ds_config,
+                lora_r,
+                qlora,
+                objective,
+                optim,
             )
         )
     sizes = sequence_parallel_sizes(spec, cluster, seq_len, long_context.sequence_parallel)
@@ -253,6 +269,7 @@ def plan(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int, prec
         "lora_r": lora_r,
         "qlora": qlora,
         "objective": asdict(objective),
+        "optim": optim,
         "trainable_params": lora_params(spec, lora_r) if lora_r else spec.n_params,
         "usable_gpu_memory_gb": cluster.gpu_memory_gb * (1 - HEADROOM),
         "usable_cpu_memory_gb": cluster.cpu_memory_gb * (1 - HEADROOM),
