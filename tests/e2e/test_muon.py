@@ -5,9 +5,9 @@ four steps under ZeRO 1, 2 and 3 (stage 3 builds the model under ``zero.Init``),
 accumulating four micro-batches of 2 rows. So every stage is checked at once against a split over
 ranks and over micro-batches: a Muon that stepped on each micro-batch's gradient (DeepSpeed PR
 #8600), orthogonalised its flat slices instead of whole matrices, or was left out (PR #8438) moves
-the weights elsewhere. A copy of the ZeRO-2 run's checkpoint-2 is resumed by the same command; one
-process asked to resume it (another number of shards) is refused by name, since DeepSpeed's universal
-conversion reads Adam's moments only.
+the weights elsewhere. A copy of the ZeRO-2 run's checkpoint-2 is resumed by the same command, and
+copies of the ZeRO-2 and ZeRO-3 runs' by one process (another number of shards, through DeepSpeed's
+universal conversion, which reads Adam's moments only: Muon's momentum goes through under Adam's name).
 """
 
 from __future__ import annotations
@@ -35,23 +35,26 @@ STAGES = (1, 2, 3)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
-    out = {name: root / str(name) for name in ("one", *STAGES, "resumed", "resumed_alone")}
+    out = {name: root / str(name) for name in ("one", *STAGES, "resumed")}
+    out.update({("alone", stage): root / f"alone{stage}" for stage in (2, 3)})
 
     def zero(stage: int, where: str | int) -> None:
         launch([*COMMON, *SPLIT, "--output_dir", str(out[where]), "--zero_stage", str(stage)])
 
+    def alone(stage: int) -> None:
+        shutil.copytree(out[stage] / "checkpoint-2", out["alone", stage] / "checkpoint-2")
+        flags = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "8"]
+        launch(
+            [*COMMON, *flags, "--output_dir", str(out["alone", stage]), "--zero_stage", str(stage)],
+            launcher="python",
+        )
+
     one = [*COMMON, "--output_dir", str(out["one"]), "--per_device_train_batch_size", "16"]
     together(lambda: launch(one, launcher="python"), lambda: zero(1, 1))
     zero(2, 2)
-    zero(3, 3)
-    for name in ("resumed", "resumed_alone"):
-        out[name].mkdir()
-        shutil.copytree(out[2] / "checkpoint-2", out[name] / "checkpoint-2")
-    alone = [*COMMON, "--output_dir", str(out["resumed_alone"]), "--zero_stage", "2"]
-    alone += ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "8"]
-    out["refused"] = together(
-        lambda: launch(alone, launcher="python", check=False), lambda: zero(2, "resumed")
-    )[0]
+    together(lambda: alone(2), lambda: zero(3, 3))
+    shutil.copytree(out[2] / "checkpoint-2", out["resumed"] / "checkpoint-2")
+    together(lambda: alone(3), lambda: zero(2, "resumed"))
     return out
 
 
@@ -90,13 +93,15 @@ def test_a_checkpoint_resumes_bitwise(runs):
     assert_same_weights(runs["resumed"] / "final", runs[2] / "final")
 
 
-def test_another_number_of_shards_is_refused_by_name(runs):
-    """One line naming both shard counts, and the checkpoint is left as it was (no universal copy)."""
-    refused = runs["refused"]
-    assert refused.returncode != 0
-    assert (
-        "Muon's optimizer states were sharded over 2 ranks and this run shards them over 1" in refused.stderr
-    )
-    assert "Traceback" not in refused.stderr
-    assert not (runs["resumed_alone"] / "checkpoint-2" / "universal").exists()
-    assert not (runs["resumed_alone"] / "final").exists()
+@pytest.mark.parametrize("stage", (2, 3))
+def test_one_process_resumes_two_ranks_checkpoint(runs, stage):
+    """On one process (a universal conversion of the 2-rank states), steps 3 and 4 follow the 2-rank
+    run within 1e-5: a momentum lost in the conversion, or a group given another's settings (ZeRO-3's
+    load copies the first group's to all), would part them."""
+    alone = train_rows(runs["alone", stage])
+    two = [r for r in train_rows(runs[stage]) if r["step"] >= 3]
+    assert [r["step"] for r in alone] == [3, 4]
+    for a, b in zip(two, alone, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    assert_same_weights(runs["alone", stage] / "final", runs[stage] / "final", rtol=1e-5, atol=1e-6)

@@ -337,7 +337,7 @@ def test_a_committed_universal_copy_is_reused(tmp_path):
     (staging / "ds" / "zero").mkdir(parents=True)
     (staging / "ds" / "zero" / "optimizer_state.pt").write_bytes(b"converted")
     ckpt.commit(staging, path / "universal", {"kind": "universal"})
-    assert ckpt.universal_copy(path, ONE, Mesh(1)) == path / "universal"  # no conversion: DeepSpeed not called
+    assert ckpt.universal_copy(path, ONE) == path / "universal"  # no conversion: DeepSpeed not called
     assert (path / "universal" / "ds" / "zero" / "optimizer_state.pt").read_bytes() == b"converted"
     assert ckpt.verify(path) == []  # the checkpoint's own manifest is unaffected
 

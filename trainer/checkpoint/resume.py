@@ -276,20 +276,6 @@ def refuse_unconvertible(path: Path) -> None:
         )
 
 
-def refuse_unconvertible_states(path: Path, mesh: Mesh) -> None:
-    """DeepSpeed 0.19's universal conversion reads Adam's moments only (``exp_avg``,
-    ``exp_avg_sq``); Muon's matrices keep a momentum alone, so its sharded states cannot move to
-    another number of shards, and are refused by name before the tool starts."""
-    config = json.loads((path / DS_CONFIG).read_text()) if (path / DS_CONFIG).is_file() else {}
-    if (config.get("optimizer") or {}).get("type") == "Muon":
-        shards = saved_mesh(read_manifest(path)).zero_shards
-        raise CheckpointError(
-            f"{path}: Muon's optimizer states were sharded over {shards} ranks and this run shards them over "
-            f"{mesh.zero_shards}; DeepSpeed's universal conversion reads Adam's moments only, so resume it "
-            f"with {shards} data-parallel ranks"
-        )
-
-
 def _convert_to_universal(source: Path, target: Path) -> None:
     """DeepSpeed's universal conversion (``trainer.engine.zero``) into a staging dir, committed like
     a checkpoint."""
@@ -307,11 +293,10 @@ def _convert_to_universal(source: Path, target: Path) -> None:
     commit(staging, target, {"kind": "universal", "source": source.name})
 
 
-def universal_copy(path: Path, dist: DistInfo, mesh: Mesh) -> Path:
+def universal_copy(path: Path, dist: DistInfo) -> Path:
     """``path/universal``: converted once by rank 0 (reused while it verifies), then verified by all."""
     target = path / UNIVERSAL
     refuse_unconvertible(path)  # the same on every rank: each raises alike
-    refuse_unconvertible_states(path, mesh)
     error = ""
     if dist.is_main and not (is_complete(target) and not verify(target)):
         print(f"{path}: converting to a universal checkpoint for {dist.world_size} ranks", flush=True)
@@ -338,7 +323,7 @@ def load(engine: Engine, path: Path, dist: DistInfo, restore_rng: bool = True) -
         engine.load_weights(load_file(str(path / WEIGHTS)))
         return TrainerState.load_from_json(path / "trainer_state.json")
     if needs_universal(path, engine.mesh):
-        engine.load_universal(str(universal_copy(path, dist, engine.mesh)), DS_TAG)
+        engine.load_universal(str(universal_copy(path, dist)), DS_TAG)
     else:
         engine.load(str(path), DS_TAG, load_optimizer_states=True)
     if restore_rng:

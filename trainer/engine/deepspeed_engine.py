@@ -19,6 +19,7 @@ from trainer.config.errors import ConfigError
 from trainer.engine import zero
 from trainer.engine.core import Batch, Engine, TorchCompile, weight_decay_groups
 from trainer.engine.objectives import CausalLM, Objective, Tokens
+from trainer.engine.partitions import Partitioned
 from trainer.engine.sequence_parallel import SequenceParallel
 from trainer.engine.tensor_parallel import tensor_groups, warn_whole_head
 from trainer.engine.tiling import Tiling, decoder_and_head, offload_activations, tile_mlp
@@ -155,7 +156,6 @@ class DeepSpeedEngine(Engine):
         """Weights, optimizer moments and scheduler of a ``ds_to_universal`` output."""
         config = self.ds._config
         groups = self.ds.optimizer.optimizer.param_groups if hasattr(self.ds.optimizer, "optimizer") else []
-        decay = [g.get("weight_decay") for g in groups]
         # The same switch as "checkpoint": {"load_universal": true}; DeepSpeed reads it only at load.
         config.load_universal_checkpoint = True
         try:
@@ -163,14 +163,17 @@ class DeepSpeedEngine(Engine):
         finally:
             config.load_universal_checkpoint = False
         if self.ds.zero_optimization_partition_weights():
-            # ZeRO-3's universal load copies the first group's hyperparameters to every group (which
-            # would put weight decay on the no-decay group) and gives every group one shared step
-            # tensor (which torch's Adam then advances once per group per step). Both are undone here.
-            for group, value in zip(groups, decay, strict=True):
-                group["weight_decay"] = value
+            # ZeRO-3's universal load copies the first group's saved settings to every group (which
+            # would put weight decay on the no-decay group, or Muon's rate and half on AdamW's) and
+            # gives every group one shared step tensor (which torch's Adam then advances once per
+            # group per step). Both are undone here: each group takes its own saved settings.
+            for group, saved in zip(groups, zero.universal_param_groups(directory, tag), strict=True):
+                group.update({key: value for key, value in saved.items() if key != "params"})
             for state in self.ds.optimizer.optimizer.state.values():
                 if torch.is_tensor(state.get("step")):
                     state["step"] = state["step"].clone()
+        if isinstance(self.ds.basic_optimizer, Partitioned):
+            self.ds.basic_optimizer.after_universal_load()
         return client_state
 
 

@@ -107,6 +107,9 @@ class Muon(Partitioned):
                 raise ValueError(f"Muon: its groups take matrices only; got shapes {flat}")
         self.ns_precision = ns_precision
 
+    def keeps_momentum_alone(self, group: dict[str, Any]) -> bool:
+        return group["muon"]
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None

@@ -35,11 +35,13 @@ class Piece:
 @dataclass(frozen=True)
 class Layout:
     """Where the parameters of a flat tensor lie: its ``pieces``, the number of parameters it holds
-    pieces of on all ranks together (``keys``) and, where known, each one's shape (``shapes``)."""
+    pieces of on all ranks together (``keys``), where known each one's shape (``shapes``), and the
+    optimizer's parameter group it steps in (``param_group``)."""
 
     pieces: tuple[Piece, ...]
     keys: int
     shapes: tuple[torch.Size, ...] = ()
+    param_group: int = 0
 
 
 class Partitioned(torch.optim.Optimizer):
@@ -59,6 +61,21 @@ class Partitioned(torch.optim.Optimizer):
     def _layout(self, p: torch.Tensor) -> Layout:
         return self.layouts.get(p) or whole(p)
 
+    def keeps_momentum_alone(self, group: dict[str, Any]) -> bool:
+        """Whether ``group``'s state is one momentum buffer (``momentum_buffer``), no Adam moments."""
+        return True
+
+    def after_universal_load(self) -> None:
+        """DeepSpeed's universal load fills every flat tensor's state with Adam's moments from the
+        copy ``convert_to_universal`` made: a group that keeps a momentum alone gets it back under
+        its own name, without the zero second moment or the step that came with it."""
+        for flat, layout in self.layouts.items():
+            state = self.state[flat]
+            if self.keeps_momentum_alone(self.param_groups[layout.param_group]) and "exp_avg" in state:
+                state["momentum_buffer"] = state.pop("exp_avg")
+                state.pop("exp_avg_sq", None)
+                state.pop("step", None)
+
 
 def whole(p: torch.Tensor) -> Layout:
     """The layout of a parameter stepped as itself."""
@@ -74,15 +91,18 @@ def zero_layouts(zero_optimizer: Any) -> tuple[dict[torch.Tensor, Layout], Any]:
     if hasattr(zero_optimizer, "fp32_partitioned_groups_flat"):  # stage 3
         group = zero_optimizer.dp_process_group
         rank = dist.get_rank(group=group)
-        for flat, params in zip(
-            zero_optimizer.fp32_partitioned_groups_flat, zero_optimizer.fp16_groups, strict=True
+        for sub, (flat, params) in enumerate(
+            zip(zero_optimizer.fp32_partitioned_groups_flat, zero_optimizer.fp16_groups, strict=True)
         ):
             pieces, start = [], 0
             for key, param in enumerate(params):
                 length = param.partition_numel()
                 pieces.append(Piece(start, length, key, len(param.ds_shape) > 1, rank * length))
                 start += length
-            layouts[flat] = Layout(tuple(pieces), len(params), tuple(p.ds_shape for p in params))
+            shapes = tuple(p.ds_shape for p in params)
+            layouts[flat] = Layout(
+                tuple(pieces), len(params), shapes, zero_optimizer.sub_group_to_group_id[sub]
+            )
         return layouts, group
     groups = zero_optimizer.real_dp_process_group
     for i, flat in enumerate(zero_optimizer.single_partition_of_fp32_groups):
@@ -96,7 +116,7 @@ def zero_layouts(zero_optimizer: Any) -> tuple[dict[torch.Tensor, Layout], Any]:
             start, end = max(offset, low), min(offset + meta.numel(), low + size)
             if start < end:
                 pieces.append(Piece(start - low, end - start, key, meta.dim() > 1, start - offset))
-        layouts[flat] = Layout(tuple(pieces), len(metas), tuple(meta.shape for meta in metas))
+        layouts[flat] = Layout(tuple(pieces), len(metas), tuple(meta.shape for meta in metas), i)
     return layouts, groups[0]
 
 

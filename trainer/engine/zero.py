@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -170,17 +171,68 @@ def universal_state_dict(universal_dir: str | Path) -> dict[str, torch.Tensor]:
 def convert_to_universal(source: str | Path, target: str | Path) -> None:
     """DeepSpeed's ``ds_to_universal`` of the checkpoint ``source`` (a tag directory) into ``target``,
     in this process (no worker processes forked from a training rank); it writes ``latest_universal``
-    next to ``target``."""
-    options = argparse.Namespace(
-        input_folder=str(source),
-        output_folder=str(target),
-        num_extract_workers=1,
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=False,
+    next to ``target``. The tool reads Adam's two moments of every group: a checkpoint of our LARS or
+    Muon, whose groups keep a momentum alone, is converted from a copy that names it ``exp_avg``
+    beside a zero ``exp_avg_sq`` (``Partitioned.after_universal_load`` names it back)."""
+    source, target = Path(source), Path(target)
+    scratch = target.parent / f"{target.name}.adam-named"
+    try:
+        options = argparse.Namespace(
+            input_folder=str(_with_adam_names(source, scratch)),
+            output_folder=str(target),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=False,
+        )
+        ds_to_universal.main(options)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def universal_param_groups(directory: str | Path, tag: str) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups (their settings) as a universal checkpoint saved them."""
+    saved = torch.load(
+        Path(directory) / tag / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False
     )
-    ds_to_universal.main(options)
+    return saved["optimizer_state_dict"]["param_groups"]
+
+
+def _with_adam_names(source: Path, scratch: Path) -> Path:
+    """``source``, or ``scratch``: links to its files, but for copies of the optimizer shards whose
+    group states each hold ``exp_avg``, ``exp_avg_sq`` and (where any group has one) ``step``."""
+    patched = {}
+    for shard in sorted(source.glob("*optim_states.pt")):
+        saved = torch.load(shard, map_location="cpu", weights_only=False)
+        optim = saved["optimizer_state_dict"]
+        if "fp32_flat_groups" in optim:  # stage 3
+            states, flats = optim["optimizer_state_dict"]["state"], optim["fp32_flat_groups"]
+        else:
+            states, flats = optim["base_optimizer_state"]["state"], optim["single_partition_of_fp32_groups"]
+        if all("exp_avg" in states[i] and "exp_avg_sq" in states[i] for i in range(len(flats))):
+            continue
+        step = next((state["step"] for state in states.values() if "step" in state), None)
+        for i, flat in enumerate(flats):
+            state = states.setdefault(i, {})
+            if "exp_avg" not in state:
+                state["exp_avg"] = state.pop("momentum_buffer", None)
+                if state["exp_avg"] is None:
+                    state["exp_avg"] = torch.zeros_like(flat)
+            state.setdefault("exp_avg_sq", torch.zeros_like(flat))
+            if step is not None:
+                state.setdefault("step", step)
+        patched[shard.name] = saved
+    if not patched:
+        return source
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.name in patched:
+            torch.save(patched[path.name], scratch / path.name)
+        else:
+            (scratch / path.name).symlink_to(path.resolve())
+    return scratch
 
 
 # ---- DeepSpeed's own memory estimators (the planner compares with them) ---------------------------
