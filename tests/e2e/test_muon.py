@@ -1,8 +1,8 @@
 """``--optim muon`` through the user's command.
 
-One process trains four steps on one batch of 16 rows; two ranks under torchrun train the same
-four steps under ZeRO 1, 2 and 3 (stage 3 builds the model under ``zero.Init``), each rank
-accumulating four micro-batches of 2 rows. So every stage is checked at once against a split over
+One process trains four steps on one batch of 16 rows, and again in four micro-batches of 4; two
+ranks under torchrun train the same four steps under ZeRO 1, 2 and 3 (stage 3 builds the model
+under ``zero.Init``), each rank accumulating four micro-batches of 2 rows. So every stage is checked at once against a split over
 ranks and over micro-batches: a Muon that stepped on each micro-batch's gradient (DeepSpeed PR
 #8600), orthogonalised its flat slices instead of whole matrices, or was left out (PR #8438) moves
 the weights elsewhere. A copy of the ZeRO-2 run's checkpoint-2 is resumed by the same command, and
@@ -35,7 +35,7 @@ STAGES = (1, 2, 3)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
-    out = {name: root / str(name) for name in ("one", *STAGES, "resumed")}
+    out = {name: root / str(name) for name in ("one", "one_accumulating", *STAGES, "resumed")}
     out.update({("alone", stage): root / f"alone{stage}" for stage in (2, 3)})
 
     def zero(stage: int, where: str | int) -> None:
@@ -51,7 +51,9 @@ def runs(tmp_path_factory):
 
     one = [*COMMON, "--output_dir", str(out["one"]), "--per_device_train_batch_size", "16"]
     together(lambda: launch(one, launcher="python"), lambda: zero(1, 1))
-    zero(2, 2)
+    accumulating = [*COMMON, *SPLIT, "--output_dir", str(out["one_accumulating"])]
+    accumulating[accumulating.index("--per_device_train_batch_size") + 1] = "4"
+    together(lambda: launch(accumulating, launcher="python"), lambda: zero(2, 2))
     together(lambda: alone(2), lambda: zero(3, 3))
     shutil.copytree(out[2] / "checkpoint-2", out["resumed"] / "checkpoint-2")
     together(lambda: alone(3), lambda: zero(2, "resumed"))
@@ -81,6 +83,16 @@ def test_two_ranks_accumulating_take_one_process_steps(runs, stage):
         },
     }
     assert ds["zero_allow_untested_optimizer"] is True
+
+
+def test_one_process_accumulating_takes_the_single_batch_steps(runs):
+    """ZeRO-0 on one process: four micro-batches of 4 rows step as one batch of 16, to 1e-5."""
+    one, accumulating = train_rows(runs["one"]), train_rows(runs["one_accumulating"])
+    assert len(accumulating) == 4
+    for a, b in zip(one, accumulating, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    assert_same_weights(runs["one_accumulating"] / "final", runs["one"] / "final", rtol=1e-5, atol=1e-6)
 
 
 def test_a_checkpoint_resumes_bitwise(runs):

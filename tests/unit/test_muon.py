@@ -259,3 +259,18 @@ def test_the_model_card_names_muon_and_its_settings():
         "Use Muon on the hidden matrices and AdamW on the rest (muon_lr=0.02, lr=5e-05, weight_decay=0.0, "
         "betas=[0.9, 0.999], eps=1e-08)"
     )
+
+
+def test_lora_adapters_matrices_take_muon():
+    """Under LoRA the trainable matrices are the adapters' (A: r x in, B: out x r): Muon's half."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    groups = muon_groups(model, 0.0, 0.02, 0.003)
+    assert [g["muon"] for g in groups] == [True]
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert len(groups[0]["params"]) == 8
+    assert all("lora_A" in names[id(p)] or "lora_B" in names[id(p)] for p in groups[0]["params"])
+    opt = Muon(groups, ns_precision="fp32")
+    _train(model, [opt], 2)  # LoRA's B starts at zero: its first update is an orthogonalised gradient
+    assert all(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
