@@ -104,6 +104,10 @@ def ensure_engine(trainer: Any, total_steps: int) -> None:
             tiling=tiling,
             torch_compile=torch_compile_for(args),
         )
+    if args.requested_precision == "auto":
+        chosen, hardware = precision_of(trainer.ds_config), trainer.hardware
+        why = hardware.why_default() if chosen == hardware.default_precision() else "the DeepSpeed config's"
+        print_main(f"precision auto: {chosen} on {hardware.name} ({why})")
     if trainer.dist.is_main:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,33 @@ def identity(cpuinfo_text: str) -> str | None:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# Set to on or off, the answer of ``bf16_matrix_units``; unset (or auto), the CPU's flags decide.
+# The test suite sets it off, so its fp32 comparisons run the same on every machine.
+BF16_OVERRIDE = "TRAINER_CPU_BF16"
+
+
+def bf16_matrix_units(cpuinfo_text: str | None = None) -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware units faster than fp32: Intel's AMX
+    (``amx_bf16`` in ``/proc/cpuinfo``'s flags; one thread multiplied 1024x1024 matrices about 3x
+    as fast in bf16). Without them (AVX-512 BF16 included) bf16 matmuls run many times slower than
+    fp32. The flags are the same on every rank of a node, so ranks never choose apart."""
+    override = os.environ.get(BF16_OVERRIDE, "auto").strip().lower()
+    if override in ("on", "off"):
+        return override == "on"
+    if override != "auto":
+        raise ValueError(f"{BF16_OVERRIDE}={override!r}: use on, off or auto")
+    if cpuinfo_text is None:
+        try:
+            cpuinfo_text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    for line in cpuinfo_text.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return "amx_bf16" in value.split()
+    return False
+
+
 def keep_the_first_cpu_info() -> None:
     """Make ``cpuinfo.get_cpu_info`` answer from this process's first answer, or the machine's file."""
     try:

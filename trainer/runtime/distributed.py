@@ -23,7 +23,7 @@ import torch.distributed as dist
 from deepspeed.utils import numa
 
 from trainer.config import Hardware
-from trainer.runtime.cpu_info import keep_the_first_cpu_info
+from trainer.runtime.cpu_info import bf16_matrix_units, keep_the_first_cpu_info
 from trainer.runtime.ranks import DistInfo, configure_logging, dist_info, settle_gloo_workers  # noqa: F401  (re-exported)
 
 
@@ -31,7 +31,8 @@ def detect_hardware() -> Hardware:
     """What this rank computes on; decides what precision "auto" means."""
     if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") == "cuda":
         return Hardware.cuda(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
-    return Hardware.cpu()
+    units = bf16_matrix_units()
+    return Hardware.cpu("cpu (AMX bf16 units)" if units else "cpu", fast_bf16=units)
 
 
 def process_device() -> torch.device:
