@@ -135,8 +135,8 @@ class MuonArgs(_OptimizerParams):
         description="Scale of a (rows, cols) matrix's rate: original sqrt(max(1, rows/cols)), or Moonlight's "
         "match_rms_adamw 0.2 sqrt(max(rows, cols)), which lets Muon share AdamW's rate.",
     )
-    ns_precision: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="What the iteration runs in; auto: bf16 on a GPU (as torch's), fp32 elsewhere."
+    ns_precision: Literal["bf16", "fp32"] | None = Field(
+        None, description="What the iteration runs in; unset: bf16 on a GPU (as torch's), fp32 elsewhere."
     )
 
 

@@ -38,7 +38,7 @@ from trainer.engine.partitions import Layout, Partitioned, Piece
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 # The most matrix elements gathered at once: 32M fp32 values, 128 MiB a buffer.
 BUCKET_ELEMENTS = 1 << 25
-PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32, "auto": None}
+PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
 
 
 def orthogonalise(matrix: torch.Tensor, steps: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
@@ -67,7 +67,7 @@ def update_scale(shape: torch.Size, rule: str) -> float:
 class Muon(Partitioned):
     """Muon on the groups with ``muon=True`` (2-D parameters only), AdamW on the others. The
     defaults are ``torch.optim.Muon``'s and ``torch.optim.AdamW``'s; ``weight_decay`` is decoupled
-    in both halves. ``ns_precision``: what the iteration runs in, bf16 (torch's), fp32, or auto:
+    in both halves. ``ns_precision``: what the iteration runs in, bf16 (torch's), fp32, or None:
     bf16 on a GPU, fp32 elsewhere (a CPU without AMX multiplies bf16 many times slower)."""
 
     def __init__(
@@ -80,12 +80,12 @@ class Muon(Partitioned):
         ns_steps: int = 5,
         eps: float = 1e-7,
         update_scale: str = "original",
-        ns_precision: str = "bf16",
+        ns_precision: str | None = "bf16",
         betas: tuple[float, float] = (0.9, 0.999),
         adam_eps: float = 1e-8,
     ):
         if ns_precision not in PRECISIONS:
-            raise ValueError(f"Muon: ns_precision {ns_precision!r} is not one of {', '.join(PRECISIONS)}")
+            raise ValueError(f"Muon: ns_precision {ns_precision!r} is not bf16, fp32 or None")
         if update_scale not in ("original", "match_rms_adamw"):
             raise ValueError(f"Muon: update_scale {update_scale!r} is not 'original' or 'match_rms_adamw'")
         defaults = dict(
