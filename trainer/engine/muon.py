@@ -24,6 +24,7 @@ apply once per micro-batch under accumulation (DeepSpeed PR #8600).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -148,20 +149,20 @@ class Muon(Partitioned):
         """Each update's matrix pieces replaced by their piece of the whole matrix's
         orthogonalisation. Every rank walks the same matrices in the same order (the layouts' keys),
         a bucket of them at a time, so their sums over the group line up."""
-        entries = []  # (which update, its group, the matrix's shape, this rank's pieces of it)
+        entries: deque = deque()  # (which update, its group and layout, a matrix's shape, this rank's pieces)
         for i, (group, p) in enumerate(stepped):
             layout = self._layout(p)
             mine: dict[int, list[Piece]] = {}
             for piece in layout.pieces:
                 mine.setdefault(piece.key, []).append(piece)
-            entries += [
+            entries.extend(
                 (i, group, layout, shape, mine.get(key, [])) for key, shape in enumerate(layout.shapes)
-            ]
+            )
         shared = self.group is not None and dist.get_world_size(self.group) > 1
         while entries:
             bucket, size = [], 0
             while entries and (not bucket or size + entries[0][3].numel() <= BUCKET_ELEMENTS):
-                bucket.append(entries.pop(0))
+                bucket.append(entries.popleft())
                 size += bucket[-1][3].numel()
             device = updates[bucket[0][0]].device
             dtype = PRECISIONS[self.ns_precision] or (
