@@ -1,9 +1,10 @@
 """``--optim lars`` through the user's command.
 
 One process trains four steps with the global batch in two micro-batches; two ranks under torchrun
-train the same four steps under ZeRO-2 and ZeRO-3, where DeepSpeed hands LARS
-flat slices of many parameters. A copy of the ZeRO-2 run's checkpoint-2 is resumed by the same
-command. The runs are shared by the tests below; the one-process run goes beside the ZeRO-2 launch.
+train the same four steps under ZeRO-2 and ZeRO-3, where DeepSpeed hands LARS flat slices of many
+parameters. A copy of the ZeRO-2 run's checkpoint-2 is resumed by the same command, and one of the
+ZeRO-3 run's by one process. The runs are shared by the tests below; the one-process runs go beside
+the 2-rank launches.
 """
 
 from __future__ import annotations
@@ -36,10 +37,15 @@ def runs(tmp_path_factory):
     one = [*COMMON, "--output_dir", str(out["one"]), "--gradient_accumulation_steps", "2"]
     together(lambda: launch(one, launcher="python"), lambda: zero(2))
     zero(3)
-    resumed = out["resumed"] = root / "resumed"
-    resumed.mkdir()
+    resumed, alone = out["resumed"], out["alone"] = root / "resumed", root / "alone"
     shutil.copytree(out[2] / "checkpoint-2", resumed / "checkpoint-2")
-    launch([*COMMON, "--output_dir", str(resumed), "--zero_stage", "2"])
+    shutil.copytree(out[3] / "checkpoint-2", alone / "checkpoint-2")
+    # One process resumes the ZeRO-3 checkpoint: its momentum crosses the universal conversion.
+    single = [*COMMON, "--output_dir", str(alone), "--zero_stage", "3", "--gradient_accumulation_steps", "2"]
+    together(
+        lambda: launch([*COMMON, "--output_dir", str(resumed), "--zero_stage", "2"]),
+        lambda: launch(single, launcher="python"),
+    )
     return out
 
 
@@ -69,3 +75,15 @@ def test_a_checkpoint_resumes_bitwise(runs):
     whole = {(r["step"], k): r[k] for r in train_rows(runs[2]) for k in names if r["step"] >= 3}
     assert again == whole
     assert_same_weights(runs["resumed"] / "final", runs[2] / "final")
+
+
+def test_one_process_resumes_the_zero3_checkpoint_of_two_ranks(runs):
+    """Through DeepSpeed's universal conversion (Adam's moments only: LARS's momentum goes through
+    under Adam's name and takes its own back), steps 3 and 4 follow the 2-rank run within 1e-5."""
+    two = [r for r in train_rows(runs[3]) if r["step"] >= 3]
+    alone = train_rows(runs["alone"])
+    assert [r["step"] for r in alone] == [3, 4]
+    for a, b in zip(two, alone, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    assert_same_weights(runs["alone"] / "final", runs[3] / "final", rtol=1e-5, atol=1e-6)

@@ -107,3 +107,35 @@ def test_tiled_loss_mlp_and_offload_on_a_long_block(tmp_path):
     assert losses["tiled"] == pytest.approx(losses["plain"], rel=2e-2)  # bf16
     peak = {name: max(r.get("peak_memory_allocated_bytes", 0) for r in rows) for name, rows in runs.items()}
     assert peak["tiled"] < peak["plain"], peak
+
+
+def test_muon_under_bf16_zero2_steps_with_a_bf16_iteration(tmp_path):
+    """Muon on a GPU: the iteration in bf16 (torch's, ns_precision unset), the run trains under bf16
+    ZeRO-2 (fp32 master slices), and each step's matrices went through the optimizer's gather."""
+    from trainer.engine.muon import Muon
+
+    trainer, losses = train(
+        tmp_path, "muon", bf16=True, zero_stage=2, optim="muon", optim_args="muon_lr=0.02"
+    )
+    opt = trainer.engine.ds.basic_optimizer
+    assert isinstance(opt, Muon) and opt.ns_precision is None and opt.layouts
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_ours_equals_torch_muon_on_cuda():
+    """On CUDA with the iteration in bf16, five steps equal torch.optim.Muon and AdamW bit for bit."""
+    from tests.unit.test_muon import _model, _train
+    from trainer.engine.muon import Muon, muon_groups
+
+    ours, theirs = _model().cuda(), _model().cuda()
+    opt = Muon(muon_groups(ours, 0.1, 0.02, 0.003), ns_precision=None, betas=(0.9, 0.95))
+    matrices, *rest = muon_groups(theirs, 0.1, 0.02, 0.003)
+    reference = [
+        torch.optim.Muon(matrices["params"], lr=0.02, weight_decay=0.1),
+        torch.optim.AdamW([dict(params=g["params"], weight_decay=g["weight_decay"]) for g in rest],
+                          lr=0.003, betas=(0.9, 0.95), foreach=False),
+    ]  # fmt: skip
+    _train(ours, [opt], 5)
+    _train(theirs, reference, 5)
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a, b), name

@@ -37,6 +37,7 @@ def _model() -> LlamaForCausalLM:
 def _train(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], steps: int) -> None:
     for step in range(steps):
         ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(step))
+        ids = ids.to(next(model.parameters()).device)
         for opt in optimizers:
             opt.zero_grad()
         model(input_ids=ids, labels=ids).loss.backward()
@@ -205,13 +206,16 @@ def test_a_deepspeed_files_muon_section_builds_ours():
         ),
         (dict(zero_stage=1, tensor_parallel_size=2), "tensor_parallel.autotp_size, optimizer.type"),
         (dict(zero_stage=1, pipeline_parallel_size=2), "pipeline.stages, optimizer.type"),
-        (dict(zero_stage=0, bf16=True), "zero_optimization.stage, optimizer.type"),
+        (dict(zero_stage=0, fp16=True), "zero_optimization.stage, optimizer.type"),
     ],
 )
 def test_what_muon_cannot_run_with_is_refused_by_key(fields, path):
+    gpu = Hardware.cuda("A100", (8, 0))  # where fp16 runs
     with pytest.raises(ConfigError) as err:
-        resolve(TrainingArguments(output_dir="out", optim="muon", max_steps=1, **fields), 2, CPU)
+        resolve(TrainingArguments(output_dir="out", optim="muon", max_steps=1, **fields), 2, gpu)
     assert [p for p, _ in err.value.problems] == [path]
+    # bf16 at ZeRO-0 (DeepSpeed's BF16_Optimizer, flat slices like ZeRO-1's) runs.
+    resolve(TrainingArguments(output_dir="out", optim="muon", max_steps=1, zero_stage=0, bf16=True), 2, gpu)
 
 
 def test_a_constant_rate_keeps_the_two_halves_rates():
@@ -274,3 +278,51 @@ def test_lora_adapters_matrices_take_muon():
     opt = Muon(groups, ns_precision="fp32")
     _train(model, [opt], 2)  # LoRA's B starts at zero: its first update is an orthogonalised gradient
     assert all(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
+
+
+# ---- the default job's Muon on the command line -----------------------------------------------------
+
+
+def _parsed(recipe: dict, *flags: str, tmp_path) -> tuple:
+    import yaml
+
+    from trainer.args.recipe import parse_run_config
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"output_dir": "out", "max_steps": 10, **recipe}))
+    run = parse_run_config(["--config", str(path), *flags])
+    return run.training.optim, getattr(run.training, "optim_args", None)
+
+
+MUON_RECIPE = {"optim": "muon", "optim_args": "muon_lr=0.01,adam_lr=0.003"}
+
+
+@pytest.mark.parametrize(
+    "flags, reason",
+    [
+        (("--offload_optimizer", "cpu", "--zero_stage", "2"), "offload_optimizer cpu"),
+        (("--tensor_parallel_size", "2"), "tensor_parallel_size 2"),
+        (("--pipeline_parallel_size", "2"), "pipeline_parallel_size 2"),
+        (
+            ("--deepspeed", '{"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}'),
+            "the DeepSpeed config's AdamW optimizer",
+        ),
+    ],
+)
+def test_the_recipes_muon_gives_way_where_it_cannot_run(tmp_path, caplog, flags, reason):
+    """The default job's Muon yields to AdamW (with a warning naming why) where a flag asks for what
+    Muon does not run with; the user's own --optim muon there is refused instead (the resolver's)."""
+    with caplog.at_level("WARNING"):
+        assert _parsed(MUON_RECIPE, *flags, tmp_path=tmp_path) == ("adamw_torch", None)
+    assert (
+        f"optim: the recipe's muon gives way to adamw_torch (Muon does not run with {reason})" in caplog.text
+    )
+
+
+def test_the_recipes_muon_runs_elsewhere_and_an_optim_flag_drops_its_settings(tmp_path):
+    assert _parsed(MUON_RECIPE, "--zero_stage", "3", tmp_path=tmp_path) == ("muon", MUON_RECIPE["optim_args"])
+    assert _parsed(MUON_RECIPE, "--bf16", tmp_path=tmp_path)[0] == "muon"  # bf16 at ZeRO-0 runs
+    assert _parsed(MUON_RECIPE, "--optim", "lion", tmp_path=tmp_path) == ("lion", None)
+    assert _parsed(MUON_RECIPE, "--optim", "muon", tmp_path=tmp_path) == ("muon", MUON_RECIPE["optim_args"])
+    lars = ("--optim", "lars", "--optim_args", "momentum=0.8")
+    assert _parsed(MUON_RECIPE, *lars, tmp_path=tmp_path) == ("lars", "momentum=0.8")

@@ -18,6 +18,7 @@ from trainer.args import hf_fields
 from trainer.args.run import SECTIONS, RunConfig
 from trainer.args.training import TrainingArguments, stated_by_deepspeed
 from trainer.config.errors import ConfigError
+from trainer.config.files import stated_optimizer
 from trainer.config.reference import type_name
 from trainer.objectives import OBJECTIVES
 
@@ -114,6 +115,7 @@ def parse_run_config(argv: list[str]) -> RunConfig:
     a flag wins over the recipe's values for what it states (``--deepspeed zero3.json`` on a ZeRO-2
     recipe runs ZeRO-3); a flag that contradicts it is still an error."""
     recipe, flags = _recipe_and_flags(argv)
+    _recipe_optimizer_gives_way(recipe, flags)
     if flags.get("deepspeed") is not None:
         stated = stated_by_deepspeed(flags["deepspeed"])
         for name in [k for k in recipe if k in stated and k not in flags]:
@@ -126,6 +128,45 @@ def parse_run_config(argv: list[str]) -> RunConfig:
                 )
             del recipe[name]
     return RunConfig.from_flat({**recipe, **flags})
+
+
+def _muon_cannot(flags: dict[str, Any], recipe: dict[str, Any]) -> list[str]:
+    """What the flags (and a DeepSpeed config they give) ask for that Muon does not run with."""
+    given = {
+        **(stated_by_deepspeed(flags["deepspeed"]) if flags.get("deepspeed") is not None else {}),
+        **flags,
+    }
+    stage = given.get("zero_stage", recipe.get("zero_stage", 0))
+    checks = {
+        "offload_optimizer": lambda v: v not in (None, "none"),
+        "tensor_parallel_size": lambda v: int(v) > 1,
+        "pipeline_parallel_size": lambda v: int(v) > 1,
+        "fp16": lambda v: v is True and stage == 0,
+    }
+    found = [f"{key} {given[key]}" for key, bad in checks.items() if key in given and bad(given[key])]
+    optimizer = stated_optimizer(flags["deepspeed"]) if flags.get("deepspeed") is not None else None
+    if optimizer not in (None, "Muon"):
+        found.append(f"the DeepSpeed config's {optimizer} optimizer")
+    return found
+
+
+def _recipe_optimizer_gives_way(recipe: dict[str, Any], flags: dict[str, Any]) -> None:
+    """A recipe's optimizer settings are the recipe's optimizer's: an ``optim`` flag naming another
+    drops the recipe's ``optim_args`` with it. The recipe's ``optim: muon`` (the default job's) gives way to
+    AdamW, with a warning, where the flags ask for what Muon does not run with (optimizer offload,
+    tensor or pipeline parallelism, fp16 at ZeRO-0, a DeepSpeed config's own optimizer); asked for
+    on the command line, Muon is refused there instead, naming the keys."""
+    if "optim" in flags:
+        if "optim_args" not in flags and flags["optim"] != recipe.get("optim"):
+            recipe.pop("optim_args", None)
+        return
+    if recipe.get("optim") != "muon" or not (reasons := _muon_cannot(flags, recipe)):
+        return
+    logger.warning(
+        "optim: the recipe's muon gives way to adamw_torch (Muon does not run with %s)", ", ".join(reasons)
+    )
+    recipe.pop("optim")
+    recipe.pop("optim_args", None)
 
 
 HELP_FLAGS = ("-h", "--help")

@@ -17,5 +17,10 @@ And of ``scripts/bench_long_context.py`` (the longest sequence each setup trains
   at a cap (``python -m trainer.bench.peak_rss``).
 - ``hf_long_context``: HF Trainer's training script, with or without HF's own Ulysses SP.
 
+And of ``scripts/bench_muon.py`` (time to quality of the default job under each optimizer):
+
+- ``muon``: the variants, their runs, the time to the baseline's eval loss, the table, and HF's
+  Trainer on the same job (``python -m trainer.bench.muon hf_trainer``).
+
 Nothing here is imported by ``import trainer``: the benchmark is optional and loads on its own.
 """

@@ -96,6 +96,15 @@ def stated_arguments(source: str | dict[str, Any]) -> dict[str, Any]:
     return stated
 
 
+def stated_optimizer(source: str | dict[str, Any]) -> str | None:
+    """The optimizer type a DeepSpeed config names (None: no section, ``"auto"``, or unreadable)."""
+    try:
+        kind = get_path(load_source(source), "optimizer.type")
+    except ConfigError:
+        return None
+    return kind if isinstance(kind, str) and not is_auto(kind) else None
+
+
 def positive_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 

@@ -201,7 +201,7 @@ def universal_param_groups(directory: str | Path, tag: str) -> list[dict[str, An
 
 def _with_adam_names(source: Path, scratch: Path) -> Path:
     """``source``, or ``scratch``: links to its files, but for copies of the optimizer shards whose
-    group states each hold ``exp_avg``, ``exp_avg_sq`` and (where any group has one) ``step``."""
+    group states each hold ``exp_avg``, ``exp_avg_sq`` and ``step``."""
     patched = {}
     for shard in sorted(source.glob("*optim_states.pt")):
         saved = torch.load(shard, map_location="cpu", weights_only=False)
@@ -212,7 +212,8 @@ def _with_adam_names(source: Path, scratch: Path) -> Path:
             states, flats = optim["base_optimizer_state"]["state"], optim["single_partition_of_fp32_groups"]
         if all("exp_avg" in states[i] and "exp_avg_sq" in states[i] for i in range(len(flats))):
             continue
-        step = next((state["step"] for state in states.values() if "step" in state), None)
+        # ZeRO-3's universal load reads the first group's step: a momentum alone takes another's (or 0).
+        step = next((state["step"] for state in states.values() if "step" in state), torch.tensor(0.0))
         for i, flat in enumerate(flats):
             state = states.setdefault(i, {})
             if "exp_avg" not in state:
@@ -220,8 +221,7 @@ def _with_adam_names(source: Path, scratch: Path) -> Path:
                 if state["exp_avg"] is None:
                     state["exp_avg"] = torch.zeros_like(flat)
             state.setdefault("exp_avg_sq", torch.zeros_like(flat))
-            if step is not None:
-                state.setdefault("step", step)
+            state.setdefault("step", step)
         patched[shard.name] = saved
     if not patched:
         return source
