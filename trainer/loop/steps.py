@@ -100,7 +100,8 @@ def optimizer_for(
         return None
     muon = MuonParams.model_validate(section.get("params") or {})
     lr = muon.lr
-    groups = muon_groups(model, muon.weight_decay, muon.muon_lr or lr, muon.adam_lr or lr)
+    muon_lr, adam_lr = (lr if rate is None else rate for rate in (muon.muon_lr, muon.adam_lr))
+    groups = muon_groups(model, muon.weight_decay, muon_lr, adam_lr)
     return Muon(
         groups,
         lr=lr,
