@@ -12,7 +12,7 @@ OpenMP threads (``DS_ACCELERATOR=cpu`` where there is no GPU; one GPU where ther
 one after another:
 
 - ``adamw``: the recipe with ``--optim adamw_torch`` (AdamW at lr 3e-3, 600 steps: the default job
-  before it took Muon): the baseline, whose final eval loss is the target;
+  as the recipe trains it): the baseline, whose final eval loss is the target;
 - ``adamw_lr<X>``: AdamW at each rate of ``--adamw_lrs``;
 - ``muon_lr<X>``: ``--optim muon --optim_args muon_lr=X,adam_lr=<--muon_adam_lr>[,<--muon_args>]``;
 - ``hf_trainer``: transformers' Trainer with its default optimizer on the same job (model, weights,

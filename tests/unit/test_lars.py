@@ -252,12 +252,11 @@ def test_optim_args_are_lars_settings_and_named_when_wrong():
 
 
 CPU = Hardware.cpu()
-GPU = Hardware.cuda("A100", (8, 0))
 
 
 def _problems(**fields) -> list[tuple[str, str]]:
-    with pytest.raises(ConfigError) as err:  # on a GPU, where fp16 runs
-        resolve(TrainingArguments(output_dir="out", optim="lars", max_steps=1, **fields), 2, GPU)
+    with pytest.raises(ConfigError) as err:
+        resolve(TrainingArguments(output_dir="out", optim="lars", max_steps=1, **fields), 2, CPU)
     return err.value.problems
 
 
@@ -272,7 +271,7 @@ def test_lars_is_passed_to_deepspeed_which_is_told_to_accept_it():
         (dict(zero_stage=2, offload_optimizer="cpu"), "zero_optimization.offload_optimizer.device, optim"),
         (dict(zero_stage=1, tensor_parallel_size=2), "tensor_parallel.autotp_size, optim"),
         (dict(zero_stage=1, pipeline_parallel_size=2), "pipeline.stages, optim"),
-        (dict(zero_stage=0, fp16=True), "zero_optimization.stage, optim"),
+        (dict(zero_stage=0, bf16=True), "zero_optimization.stage, optim"),
         (dict(deepspeed={"optimizer": {"type": "SGD"}}), "optimizer, optim"),
     ],
 )

@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "scripts" / "recipes" / "default.yaml"
 BASELINE = "adamw"
 HF_TRAINER = "hf_trainer"
-# The default job before it took Muon: torch's AdamW at the recipe's rate (3e-3) for 600 steps.
+# The default job's optimizer, named so the baseline stays AdamW whatever a recipe says: torch's
+# AdamW at the recipe's rate (3e-3) for its 600 steps.
 ADAMW = ("--optim", "adamw_torch")
 ADAMW_STEPS = 600
 EVALS_PER_RUN = 12  # the default eval_steps: 50 of the AdamW job's 600 steps
@@ -96,7 +97,7 @@ def variants(
     muon_args: str = "",
     hf_trainer: bool = True,
 ) -> list[Variant]:
-    """The baseline (AdamW at the recipe's rate: the default job before Muon) first, AdamW at
+    """The baseline (AdamW at the recipe's rate: the default job) first, AdamW at
     ``adamw_lrs``, Muon at each of ``muon_lrs`` (AdamW at ``muon_adam_lr`` for the parameters Muon
     leaves, ``muon_args`` appended to its optim_args), then HF's Trainer."""
     runs = [Variant(BASELINE, ADAMW)]

@@ -10,7 +10,6 @@ tensors hold, and over which process group the other pieces lie.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any
 
 import torch
@@ -85,10 +84,9 @@ def whole(p: torch.Tensor) -> Layout:
 
 def zero_layouts(zero_optimizer: Any) -> tuple[dict[torch.Tensor, Layout], Any]:
     """Where each parameter lies in the flat fp32 slices DeepSpeed's ZeRO optimizer steps, and the
-    group its slices are cut over. Stages 1-2 (and bf16 at stage 0): each group's parameters end to
-    end (with alignment padding) in one flat tensor, of which a rank holds one equal slice. Stage 3:
-    each parameter is cut into equal slices itself; a rank's flat tensor is its slices of a
-    sub-group end to end."""
+    group its slices are cut over. Stages 1-2: each group's parameters end to end (with alignment
+    padding) in one flat tensor, of which a rank holds one equal slice. Stage 3: each parameter is
+    cut into equal slices itself; a rank's flat tensor is its slices of a sub-group end to end."""
     layouts: dict[torch.Tensor, Layout] = {}
     if hasattr(zero_optimizer, "fp32_partitioned_groups_flat"):  # stage 3
         group = zero_optimizer.dp_process_group
@@ -107,20 +105,14 @@ def zero_layouts(zero_optimizer: Any) -> tuple[dict[torch.Tensor, Layout], Any]:
             )
         return layouts, group
     groups = zero_optimizer.real_dp_process_group
-    if hasattr(zero_optimizer, "fp32_groups_flat_partition"):  # bf16 at ZeRO-0: DeepSpeed's BF16_Optimizer
-        flats = zero_optimizer.fp32_groups_flat_partition
-        metas_of = zero_optimizer.bf16_groups  # each group's parameters end to end, unpadded between
-        offsets_of = [list(accumulate((p.numel() for p in params[:-1]), initial=0)) for params in metas_of]
-    else:
-        flats = zero_optimizer.single_partition_of_fp32_groups
-        metas_of = zero_optimizer.round_robin_bit16_meta  # the parameters' shapes, whatever holds their data
-        offsets_of = zero_optimizer.round_robin_bit16_offsets
-    for i, flat in enumerate(flats):
-        size = flat.numel()
+    for i, flat in enumerate(zero_optimizer.single_partition_of_fp32_groups):
+        size = zero_optimizer.partition_size[i]
         low = dist.get_rank(group=groups[i]) * size
-        metas = metas_of[i]
+        metas = zero_optimizer.round_robin_bit16_meta[i]  # the parameters' shapes, whatever holds their data
         pieces = []
-        for key, (meta, offset) in enumerate(zip(metas, offsets_of[i], strict=True)):
+        for key, (meta, offset) in enumerate(
+            zip(metas, zero_optimizer.round_robin_bit16_offsets[i], strict=True)
+        ):
             start, end = max(offset, low), min(offset + meta.numel(), low + size)
             if start < end:
                 pieces.append(Piece(start - low, end - start, key, meta.dim() > 1, start - offset))
@@ -128,19 +120,15 @@ def zero_layouts(zero_optimizer: Any) -> tuple[dict[torch.Tensor, Layout], Any]:
     return layouts, groups[0]
 
 
-# What holds each rank's fp32 slices in DeepSpeed's ZeRO-3, ZeRO-1/2 and bf16 ZeRO-0 optimizers.
-FLAT_SLICES = (
-    "fp32_partitioned_groups_flat",
-    "single_partition_of_fp32_groups",
-    "fp32_groups_flat_partition",
-)
+# What holds each rank's fp32 slices in DeepSpeed's ZeRO-3 and ZeRO-1/2 optimizers.
+FLAT_SLICES = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups")
 
 
 def show_partitions(optimizer: Any, stepper: Any) -> None:
     """Tell ``optimizer`` (where it is ``Partitioned``) what DeepSpeed's ``stepper``
     (the optimizer ``deepspeed.initialize`` returned) hands it: the model's own parameters (ZeRO-0
-    in fp32) or flat slices (ZeRO 1-3, and bf16 at ZeRO-0). Any other wrapper (fp16 at ZeRO-0) is
-    refused, naming the optim."""
+    in fp32) or ZeRO 1-3's flat slices. Any other wrapper (bf16/fp16 at ZeRO-0, the BF16_Optimizer
+    of ZeRO-1 with fp32 gradient accumulation) is refused, naming the optim."""
     if not isinstance(optimizer, Partitioned) or stepper is optimizer:
         return
     if any(hasattr(stepper, flats) for flats in FLAT_SLICES):
@@ -148,6 +136,6 @@ def show_partitions(optimizer: Any, stepper: Any) -> None:
         return
     raise ConfigError(
         f"optim {type(optimizer).__name__.lower()}: DeepSpeed wraps it in {type(stepper).__name__}, whose flat tensors hide the "
-        "parameters' shapes; use zero_stage 1-3 with fp16",
+        "parameters' shapes; use zero_stage 1-3 with bf16/fp16 (and the default gradient accumulation dtype)",
         path="optim",
     )
