@@ -43,9 +43,11 @@ def test_a_folders_last_logged_step_is_read(tmp_path):
 
 def test_a_launch_past_its_timeout_is_stopped_with_every_process_under_it(tmp_path):
     """A rank in a session of its own (as the launchers start them) is stopped too."""
-    marker = tmp_path / "still_running"
-    script = f"setsid bash -c 'sleep 3; touch {marker}' & sleep 30"
-    code, seconds = WALK["run"](["bash", "-c", script], tmp_path, tmp_path / "log", timeout=1)
-    assert code is None and seconds < 10
-    time.sleep(3)
+    started, marker = tmp_path / "started", tmp_path / "still_running"
+    # The rank says it is up at once; the timeout leaves a loaded machine seconds to start it.
+    script = f"setsid bash -c 'touch {started}; sleep 8; touch {marker}' & sleep 60"
+    code, seconds = WALK["run"](["bash", "-c", script], tmp_path, tmp_path / "log", timeout=5)
+    assert code is None and seconds < 15
+    assert started.exists()  # it was running when the timeout came
+    time.sleep(8)
     assert not marker.exists()
