@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-# On a CPU with AMX bf16 units precision "auto" is bf16 (trainer/runtime/cpu_info.py). The suite's
-# comparisons are fp32's, so it runs them in fp32 on every machine; tests/e2e/test_precision_auto.py
-# turns the units on by the same switch.
+# On a CPU with bf16 matrix instructions (AMX, AVX-512 BF16) precision "auto" is bf16
+# (trainer/runtime/cpu_info.py). The suite's comparisons are fp32's, so it runs them in fp32 on every
+# machine; tests/e2e/test_precision_auto.py turns the instructions on by the same switch.
 os.environ.setdefault("TRAINER_CPU_BF16", "off")
 
 

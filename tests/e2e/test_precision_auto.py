@@ -1,5 +1,5 @@
-"""Precision "auto" through the user's command: on a CPU with AMX units (here the switch the suite
-turns them off with, set on) the embedded default trains in bf16 and says why; without, fp32."""
+"""Precision "auto" through the user's command: on a CPU with bf16 matrix instructions (here the switch
+the suite turns them off with, set on) the embedded default trains in bf16 and says why; without, fp32."""
 
 from __future__ import annotations
 
@@ -26,10 +26,13 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize(
     "units, chosen",
     [
-        ("on", "precision auto: bf16 on cpu (AMX bf16 units) (its AMX units multiply bf16 faster than fp32"),
+        (
+            "on",
+            "precision auto: bf16 on cpu (bf16 matrix instructions) (its AMX or AVX-512 BF16 instructions",
+        ),
         (
             "off",
-            "precision auto: fp32 on cpu (without AMX units this CPU multiplies bf16 several times slower",
+            "precision auto: fp32 on cpu (without AMX or AVX-512 BF16 this CPU multiplies bf16 several",
         ),
     ],
 )

@@ -17,12 +17,12 @@ class Hardware:
     name: str
     supports_bf16: bool
     supports_fp16: bool
-    fast_bf16: bool = False  # a CPU whose matrix units multiply bf16 faster than fp32 (AMX)
+    fast_bf16: bool = False  # a CPU that multiplies bf16 faster than fp32 (AMX, AVX-512 BF16)
 
     @classmethod
     def cpu(cls, name: str = "cpu", fast_bf16: bool = False) -> Hardware:
-        """A CPU: bf16 runs (many times slower than fp32 without matrix units for it; faster with
-        Intel's AMX); DeepSpeed refuses fp16 there."""
+        """A CPU: bf16 runs (several times slower than fp32 where it is emulated; faster with AMX or
+        AVX-512 BF16 instructions); DeepSpeed refuses fp16 there."""
         return cls("cpu", name, supports_bf16=True, supports_fp16=False, fast_bf16=fast_bf16)
 
     @classmethod
@@ -35,7 +35,7 @@ class Hardware:
 
     def default_precision(self) -> Literal["fp32", "bf16", "fp16"]:
         """What precision "auto" means here: bf16 where supported, fp16 on older GPUs; on a CPU bf16
-        where its matrix units run it faster than fp32 (AMX), else fp32."""
+        where its instructions run it faster than fp32 (AMX, AVX-512 BF16), else fp32."""
         if self.device == "cpu":
             return "bf16" if self.fast_bf16 else "fp32"
         if self.supports_bf16:
@@ -49,8 +49,8 @@ class Hardware:
                 "this GPU's best" if self.supports_bf16 or not self.supports_fp16 else "no bf16 before Ampere"
             )
         if self.fast_bf16:
-            return "its AMX units multiply bf16 faster than fp32; the optimizer keeps fp32 master weights"
-        return "without AMX units this CPU multiplies bf16 several times slower than fp32"
+            return "its AMX or AVX-512 BF16 instructions multiply bf16 faster than fp32; the optimizer keeps fp32 master weights"
+        return "without AMX or AVX-512 BF16 this CPU multiplies bf16 several times slower than fp32"
 
     def supports(self, precision: str) -> bool:
         return {"fp32": True, "bf16": self.supports_bf16, "fp16": self.supports_fp16}[precision]

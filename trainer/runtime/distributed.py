@@ -32,7 +32,7 @@ def detect_hardware() -> Hardware:
     if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") == "cuda":
         return Hardware.cuda(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
     units = bf16_matrix_units()
-    return Hardware.cpu("cpu (AMX bf16 units)" if units else "cpu", fast_bf16=units)
+    return Hardware.cpu("cpu (bf16 matrix instructions)" if units else "cpu", fast_bf16=units)
 
 
 def process_device() -> torch.device:
