@@ -170,7 +170,7 @@ def test_gradient_checkpointing_argument_recomputes_and_keeps_losses(trainer_sce
     assert max_rel_diff(on["grad_norm"], off["grad_norm"]) <= 1e-5
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_bf16_trains_and_exports_loadable_in_fp32(trainer_scenarios, stage):
     from transformers import AutoModelForCausalLM
 
@@ -181,6 +181,17 @@ def test_bf16_trains_and_exports_loadable_in_fp32(trainer_scenarios, stage):
     model = AutoModelForCausalLM.from_pretrained(run["export"], torch_dtype=torch.float32)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_bf16_at_zero0_counts_only_the_steps_it_took(trainer_scenarios):
+    """ZeRO-0 in bf16 puts AdamW behind DeepSpeed's unfused mixed-precision wrapper, which steps it
+    once on zero gradients when it is built (DeepSpeed PR #5104): Adam would count 11 steps after 10,
+    its first update 0.74 of torch's, and the fp32 masters decayed once. The engine holds that step
+    back, so the count is the steps taken, as under ZeRO 2-3."""
+    _, res = trainer_scenarios
+    assert res["bf16"]["zero0"]["wrapper"] == "FP16_UnfusedOptimizer"
+    for stage in (0, 2, 3):
+        assert res["bf16"][f"zero{stage}"]["adam_steps"] == [10], stage
 
 
 @pytest.mark.parametrize("stage", [2, 3])

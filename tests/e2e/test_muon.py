@@ -35,7 +35,8 @@ STAGES = (1, 2, 3)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
-    out = {name: root / str(name) for name in ("one", "one_accumulating", *STAGES, "resumed")}
+    names = ("one", "one_accumulating", *STAGES, "resumed", "bf16_0", "bf16_1", "bf16_resumed")
+    out = {name: root / str(name) for name in names}
     out.update({("alone", stage): root / f"alone{stage}" for stage in (2, 3)})
 
     def zero(stage: int, where: str | int) -> None:
@@ -58,6 +59,16 @@ def runs(tmp_path_factory):
     together(lambda: alone(2), lambda: zero(3, 3))
     shutil.copytree(out[2] / "checkpoint-2", out["resumed"] / "checkpoint-2")
     together(lambda: alone(3), lambda: zero(2, "resumed"))
+
+    def bf16(stage: int, where: str) -> None:
+        flags = ["--bf16", "true", "--max_grad_norm", "0", "--per_device_train_batch_size", "8"]
+        launch(
+            [*COMMON, *flags, "--zero_stage", str(stage), "--output_dir", str(out[where])], launcher="python"
+        )
+
+    together(lambda: bf16(0, "bf16_0"), lambda: bf16(1, "bf16_1"))
+    shutil.copytree(out["bf16_0"] / "checkpoint-2", out["bf16_resumed"] / "checkpoint-2")
+    bf16(0, "bf16_resumed")
     return out
 
 
@@ -118,3 +129,20 @@ def test_one_process_resumes_two_ranks_checkpoint(runs, stage):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
     assert_same_weights(runs["alone", stage] / "final", runs[stage] / "final", rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_at_zero0_steps_as_zero1_and_resumes_bitwise(runs):
+    """In bf16 at ZeRO-0, DeepSpeed's unfused mixed-precision wrapper hands Muon an fp32 copy of
+    each parameter, and would have stepped it once on zero gradients at start (DeepSpeed PR #5104),
+    which Adam's half would count and weight decay would apply. One process without clipping: the
+    losses and weights of ZeRO-1 (the same bf16 gradients, ZeRO's fp32 slices), and a resume from
+    checkpoint-2 that repeats steps 3 and 4 bit for bit."""
+    zero0, zero1 = train_rows(runs["bf16_0"]), train_rows(runs["bf16_1"])
+    assert [r["step"] for r in zero0] == [1, 2, 3, 4]
+    assert zero0[-1]["loss"] < zero0[0]["loss"] - 0.05  # it trained
+    for a, b in zip(zero1, zero0, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+    assert_same_weights(runs["bf16_0"] / "final", runs["bf16_1"] / "final", rtol=1e-5, atol=1e-6)
+    again = {(r["step"], r["loss"], r["grad_norm"]) for r in train_rows(runs["bf16_resumed"])}
+    assert again == {(r["step"], r["loss"], r["grad_norm"]) for r in zero0 if r["step"] >= 3}
+    assert_same_weights(runs["bf16_resumed"] / "final", runs["bf16_0"] / "final")

@@ -443,7 +443,7 @@ def custom_model_grads(mode: str, section: dict | None = None) -> dict:
 def bf16(out: Path) -> dict:
     data = learnable_dataset(64)
     result = {}
-    for stage in (2, 3):
+    for stage in (0, 2, 3):
         trainer, losses = run_trainer(
             out, f"bf16_z{stage}", data, zero_stage=stage, bf16=True, max_steps=10, learning_rate=3e-3
         )
@@ -452,6 +452,9 @@ def bf16(out: Path) -> dict:
             "losses": losses,
             "export": str(out / f"bf16_z{stage}" / "final"),
             "precision": trainer.ds_config.get("bf16", {}),
+            "wrapper": type(trainer.engine.ds.optimizer).__name__,
+            # Adam's step count, which its bias correction reads
+            "adam_steps": sorted({int(s["step"]) for s in trainer.engine.ds.basic_optimizer.state.values()}),
         }
     return result
 

@@ -271,7 +271,6 @@ def test_lars_is_passed_to_deepspeed_which_is_told_to_accept_it():
         (dict(zero_stage=2, offload_optimizer="cpu"), "zero_optimization.offload_optimizer.device, optim"),
         (dict(zero_stage=1, tensor_parallel_size=2), "tensor_parallel.autotp_size, optim"),
         (dict(zero_stage=1, pipeline_parallel_size=2), "pipeline.stages, optim"),
-        (dict(zero_stage=0, bf16=True), "zero_optimization.stage, optim"),
         (dict(deepspeed={"optimizer": {"type": "SGD"}}), "optimizer, optim"),
     ],
 )

@@ -206,13 +206,20 @@ def test_a_deepspeed_files_muon_section_builds_ours():
         ),
         (dict(zero_stage=1, tensor_parallel_size=2), "tensor_parallel.autotp_size, optimizer.type"),
         (dict(zero_stage=1, pipeline_parallel_size=2), "pipeline.stages, optimizer.type"),
-        (dict(zero_stage=0, bf16=True), "zero_optimization.stage, optimizer.type"),
     ],
 )
 def test_what_muon_cannot_run_with_is_refused_by_key(fields, path):
     with pytest.raises(ConfigError) as err:
         resolve(TrainingArguments(output_dir="out", optim="muon", max_steps=1, **fields), 2, CPU)
     assert [p for p, _ in err.value.problems] == [path]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_muon_runs_behind_zero0s_mixed_precision_wrapper(precision):
+    """bf16/fp16 at ZeRO-0 hand Muon an fp32 copy of each whole parameter (tests/e2e/test_muon.py)."""
+    fields = dict(output_dir="out", optim="muon", max_steps=1, zero_stage=0, **{precision: True})
+    ds = resolve(TrainingArguments(**fields), 2, Hardware.cuda("H100", (9, 0)))
+    assert ds["optimizer"]["type"] == "Muon" and ds[precision]["enabled"] is True
 
 
 def test_a_constant_rate_keeps_the_two_halves_rates():
@@ -300,7 +307,6 @@ MUON_RECIPE = {"optim": "muon", "optim_args": "muon_lr=0.01,adam_lr=0.003"}
         (("--offload_optimizer", "cpu", "--zero_stage", "2"), "offload_optimizer cpu"),
         (("--tensor_parallel_size", "2"), "tensor_parallel_size 2"),
         (("--pipeline_parallel_size", "2"), "pipeline_parallel_size 2"),
-        (("--bf16",), "bf16 True at zero_stage 0"),
         (
             ("--deepspeed", '{"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}'),
             "the DeepSpeed config's AdamW optimizer",
@@ -320,6 +326,7 @@ def test_the_recipes_muon_gives_way_where_it_cannot_run(tmp_path, caplog, flags,
 def test_the_recipes_muon_runs_elsewhere_and_an_optim_flag_drops_its_settings(tmp_path):
     assert _parsed(MUON_RECIPE, "--zero_stage", "3", tmp_path=tmp_path) == ("muon", MUON_RECIPE["optim_args"])
     assert _parsed(MUON_RECIPE, "--bf16", "--zero_stage", "1", tmp_path=tmp_path)[0] == "muon"
+    assert _parsed(MUON_RECIPE, "--bf16", "--zero_stage", "0", tmp_path=tmp_path)[0] == "muon"
     assert _parsed(MUON_RECIPE, "--optim", "lion", tmp_path=tmp_path) == ("lion", None)
     assert _parsed(MUON_RECIPE, "--optim", "muon", tmp_path=tmp_path) == ("muon", MUON_RECIPE["optim_args"])
     lars = ("--optim", "lars", "--optim_args", "momentum=0.8")

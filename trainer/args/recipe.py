@@ -130,24 +130,18 @@ def parse_run_config(argv: list[str]) -> RunConfig:
     return RunConfig.from_flat({**recipe, **flags})
 
 
-def _muon_cannot(flags: dict[str, Any], recipe: dict[str, Any]) -> list[str]:
+def _muon_cannot(flags: dict[str, Any]) -> list[str]:
     """What the flags (and a DeepSpeed config they give) ask for that Muon does not run with."""
     given = {
         **(stated_by_deepspeed(flags["deepspeed"]) if flags.get("deepspeed") is not None else {}),
         **flags,
     }
-    stage = given.get("zero_stage", recipe.get("zero_stage", 0))
     checks = {
         "offload_optimizer": lambda v: v not in (None, "none"),
         "tensor_parallel_size": lambda v: int(v) > 1,
         "pipeline_parallel_size": lambda v: int(v) > 1,
-        "bf16": lambda v: v is True and stage == 0,
-        "fp16": lambda v: v is True and stage == 0,
     }
     found = [f"{key} {given[key]}" for key, bad in checks.items() if key in given and bad(given[key])]
-    found = [
-        f"{reason} at zero_stage 0" if reason.startswith(("bf16", "fp16")) else reason for reason in found
-    ]
     optimizer = stated_optimizer(flags["deepspeed"]) if flags.get("deepspeed") is not None else None
     if optimizer not in (None, "Muon"):
         found.append(f"the DeepSpeed config's {optimizer} optimizer")
@@ -158,13 +152,13 @@ def _recipe_optimizer_gives_way(recipe: dict[str, Any], flags: dict[str, Any]) -
     """A recipe's optimizer settings are the recipe's optimizer's: an ``optim`` flag naming another
     drops the recipe's ``optim_args`` with it. The recipe's ``optim: muon`` (the default job's) gives way to
     AdamW, with a warning, where the flags ask for what Muon does not run with (optimizer offload,
-    tensor or pipeline parallelism, bf16/fp16 at ZeRO-0, a DeepSpeed config's own optimizer); asked for
+    tensor or pipeline parallelism, a DeepSpeed config's own optimizer); asked for
     on the command line, Muon is refused there instead, naming the keys."""
     if "optim" in flags:
         if "optim_args" not in flags and flags["optim"] != recipe.get("optim"):
             recipe.pop("optim_args", None)
         return
-    if recipe.get("optim") != "muon" or not (reasons := _muon_cannot(flags, recipe)):
+    if recipe.get("optim") != "muon" or not (reasons := _muon_cannot(flags)):
         return
     logger.warning(
         "optim: the recipe's muon gives way to adamw_torch (Muon does not run with %s)", ", ".join(reasons)

@@ -377,15 +377,12 @@ class _Resolver:
         """What an optimizer of ours (built by the engine and handed to DeepSpeed, stepping whole
         parameters from ZeRO's flat slices) cannot run with, refused naming ``key``."""
         stage = get_path(self.data, "zero_optimization.stage")
-        half = any(get_path(self.data, f"{p}.enabled") is True for p in ("bf16", "fp16"))
         refusals = [
             (offload, f"zero_optimization.offload_optimizer.device, {key}", OFFLOAD_NOTE),
             (tensor_size_of(self.data) > 1, f"tensor_parallel.autotp_size, {key}",
              f"{whole}, which AutoTP splits over ranks"),
             (int((self.data.get("pipeline") or {}).get("stages") or 1) > 1, f"pipeline.stages, {key}",
              f"pipeline stages build their optimizer from DeepSpeed's config, which has no {name} of ours"),
-            (half and stage in (0, MISSING), f"zero_optimization.stage, {key}",
-             "bf16/fp16 at ZeRO-0 put the optimizer behind DeepSpeed's mixed-precision wrapper; use zero_stage 1-3"),
         ]  # fmt: skip
         self.problems.extend((path, why) for on, path, why in refusals if on)
         if isinstance(stage, int) and stage >= 1:

@@ -13,7 +13,8 @@ token-exact loss, any HF model's own loss or a ``compute_loss`` override plug in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,8 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.utils import get_norm_dtype
 from deepspeed.utils import groups
@@ -105,6 +108,25 @@ def report_grad_norm(ds: Any) -> None:
     ds.clip_fp32_gradients = lambda: None  # clipped above already; a second pass would only repeat it
 
 
+@contextmanager
+def no_warmup_step() -> Iterator[None]:
+    """While DeepSpeed builds the engine, its mixed-precision wrappers of ZeRO-0 (fp16/bf16, any
+    optimizer) do not step the optimizer once on zero gradients to create its state (DeepSpeed PR
+    #5104, open, removes that step). The step is not inert: Adam counts it, so the first real update
+    takes the second step's bias correction, and decoupled weight decay shrinks the fp32 master
+    weights, which then differ from the model's. torch's optimizers create their state on the
+    first real step, as they do without DeepSpeed."""
+    wrappers = (FP16_Optimizer, FP16_UnfusedOptimizer)
+    saved = [w.initialize_optimizer_states for w in wrappers]
+    for wrapper in wrappers:
+        wrapper.initialize_optimizer_states = lambda self: None
+    try:
+        yield
+    finally:
+        for wrapper, method in zip(wrappers, saved, strict=True):
+            wrapper.initialize_optimizer_states = method
+
+
 def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float, mpu: Any = None) -> torch.Tensor:
     """DeepSpeed's ``clip_grad_norm_`` (L2) with each gradient's norm taken in fp64, as ZeRO 1-3 take
     it. Taken in fp32, torch's CPU norm of a million-element gradient was seen 1e-5 off, and one
@@ -166,9 +188,10 @@ class Engine(ABC):
         if kwargs.get("optimizer") is not None and (config.get("optimizer") or {}).get("type") == "Muon":
             # Ours, built from this section (trainer/engine/muon.py); DeepSpeed's Muon is not used.
             config = {key: value for key, value in config.items() if key != "optimizer"}
-        self.ds, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
-            model=model, config=config, **kwargs
-        )
+        with no_warmup_step():
+            self.ds, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
+                model=model, config=config, **kwargs
+            )
         if torch_compile is not None:
             # DeepSpeed's own compile: the module is compiled in place (its parameter names, the
             # checkpoints and the export stay as they are) and its ZeRO hooks keep working.

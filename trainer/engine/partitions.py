@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
 from trainer.config.errors import ConfigError
 
@@ -127,15 +128,20 @@ FLAT_SLICES = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"
 def show_partitions(optimizer: Any, stepper: Any) -> None:
     """Tell ``optimizer`` (where it is ``Partitioned``) what DeepSpeed's ``stepper``
     (the optimizer ``deepspeed.initialize`` returned) hands it: the model's own parameters (ZeRO-0
-    in fp32) or ZeRO 1-3's flat slices. Any other wrapper (bf16/fp16 at ZeRO-0, the BF16_Optimizer
-    of ZeRO-1 with fp32 gradient accumulation) is refused, naming the optim."""
-    if not isinstance(optimizer, Partitioned) or stepper is optimizer:
+    in fp32), an fp32 copy of each (the unfused mixed-precision wrapper of ZeRO-0 in bf16/fp16) or
+    ZeRO 1-3's flat slices. Any other wrapper (the BF16_Optimizer of ZeRO-1 with fp32 gradient
+    accumulation) is refused, naming the optim."""
+    if (
+        not isinstance(optimizer, Partitioned)
+        or stepper is optimizer
+        or isinstance(stepper, FP16_UnfusedOptimizer)
+    ):
         return
     if any(hasattr(stepper, flats) for flats in FLAT_SLICES):
         optimizer.partitioned(*zero_layouts(stepper))
         return
     raise ConfigError(
         f"optim {type(optimizer).__name__.lower()}: DeepSpeed wraps it in {type(stepper).__name__}, whose flat tensors hide the "
-        "parameters' shapes; use zero_stage 1-3 with bf16/fp16 (and the default gradient accumulation dtype)",
+        "parameters' shapes; use zero_stage 0-3 with the default gradient accumulation dtype",
         path="optim",
     )
