@@ -3,9 +3,9 @@
 Each case (``tests/helpers/matrix.py``) is one real launch of the public script, a few optimizer
 steps of a tiny model on the embedded default recipe, sharing one tokenised cache. Every case then loads ``final/`` with the HF
 Auto classes. The fp32 cases on two ranks see the same data and hyperparameters, so they must follow
-one loss trajectory and end on the same weights whatever the launcher, ZeRO stage, offload or
-activation checkpointing: a run that trained something else, or exported empty or stale weights,
-fails here.
+one loss trajectory per optimizer (the recipe's Muon, or AdamW where a flag makes Muon give way) and
+end on the same weights whatever the launcher, ZeRO stage, offload or activation checkpointing: a
+run that trained something else, or exported empty or stale weights, fails here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers.matrix import CASES, ONE_RANK_REFERENCE, RECIPE, REFERENCE, STEPS, Run
+from tests.helpers.matrix import ADAM_REFERENCE, CASES, ONE_RANK_REFERENCE, RECIPE, REFERENCE, STEPS, Run
 from tests.helpers.scaffold import TINY_MODEL, assert_same_weights, load_weights, train_rows
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -43,6 +43,7 @@ def test_command_trains_and_exports_a_loadable_model(matrix_runs, name):
     assert offload == case.offload
     assert ds.get("bf16", {}).get("enabled", False) == (case.precision == "bf16")
     assert ds.get("pipeline", {}).get("stages", 1) == case.pipeline
+    assert ds["optimizer"]["type"] == case.optimizer
     manifest = json.loads((run.out / f"checkpoint-{STEPS}" / "manifest.json").read_text())
     assert manifest["world_size"] == case.ranks and manifest["step"] == STEPS
 
@@ -80,19 +81,24 @@ def assert_same_run(got: Run, ref: Run, rtol: float) -> None:
     assert_same_weights(got.out / "final", ref.out / "final", rtol=rtol, atol=1e-6)
 
 
+def reference(name: str) -> str:
+    """The fp32 two-rank run a case follows: the recipe's (Muon), or AdamW's where Muon gave way."""
+    return REFERENCE if CASES[name].optimizer == "Muon" else ADAM_REFERENCE
+
+
 FP32_TWO_RANKS = [
     n
     for n, c in CASES.items()
     if c.ranks == 2
     and (c.precision, c.model, c.micro_batch) == ("fp32", "llama", RECIPE["per_device_train_batch_size"])
-    and n != REFERENCE
+    and n != reference(n)
 ]
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", FP32_TWO_RANKS)
 def test_every_stage_and_launcher_trains_the_same_model(matrix_runs, name):
-    assert_same_run(matrix_runs(name), matrix_runs(REFERENCE), rtol=1e-4)
+    assert_same_run(matrix_runs(name), matrix_runs(reference(name)), rtol=1e-4)
 
 
 def test_one_process_zero3_matches_one_process_zero0(matrix_runs):
@@ -112,7 +118,7 @@ def test_bf16_follows_the_fp32_trajectory(matrix_runs, name):
     fp32 cases agree with each other on the loss to 1.2e-7. An export of the initial weights would
     be far off: Adam moves nearly every weight by about the rate (3e-3 at step 2 alone), against
     matrix weights of ~0.02."""
-    run, ref = matrix_runs(name), matrix_runs(REFERENCE)
+    run, ref = matrix_runs(name), matrix_runs(reference(name))
     got, want = train_rows(run.out), train_rows(ref.out)
     drift = [abs(x["loss"] / y["loss"] - 1) for x, y in zip(got, want, strict=True)]
     assert 2e-6 < max(drift) < 1e-3, drift

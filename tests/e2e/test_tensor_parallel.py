@@ -26,11 +26,14 @@ from trainer.model.modeling import DEFAULT_LLAMA
 
 pytestmark = pytest.mark.distributed
 
-COMMON = ["scripts/train.py", *tiny_flags(save_steps=2, vocab_size=4096)]
+# AdamW, which tensor parallelism runs (the recipe's Muon gives way to it there), on every run alike.
+ADAMW = ["--optim", "adamw_torch"]
+COMMON = ["scripts/train.py", *tiny_flags(save_steps=2, vocab_size=4096), *ADAMW]
 # The default job's model (no --model_config_overrides), with the tiny run's steps and blocks; no checkpoint.
 DEFAULT_MODEL = [
     "scripts/train.py",
     *tiny_flags(vocab_size=4096, model_config_overrides=None, save_strategy="no"),
+    *ADAMW,
 ]
 TP = ["--tensor_parallel_size", "2"]
 STAGES = (1, 2, 3)

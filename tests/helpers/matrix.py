@@ -35,6 +35,9 @@ class Case:
     pipeline: int = 1  # pipeline stages
     # The recipe's micro-batch, unless the arguments name a recipe or DeepSpeed config stating another.
     micro_batch: int = RECIPE["per_device_train_batch_size"]
+    # ds_config.json's optimizer: the recipe's Muon, or AdamW where it gives way (pipeline stages),
+    # the arguments name it or another recipe
+    optimizer: str = "Muon"
 
 
 # Cases whose arguments are a README/docs line's (tests/e2e/test_doc_commands.py checks that every
@@ -42,9 +45,16 @@ class Case:
 CASES = {
     "deepspeed-default": Case("deepspeed", ()),
     "deepspeed-zero0": Case("deepspeed", ("--zero_stage", "0"), 0),
+    # AdamW instead of the recipe's Muon: the trajectory of the runs where Muon gives way
+    "deepspeed-zero0-adamw": Case(
+        "deepspeed", ("--zero_stage", "0", "--optim", "adamw_torch"), 0, optimizer="Adam"
+    ),
     "deepspeed-zero1-bf16": Case("deepspeed", ("--zero_stage", "1", "--bf16"), 1, precision="bf16"),
     "deepspeed-zero2-offload": Case(
-        "deepspeed", ("--zero_stage", "2", "--offload_optimizer", "cpu"), 2, offload=("cpu", "none")
+        "deepspeed",
+        ("--zero_stage", "2", "--offload_optimizer", "cpu"),
+        2,
+        offload=("cpu", "none"),
     ),
     "deepspeed-zero3": Case("deepspeed", ("--zero_stage", "3"), 3),
     "deepspeed-zero3-offload": Case(
@@ -66,6 +76,7 @@ CASES = {
         1,
         checkpointing=True,
         pipeline=2,
+        optimizer="Adam",
     ),
     "torchrun-zero3-offload-bf16": Case(
         "torchrun",
@@ -82,12 +93,15 @@ CASES = {
         model="gpt2",
         micro_batch=8,
         checkpointing=True,
+        optimizer="Adam",
     ),
     "accelerate-zero2": Case("accelerate", ("--zero_stage", "2"), 2),
     "python-zero0": Case("python", ("--zero_stage", "0"), 0, ranks=1),
     "python-zero3": Case("python", ("--zero_stage", "3"), 3, ranks=1),
 }
 REFERENCE = "deepspeed-zero0"
+# Where the recipe's Muon gives way to AdamW (pipeline stages), the runs follow this one.
+ADAM_REFERENCE = "deepspeed-zero0-adamw"
 ONE_RANK_REFERENCE = "python-zero0"
 
 

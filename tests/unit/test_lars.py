@@ -268,7 +268,10 @@ def test_lars_is_passed_to_deepspeed_which_is_told_to_accept_it():
 @pytest.mark.parametrize(
     "fields, path",
     [
-        (dict(zero_stage=2, offload_optimizer="cpu"), "zero_optimization.offload_optimizer.device, optim"),
+        (
+            dict(zero_stage=3, offload_optimizer="nvme", nvme_path="/nvme"),
+            "zero_optimization.offload_optimizer.device, optim",
+        ),
         (dict(zero_stage=1, tensor_parallel_size=2), "tensor_parallel.autotp_size, optim"),
         (dict(zero_stage=1, pipeline_parallel_size=2), "pipeline.stages, optim"),
         (dict(deepspeed={"optimizer": {"type": "SGD"}}), "optimizer, optim"),

@@ -201,8 +201,12 @@ def test_a_deepspeed_files_muon_section_builds_ours():
     "fields, path",
     [
         (
-            dict(zero_stage=2, offload_optimizer="cpu"),
+            dict(zero_stage=3, offload_optimizer="nvme", nvme_path="/nvme"),
             "zero_optimization.offload_optimizer.device, optimizer.type",
+        ),
+        (
+            dict(zero_stage=2, offload_optimizer="cpu", deepspeed={"zero_force_ds_cpu_optimizer": True}),
+            "zero_force_ds_cpu_optimizer, optimizer.type",
         ),
         (dict(zero_stage=1, tensor_parallel_size=2), "tensor_parallel.autotp_size, optimizer.type"),
         (dict(zero_stage=1, pipeline_parallel_size=2), "pipeline.stages, optimizer.type"),
@@ -212,6 +216,16 @@ def test_what_muon_cannot_run_with_is_refused_by_key(fields, path):
     with pytest.raises(ConfigError) as err:
         resolve(TrainingArguments(output_dir="out", optim="muon", max_steps=1, **fields), 2, CPU)
     assert [p for p, _ in err.value.problems] == [path]
+
+
+def test_muon_steps_on_the_host_under_cpu_offload():
+    """ZeRO-Offload steps a client optimizer on the host once DeepSpeed is told not to insist on its
+    CPU Adam (the launch matrix's offload cases train with it)."""
+    args = TrainingArguments(
+        output_dir="out", optim="muon", max_steps=1, zero_stage=3, offload_optimizer="cpu"
+    )
+    ds = resolve(args, 2, CPU)
+    assert ds["optimizer"]["type"] == "Muon" and ds["zero_force_ds_cpu_optimizer"] is False
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -235,7 +249,8 @@ def test_a_constant_rate_keeps_the_two_halves_rates():
 
 def test_the_planner_counts_one_moment_for_muons_matrices(capsys):
     """Llama-7B on 8 GPUs under ZeRO-3: Muon's matrices keep 4 bytes fewer a parameter than Adam's
-    two moments, and the setups the run would refuse (offload, tensor parallelism) are not offered."""
+    two moments (on the host under offload), and the setups the run would refuse (NVMe offload,
+    tensor parallelism) are not offered."""
     from trainer.cli.main import main
 
     rows = {}
@@ -255,8 +270,11 @@ def test_the_planner_counts_one_moment_for_muons_matrices(capsys):
 
     saved = zero3("adamw")["optimizer_gb_per_gpu"] - zero3("muon")["optimizer_gb_per_gpu"]
     assert saved == pytest.approx(4 * matrices / 8 / 1e9)
-    assert all(r["offload_optimizer"] == "none" and r["tensor_parallel"] == 1 for r in rows["muon"])
-    assert any(r["offload_optimizer"] == "cpu" for r in rows["adamw"])
+    assert all(r["offload_optimizer"] != "nvme" and r["tensor_parallel"] == 1 for r in rows["muon"])
+    offloaded = {o: next(r for r in rows[o] if (r["zero_stage"], r["offload_optimizer"]) == (3, "cpu"))
+                 for o in rows}  # fmt: skip
+    host = offloaded["adamw"]["cpu_gb_per_rank"] - offloaded["muon"]["cpu_gb_per_rank"]
+    assert host == pytest.approx(4 * matrices / 8 / 1e9)
 
 
 def test_the_model_card_names_muon_and_its_settings():
@@ -304,7 +322,10 @@ MUON_RECIPE = {"optim": "muon", "optim_args": "muon_lr=0.01,adam_lr=0.003"}
 @pytest.mark.parametrize(
     "flags, reason",
     [
-        (("--offload_optimizer", "cpu", "--zero_stage", "2"), "offload_optimizer cpu"),
+        (
+            ("--offload_optimizer", "nvme", "--nvme_path", "/nvme", "--zero_stage", "3"),
+            "offload_optimizer nvme",
+        ),
         (("--tensor_parallel_size", "2"), "tensor_parallel_size 2"),
         (("--pipeline_parallel_size", "2"), "pipeline_parallel_size 2"),
         (
@@ -327,6 +348,10 @@ def test_the_recipes_muon_runs_elsewhere_and_an_optim_flag_drops_its_settings(tm
     assert _parsed(MUON_RECIPE, "--zero_stage", "3", tmp_path=tmp_path) == ("muon", MUON_RECIPE["optim_args"])
     assert _parsed(MUON_RECIPE, "--bf16", "--zero_stage", "1", tmp_path=tmp_path)[0] == "muon"
     assert _parsed(MUON_RECIPE, "--bf16", "--zero_stage", "0", tmp_path=tmp_path)[0] == "muon"
+    assert (
+        _parsed(MUON_RECIPE, "--offload_optimizer", "cpu", "--zero_stage", "2", tmp_path=tmp_path)[0]
+        == "muon"
+    )
     assert _parsed(MUON_RECIPE, "--optim", "lion", tmp_path=tmp_path) == ("lion", None)
     assert _parsed(MUON_RECIPE, "--optim", "muon", tmp_path=tmp_path) == ("muon", MUON_RECIPE["optim_args"])
     lars = ("--optim", "lars", "--optim_args", "momentum=0.8")

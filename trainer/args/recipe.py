@@ -137,7 +137,7 @@ def _muon_cannot(flags: dict[str, Any]) -> list[str]:
         **flags,
     }
     checks = {
-        "offload_optimizer": lambda v: v not in (None, "none"),
+        "offload_optimizer": lambda v: v == "nvme",
         "tensor_parallel_size": lambda v: int(v) > 1,
         "pipeline_parallel_size": lambda v: int(v) > 1,
     }
@@ -151,8 +151,8 @@ def _muon_cannot(flags: dict[str, Any]) -> list[str]:
 def _recipe_optimizer_gives_way(recipe: dict[str, Any], flags: dict[str, Any]) -> None:
     """A recipe's optimizer settings are the recipe's optimizer's: an ``optim`` flag naming another
     drops the recipe's ``optim_args`` with it. The recipe's ``optim: muon`` (the default job's) gives way to
-    AdamW, with a warning, where the flags ask for what Muon does not run with (optimizer offload,
-    tensor or pipeline parallelism, a DeepSpeed config's own optimizer); asked for
+    AdamW, with a warning, where the flags ask for what Muon does not run with (optimizer offload to
+    NVMe, tensor or pipeline parallelism, a DeepSpeed config's own optimizer); asked for
     on the command line, Muon is refused there instead, naming the keys."""
     if "optim" in flags:
         if "optim_args" not in flags and flags["optim"] != recipe.get("optim"):

@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--qlora", action="store_true", help="with --lora-r: the frozen base in 4-bit NF4")
     run.add_argument(
         "--optim", choices=["adamw", "muon"], default="adamw",
-        help="muon: the hidden matrices keep one fp32 moment, not Adam's two (no offload, no TP)",
+        help="muon: the hidden matrices keep one fp32 moment, not Adam's two (no NVMe offload, no TP)",
     )  # fmt: skip
     run.add_argument(
         "--objective", choices=NAMES, default=DEFAULT,

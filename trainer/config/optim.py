@@ -136,7 +136,9 @@ class MuonArgs(_OptimizerParams):
         "match_rms_adamw 0.2 sqrt(max(rows, cols)), which lets Muon share AdamW's rate.",
     )
     ns_precision: Literal["bf16", "fp32"] | None = Field(
-        None, description="What the iteration runs in; unset: bf16 on a GPU (as torch's), fp32 elsewhere."
+        None,
+        description="What the iteration runs in; unset: bf16 (as torch's) on a GPU or where the run trains "
+        "in bf16/fp16, fp32 elsewhere.",
     )
 
 
@@ -213,7 +215,8 @@ def optim_params(optim: str, optim_args: str | None) -> dict[str, Any]:
 OFFLOAD_NATIVE = ("Adam", "AdamW", "Adagrad", "Lion")
 OFFLOAD_NOTE = (
     "under optimizer offload DeepSpeed steps Adam/AdamW, Adagrad and Lion with its CPU kernels and SGD "
-    "with torch's on the host; Lamb (a GPU kernel), lars and muon are refused there"
+    "with torch's on the host, as it does lars and muon (from host memory; NVMe is refused for them); Lamb (a "
+    "GPU kernel) is refused there"
 )
 
 # Optimizers DeepSpeed's ZeRO accepts without zero_allow_untested_optimizer.

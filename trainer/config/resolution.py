@@ -27,7 +27,6 @@ from trainer.config.errors import ConfigError
 from trainer.config.files import MISSING, base_config, get_path, is_auto, positive_int
 from trainer.config.hardware import Hardware
 from trainer.config.optim import (
-    OFFLOAD_NOTE,
     OPTIMIZER_PARAMS,
     ZERO_TESTED_OPTIMIZERS,
     MuonParams,
@@ -377,8 +376,13 @@ class _Resolver:
         """What an optimizer of ours (built by the engine and handed to DeepSpeed, stepping whole
         parameters from ZeRO's flat slices) cannot run with, refused naming ``key``."""
         stage = get_path(self.data, "zero_optimization.stage")
+        device = get_path(self.data, "zero_optimization.offload_optimizer.device")
+        forced = get_path(self.data, "zero_force_ds_cpu_optimizer") is True
         refusals = [
-            (offload, f"zero_optimization.offload_optimizer.device, {key}", OFFLOAD_NOTE),
+            (device == "nvme", f"zero_optimization.offload_optimizer.device, {key}",
+             f"NVMe offload swaps Adam's moments; {name} steps from host memory (offload_optimizer cpu)"),
+            (offload and forced, f"zero_force_ds_cpu_optimizer, {key}",
+             f"true refuses every optimizer but DeepSpeed's CPU Adam and Lion under offload; {name} is ours"),
             (tensor_size_of(self.data) > 1, f"tensor_parallel.autotp_size, {key}",
              f"{whole}, which AutoTP splits over ranks"),
             (int((self.data.get("pipeline") or {}).get("stages") or 1) > 1, f"pipeline.stages, {key}",
@@ -387,6 +391,8 @@ class _Resolver:
         self.problems.extend((path, why) for on, path, why in refusals if on)
         if isinstance(stage, int) and stage >= 1:
             self.data["zero_allow_untested_optimizer"] = True
+        if offload:  # ZeRO-Offload steps it on the host, as it does torch's SGD
+            self.data["zero_force_ds_cpu_optimizer"] = False
 
     def steps(self) -> tuple[int | None, int | None, str]:
         """Total and warmup steps, and why they are unknown when they are."""

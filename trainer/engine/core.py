@@ -13,8 +13,7 @@ token-exact loss, any HF model's own loss or a ``compute_loss`` override plug in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,13 +22,12 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
-from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.utils import get_norm_dtype
 from deepspeed.utils import groups
 
 from trainer.engine import zero
+from trainer.engine.mixed_precision import no_warmup_step
 from trainer.engine.objectives import Batch, Objective
 from trainer.engine.partitions import show_partitions
 from trainer.runtime.mesh import Mesh
@@ -106,25 +104,6 @@ def report_grad_norm(ds: Any) -> None:
 
     ds._take_model_step = measured_step
     ds.clip_fp32_gradients = lambda: None  # clipped above already; a second pass would only repeat it
-
-
-@contextmanager
-def no_warmup_step() -> Iterator[None]:
-    """While DeepSpeed builds the engine, its mixed-precision wrappers of ZeRO-0 (fp16/bf16, any
-    optimizer) do not step the optimizer once on zero gradients to create its state (DeepSpeed PR
-    #5104, open, removes that step). The step is not inert: Adam counts it, so the first real update
-    takes the second step's bias correction, and decoupled weight decay shrinks the fp32 master
-    weights, which then differ from the model's. torch's optimizers create their state on the
-    first real step, as they do without DeepSpeed."""
-    wrappers = (FP16_Optimizer, FP16_UnfusedOptimizer)
-    saved = [w.initialize_optimizer_states for w in wrappers]
-    for wrapper in wrappers:
-        wrapper.initialize_optimizer_states = lambda self: None
-    try:
-        yield
-    finally:
-        for wrapper, method in zip(wrappers, saved, strict=True):
-            wrapper.initialize_optimizer_states = method
 
 
 def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float, mpu: Any = None) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.engine.partitions import Partitioned, Piece
+from trainer.engine.partitions import Partitioned, Piece, collective_device
 
 
 class LARS(Partitioned):
@@ -107,7 +107,9 @@ class LARS(Partitioned):
                 norms = torch.stack(torch._foreach_norm(views))
                 squares[row].index_add_(0, index, norms.square())
         if self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(squares, group=self.group)
+            summed = squares.to(collective_device(device))
+            dist.all_reduce(summed, group=self.group)
+            squares = summed.to(device)
         w_norm, g_norm = squares.sqrt()
         ratios = []
         for (group, p), base in zip(stepped, offsets, strict=True):

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.optim.adam import adam
 
 from trainer.engine.core import is_decayed
-from trainer.engine.partitions import Layout, Partitioned, Piece
+from trainer.engine.partitions import Layout, Partitioned, Piece, collective_device
 
 # The quintic iteration's coefficients (Keller Jordan's, also torch.optim.Muon's).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -69,7 +69,7 @@ class Muon(Partitioned):
     """Muon on the groups with ``muon=True`` (2-D parameters only), AdamW on the others. The
     defaults are ``torch.optim.Muon``'s and ``torch.optim.AdamW``'s; ``weight_decay`` is decoupled
     in both halves. ``ns_precision``: what the iteration runs in, bf16 (torch's), fp32, or None:
-    bf16 on a GPU, fp32 elsewhere (a CPU without AMX multiplies bf16 many times slower)."""
+    bf16 on a GPU, fp32 elsewhere (the engine passes bf16 where the run trains in bf16/fp16)."""
 
     def __init__(
         self,
@@ -164,7 +164,7 @@ class Muon(Partitioned):
             while entries and (not bucket or size + entries[0][3].numel() <= BUCKET_ELEMENTS):
                 bucket.append(entries.popleft())
                 size += bucket[-1][3].numel()
-            device = updates[bucket[0][0]].device
+            device = collective_device(updates[bucket[0][0]].device)
             dtype = PRECISIONS[self.ns_precision] or (
                 torch.bfloat16 if device.type == "cuda" else torch.float32
             )

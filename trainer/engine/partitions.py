@@ -78,6 +78,15 @@ class Partitioned(torch.optim.Optimizer):
                 state.pop("step", None)
 
 
+def collective_device(device: torch.device) -> torch.device:
+    """Where the sums over ranks (and Muon's iteration) run for tensors on ``device``: under
+    optimizer offload ZeRO's flat slices lie in host memory, and the group's collectives (NCCL)
+    and the matrix products belong on the accelerator when there is one."""
+    if device.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def whole(p: torch.Tensor) -> Layout:
     """The layout of a parameter stepped as itself."""
     return Layout((Piece(0, p.numel(), 0, p.dim() > 1),), 1, (p.shape,))

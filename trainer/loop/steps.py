@@ -99,6 +99,7 @@ def optimizer_for(
     if section.get("type") != "Muon":
         return None
     muon = MuonParams.model_validate(section.get("params") or {})
+    half = any((ds_config.get(p) or {}).get("enabled") is True for p in ("bf16", "fp16"))
     lr = muon.lr
     muon_lr, adam_lr = (lr if rate is None else rate for rate in (muon.muon_lr, muon.adam_lr))
     groups = muon_groups(model, muon.weight_decay, muon_lr, adam_lr)
@@ -110,7 +111,8 @@ def optimizer_for(
         nesterov=muon.nesterov,
         ns_steps=muon.ns_steps,
         update_scale=muon.update_scale,
-        ns_precision=muon.ns_precision,
+        # unset: the run's own precision where it trains in bf16/fp16 (torch's bf16), else the device's
+        ns_precision=muon.ns_precision or ("bf16" if half else None),
         betas=muon.betas,
         adam_eps=muon.eps,
     )

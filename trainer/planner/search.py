@@ -241,8 +241,8 @@ def plan(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int, prec
     rows = []
     sequences = micro_batch * objective.sequences_per_row  # what the loss's auto tiling judges
     for setup in candidate_setups(spec, cluster, seq_len, sequences, long_context):
-        if optim == "muon" and (setup.offload_optimizer != "none" or setup.tensor_parallel > 1):
-            continue  # refused by the run: Muon steps whole matrices on the device
+        if optim == "muon" and (setup.offload_optimizer == "nvme" or setup.tensor_parallel > 1):
+            continue  # refused by the run: Muon needs whole matrices, its states in memory
         ds_config = config_for(setup) if config_for else None
         rows.append(
             estimate(
