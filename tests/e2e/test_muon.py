@@ -50,25 +50,26 @@ def runs(tmp_path_factory):
             launcher="python",
         )
 
-    one = [*COMMON, "--output_dir", str(out["one"]), "--per_device_train_batch_size", "16"]
-    together(lambda: launch(one, launcher="python"), lambda: zero(1, 1))
-    accumulating = [*COMMON, *SPLIT, "--output_dir", str(out["one_accumulating"])]
-    accumulating[accumulating.index("--per_device_train_batch_size") + 1] = "4"
-    together(lambda: launch(accumulating, launcher="python"), lambda: zero(2, 2))
-
-    together(lambda: alone(2), lambda: zero(3, 3))
-    shutil.copytree(out[2] / "checkpoint-2", out["resumed"] / "checkpoint-2")
-    together(lambda: alone(3), lambda: zero(2, "resumed"))
-
     def bf16(stage: int, where: str) -> None:
         flags = ["--bf16", "true", "--max_grad_norm", "0", "--per_device_train_batch_size", "8"]
         launch(
             [*COMMON, *flags, "--zero_stage", str(stage), "--output_dir", str(out[where])], launcher="python"
         )
 
-    together(lambda: bf16(0, "bf16_0"), lambda: bf16(1, "bf16_1"))
-    shutil.copytree(out["bf16_0"] / "checkpoint-2", out["bf16_resumed"] / "checkpoint-2")
-    bf16(0, "bf16_resumed")
+    def bf16_resumed() -> None:
+        shutil.copytree(out["bf16_0"] / "checkpoint-2", out["bf16_resumed"] / "checkpoint-2")
+        bf16(0, "bf16_resumed")
+
+    # Each launch of two ranks with one-process runs beside it, which fill the cores the ranks leave idle.
+    one = [*COMMON, "--output_dir", str(out["one"]), "--per_device_train_batch_size", "16"]
+    together(lambda: launch(one, launcher="python"), lambda: zero(1, 1), lambda: bf16(0, "bf16_0"))
+    accumulating = [*COMMON, *SPLIT, "--output_dir", str(out["one_accumulating"])]
+    accumulating[accumulating.index("--per_device_train_batch_size") + 1] = "4"
+    together(lambda: launch(accumulating, launcher="python"), lambda: zero(2, 2), lambda: bf16(1, "bf16_1"))
+
+    together(lambda: alone(2), lambda: zero(3, 3), bf16_resumed)
+    shutil.copytree(out[2] / "checkpoint-2", out["resumed"] / "checkpoint-2")
+    together(lambda: alone(3), lambda: zero(2, "resumed"))
     return out
 
 

@@ -312,7 +312,8 @@ def hf_arguments(run: Any) -> Any:
     from trainer.runtime.distributed import detect_hardware
 
     a = run.training
-    precision = detect_hardware().default_precision() if a.precision == "auto" else a.precision
+    hardware = detect_hardware()
+    precision = hardware.default_precision() if a.precision == "auto" else a.precision
     return TrainingArguments(
         output_dir=a.output_dir, max_steps=a.max_steps, seed=a.seed,
         per_device_train_batch_size=a.per_device_train_batch_size,
@@ -322,7 +323,7 @@ def hf_arguments(run: Any) -> Any:
         adam_epsilon=a.adam_epsilon, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
         lr_scheduler_type=str(a.lr_scheduler_type),
         warmup_steps=a.warmup_steps if a.warmup_steps > 0 else a.warmup_ratio,  # a float < 1: a ratio
-        bf16=precision == "bf16", fp16=precision == "fp16",
+        bf16=precision == "bf16", fp16=precision == "fp16", use_cpu=hardware.device == "cpu",
         eval_strategy="steps", eval_steps=a.eval_steps, logging_steps=a.logging_steps,
         save_strategy="no", report_to="none", disable_tqdm=True,
         dataloader_num_workers=a.dataloader_num_workers,
