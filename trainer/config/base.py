@@ -8,6 +8,7 @@ key, the nearest valid one.
 
 from __future__ import annotations
 
+import json
 import math
 import types
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
@@ -203,3 +204,11 @@ def literal_values(annotation: Any) -> tuple[Any, ...]:
         if get_origin(member) is Literal:
             return get_args(member)
     return ()
+
+
+ARGS_NOTE = "in the training arguments"
+
+
+def show_value(value: Any) -> str:
+    """A value as a config shows it (JSON; a tuple as a list)."""
+    return json.dumps(list(value) if isinstance(value, tuple) else value)

@@ -22,31 +22,16 @@ from pathlib import Path
 from typing import Any, cast
 
 from trainer.config.arguments import RunArgs, Shortcuts, TrainingArgs
-from trainer.config.base import Problem, dedupe
+from trainer.config.base import ARGS_NOTE, Problem, dedupe, show_value
 from trainer.config.errors import ConfigError
 from trainer.config.files import MISSING, base_config, get_path, is_auto, positive_int
 from trainer.config.hardware import Hardware
-from trainer.config.optim import (
-    OPTIMIZER_PARAMS,
-    ZERO_TESTED_OPTIMIZERS,
-    MuonParams,
-    optim_params,
-)
+from trainer.config.optimizer_rules import OptimizerRules
 from trainer.config.parallel import tensor_size_of
 from trainer.config.presets import AIO_BLOCK, FP16_BLOCK, PRESETS
 from trainer.config.schema import validate
 from trainer.config.zero import STAGE3_KNOBS
 
-# TrainingArguments.optim -> (optimizer type, extra params)
-_OPTIMIZERS = {
-    "adamw_torch": ("Adam", {"torch_adam": True}),
-    "adamw_torch_fused": ("Adam", {"torch_adam": True}),  # torch's AdamW; fused is its kernel choice
-    "adamw_fused": ("Adam", {}),
-    "lion": ("Lion", {}),
-    "lion_32bit": ("Lion", {}),
-    "sgd": ("SGD", {}),
-    "muon": ("Muon", {}),
-}
 # TrainingArguments.lr_scheduler_type -> DeepSpeed scheduler type; any other type (or any
 # lr_scheduler_kwargs) is transformers' get_scheduler, which the Trainer passes as a client scheduler.
 _SCHEDULERS = {
@@ -55,7 +40,6 @@ _SCHEDULERS = {
     "constant": "WarmupLR",
     "constant_with_warmup": "WarmupLR",
 }
-ARGS_NOTE = "in the training arguments"
 
 
 def deepspeed_schedules(args: TrainingArgs) -> bool:
@@ -116,10 +100,6 @@ def _same(have: Any, want: Any) -> bool | None:
     return have == want
 
 
-def _show(value: Any) -> str:
-    return json.dumps(list(value) if isinstance(value, tuple) else value)
-
-
 def _overlaps(path: str, problems: list[Problem]) -> bool:
     """Whether a problem at ``path`` is about a key (or under a key) some problem already names."""
     known = [k for p, _ in problems for k in p.split(", ")]
@@ -127,7 +107,7 @@ def _overlaps(path: str, problems: list[Problem]) -> bool:
 
 
 @dataclass
-class _Resolver:
+class _Resolver(OptimizerRules):
     args: TrainingArgs
     world_size: int
     hardware: Hardware | None  # None: the target is unknown, so support is not checked
@@ -163,7 +143,7 @@ class _Resolver:
             self.problems.append(
                 (
                     path,
-                    f'{_show(have)} contradicts {source}; remove the key, set it to "auto", or make them equal',
+                    f'{show_value(have)} contradicts {source}; remove the key, set it to "auto", or make them equal',
                 )
             )
 
@@ -171,7 +151,7 @@ class _Resolver:
         """Settle a key that mirrors one training argument; only an explicitly set argument overrides the file."""
         value = getattr(self.args, arg) if want is MISSING else want
         given = self.explicit(arg)
-        self.settle(path, value, f"{arg}={_show(value)} {ARGS_NOTE}", fill=given, compare=given)
+        self.settle(path, value, f"{arg}={show_value(value)} {ARGS_NOTE}", fill=given, compare=given)
 
     # --- the steps -------------------------------------------------------------------------
 
@@ -319,80 +299,6 @@ class _Resolver:
             )
             # Explicit sizes are tuning choices, not run facts: they are kept, never compared.
             self.settle(path, want, reason, fill=stage3 and not present, compare=False)
-
-    def optimizer(self) -> None:
-        a = self.args
-        offload = get_path(self.data, "zero_optimization.offload_optimizer.device") in ("cpu", "nvme")
-        if a.optim == "lars":
-            return self.lars(offload)
-        opt_type, extra = _OPTIMIZERS[a.optim]
-        if offload:
-            extra = {}  # CPU offload runs DeepSpeed's CPU Adam; torch_adam would bypass it
-        if get_path(self.data, "optimizer") is MISSING:
-            self.data["optimizer"] = {"type": opt_type, "params": dict(extra)}
-            stage = get_path(self.data, "zero_optimization.stage")
-            if isinstance(stage, int) and stage >= 1 and opt_type not in ZERO_TESTED_OPTIMIZERS:
-                self.data["zero_allow_untested_optimizer"] = True
-        have = get_path(self.data, "optimizer.type")
-        # DeepSpeed runs both Adam and AdamW in AdamW mode unless adam_w_mode is false.
-        same = {"adam", "adamw"} if opt_type == "Adam" else {opt_type.lower()}
-        if is_auto(have) or (self.explicit("optim") and isinstance(have, str) and have.lower() not in same):
-            self.settle_arg("optimizer.type", "optim", opt_type)
-        model = OPTIMIZER_PARAMS.get(str(get_path(self.data, "optimizer.type")))
-        if model is None:
-            return  # an unknown type: the schema names it
-        wants = {
-            "lr": ("learning_rate", a.learning_rate),
-            "betas": ("adam_beta1, adam_beta2", [a.adam_beta1, a.adam_beta2]),
-            "eps": ("adam_epsilon", a.adam_epsilon),
-            "weight_decay": ("weight_decay", a.weight_decay),
-        }
-        for key, (arg, want) in wants.items():
-            if key in model.model_fields:
-                self.settle(f"optimizer.params.{key}", want, f"{arg}={_show(want)} {ARGS_NOTE}")
-        if model is MuonParams:
-            self.muon(offload)
-
-    def lars(self, offload: bool) -> None:
-        """optim lars: the engine builds our LARS (DeepSpeed has none) and hands it to DeepSpeed."""
-        if get_path(self.data, "optimizer") is not MISSING:
-            self.problems.append(("optimizer, optim", "optim lars is built here (DeepSpeed has no LARS); remove "
-                                  "the optimizer section or choose another optim"))  # fmt: skip
-        self.ours("LARS", "optim", offload, "LARS's trust ratio needs each matrix's whole norm")
-
-    def muon(self, offload: bool) -> None:
-        """Muon (optim muon, or a file's Muon section): the engine builds ours from this section (see
-        trainer/engine/muon.py) and hands it to DeepSpeed; optim_args fill its own settings."""
-        if self.args.optim == "muon":
-            for key, value in optim_params("muon", getattr(self.args, "optim_args", None)).items():
-                self.settle(f"optimizer.params.{key}", value, f"optim_args {key}={_show(value)} {ARGS_NOTE}")
-        if get_path(self.data, "scheduler.type") in ("WarmupLR", "WarmupDecayLR"):
-            self.problems.append(("scheduler.type, optimizer.type", "DeepSpeed's WarmupLR and WarmupDecayLR set "
-                                  "one rate for all groups, and Muon's halves have two; use WarmupCosineLR or leave "
-                                  "the schedule to lr_scheduler_type"))  # fmt: skip
-        self.ours("Muon", "optimizer.type", offload, "Muon orthogonalises each whole matrix")
-
-    def ours(self, name: str, key: str, offload: bool, whole: str) -> None:
-        """What an optimizer of ours (built by the engine and handed to DeepSpeed, stepping whole
-        parameters from ZeRO's flat slices) cannot run with, refused naming ``key``."""
-        stage = get_path(self.data, "zero_optimization.stage")
-        device = get_path(self.data, "zero_optimization.offload_optimizer.device")
-        forced = get_path(self.data, "zero_force_ds_cpu_optimizer") is True
-        refusals = [
-            (device == "nvme", f"zero_optimization.offload_optimizer.device, {key}",
-             f"NVMe offload swaps Adam's moments; {name} steps from host memory (offload_optimizer cpu)"),
-            (offload and forced, f"zero_force_ds_cpu_optimizer, {key}",
-             f"true refuses every optimizer but DeepSpeed's CPU Adam and Lion under offload; {name} is ours"),
-            (tensor_size_of(self.data) > 1, f"tensor_parallel.autotp_size, {key}",
-             f"{whole}, which AutoTP splits over ranks"),
-            (int((self.data.get("pipeline") or {}).get("stages") or 1) > 1, f"pipeline.stages, {key}",
-             f"pipeline stages build their optimizer from DeepSpeed's config, which has no {name} of ours"),
-        ]  # fmt: skip
-        self.problems.extend((path, why) for on, path, why in refusals if on)
-        if isinstance(stage, int) and stage >= 1:
-            self.data["zero_allow_untested_optimizer"] = True
-        if offload:  # ZeRO-Offload steps it on the host, as it does torch's SGD
-            self.data["zero_force_ds_cpu_optimizer"] = False
 
     def steps(self) -> tuple[int | None, int | None, str]:
         """Total and warmup steps, and why they are unknown when they are."""
