@@ -210,6 +210,10 @@ def test_a_deepspeed_files_muon_section_builds_ours():
         ),
         (dict(zero_stage=1, tensor_parallel_size=2), "tensor_parallel.autotp_size, optimizer.type"),
         (dict(zero_stage=1, pipeline_parallel_size=2), "pipeline.stages, optimizer.type"),
+        (
+            dict(zero_stage=1, bf16=True, deepspeed={"data_types": {"grad_accum_dtype": "float32"}}),
+            "data_types.grad_accum_dtype, optimizer.type",
+        ),
     ],
 )
 def test_what_muon_cannot_run_with_is_refused_by_key(fields, path):

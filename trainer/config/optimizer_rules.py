@@ -10,6 +10,7 @@ from trainer.config.base import ARGS_NOTE, Problem, show_value
 from trainer.config.files import MISSING, get_path, is_auto
 from trainer.config.optim import OPTIMIZER_PARAMS, ZERO_TESTED_OPTIMIZERS, MuonParams, optim_params
 from trainer.config.parallel import tensor_size_of
+from trainer.config.precision import normalise_dtype
 
 if TYPE_CHECKING:
     from trainer.config.arguments import TrainingArgs
@@ -93,6 +94,13 @@ class OptimizerRules:
         stage = get_path(self.data, "zero_optimization.stage")
         device = get_path(self.data, "zero_optimization.offload_optimizer.device")
         forced = get_path(self.data, "zero_force_ds_cpu_optimizer") is True
+        # DeepSpeed's BF16_Optimizer: flat fp32 slices of its own, whose parameters' places it does not tell
+        bf16_optimizer = (
+            stage == 1
+            and get_path(self.data, "bf16.enabled") is True
+            and normalise_dtype(get_path(self.data, "data_types.grad_accum_dtype")) == "fp32"
+            and not offload
+        )
         refusals = [
             (device == "nvme", f"zero_optimization.offload_optimizer.device, {key}",
              f"NVMe offload swaps Adam's moments; {name} steps from host memory (offload_optimizer cpu)"),
@@ -102,6 +110,9 @@ class OptimizerRules:
              f"{whole}, which AutoTP splits over ranks"),
             (int((self.data.get("pipeline") or {}).get("stages") or 1) > 1, f"pipeline.stages, {key}",
              f"pipeline stages build their optimizer from DeepSpeed's config, which has no {name} of ours"),
+            (bf16_optimizer, f"data_types.grad_accum_dtype, {key}",
+             f"fp32 at ZeRO-1 in bf16 puts {name} behind DeepSpeed's BF16_Optimizer, whose flat slices hide the "
+             "parameters' shapes; leave it unset, or use ZeRO 0 or 2-3"),
         ]  # fmt: skip
         self.problems.extend((path, why) for on, path, why in refusals if on)
         if isinstance(stage, int) and stage >= 1:
