@@ -38,8 +38,9 @@ from trainer import checkpoint as ckpt
 from trainer.model.modeling import DEFAULT_LLAMA
 
 # Every checkpoint is kept (save_total_limit 3): the undisturbed run's checkpoint-2 is a resume point.
+# AdamW, whose checkpoint size (two moments a parameter) the disk sizes below count on.
 TINY = tiny_flags(max_steps=None, save_steps=2, eval_steps=1000, max_train_samples=100, max_eval_samples=8,
-                  vocab_size=4096, save_total_limit=3)  # fmt: skip
+                  vocab_size=4096, save_total_limit=3, optim="adamw_torch")  # fmt: skip
 KIB = 1024
 
 

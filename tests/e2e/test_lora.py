@@ -24,7 +24,7 @@ from tests.helpers.scaffold import assert_same_weights, load_weights, losses, re
 
 RUN = ["--use_peft", "--lora_target_modules", "all-linear", "--lora_r", "4", "--lora_alpha", "8",
        *tiny_flags(save_steps=2, max_train_samples=None, max_eval_samples=8, model_config_overrides=None,
-                   learning_rate="1e-2")]  # fmt: skip
+                   learning_rate="1e-2", optim="adamw_torch")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,9 @@ TINY = [
     "--max_steps", "2", "--logging_steps", "1", "--save_steps", "2", "--eval_steps", "2",
     "--max_train_samples", "64", "--max_eval_samples", "8", "--block_size", "64", "--vocab_size", "4096",
     "--model_config_overrides", '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}',
+    # AdamW: DeepSpeed builds it from the config the engine is handed (the recipe's Muon is built by
+    # the engine, which hands DeepSpeed the config without its optimizer section)
+    "--optim", "adamw_torch",
 ]  # fmt: skip
 
 

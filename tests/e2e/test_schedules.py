@@ -17,8 +17,10 @@ from trainer.cli import train as train_cli
 
 STEPS, LR, WARMUP = 6, 1e-3, 2
 SCHEDULE = ["--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}']
+# AdamW: one rate for every parameter (the recipe's Muon logs its own half's rate)
 TINY = [*tiny_flags(max_steps=STEPS, save_steps=3, eval_steps=None, eval_strategy="no", max_train_samples=100,
-                    max_eval_samples=None, learning_rate=LR, warmup_steps=WARMUP), *SCHEDULE]  # fmt: skip
+                    max_eval_samples=None, learning_rate=LR, warmup_steps=WARMUP, optim="adamw_torch"),
+        *SCHEDULE]  # fmt: skip
 
 
 def train(out: Path) -> None:
