@@ -84,6 +84,23 @@ STAGE3_KNOBS = (
 )
 
 
+class LeafModuleConfig(ConfigModel):
+    """ZeRO-3 leaf modules: gathered whole when entered, with no hooks inside (mixture-of-experts
+    blocks, whose ranks run different experts). The engine also marks every expert block it finds
+    in the model (a list of experts beside a router), whatever its class."""
+
+    classes: list[str] = Field(
+        default_factory=lambda: [
+            "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+            "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+            "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+        ],
+        description="Classes (import path or name) whose instances are leaves; DeepSpeed's default lists three HF MoE blocks.",
+    )
+    names: list[str] = Field(default_factory=list, description="Module names (as named_modules gives them).")
+    name_suffixes: list[str] = Field(default_factory=list, description="Suffixes of module names.")
+
+
 class ZeroConfig(ConfigModel):
     """ZeRO partitioning of optimizer states (stage 1), gradients (2) and parameters (3)."""
 
@@ -157,6 +174,9 @@ class ZeroConfig(ConfigModel):
     )
     offload_optimizer: OffloadOptimizerConfig | None = Field(
         None, description="Optimizer-state offload to CPU or NVMe; stages 1-3."
+    )
+    leaf_module: LeafModuleConfig | None = Field(
+        None, description="ZeRO-3 leaf modules, beyond the expert blocks the engine finds itself."
     )
 
     prefetch_bucket_size: int = Field(

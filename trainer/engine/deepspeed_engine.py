@@ -18,6 +18,7 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from trainer.config.errors import ConfigError
 from trainer.engine import zero
 from trainer.engine.core import Batch, Engine, TorchCompile, weight_decay_groups
+from trainer.engine.experts import check_expert_blocks
 from trainer.engine.objectives import CausalLM, Objective, Tokens
 from trainer.engine.partitions import Partitioned
 from trainer.engine.sequence_parallel import SequenceParallel
@@ -65,6 +66,7 @@ class DeepSpeedEngine(Engine):
             else {}
         )
         self.mesh = mesh.with_groups(**groups)
+        check_expert_blocks(model, (ds_config.get("zero_optimization") or {}).get("stage", 0), mesh)
         self._initialize(
             model,
             ds_config,
