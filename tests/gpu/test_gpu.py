@@ -109,16 +109,21 @@ def test_tiled_loss_mlp_and_offload_on_a_long_block(tmp_path):
     assert peak["tiled"] < peak["plain"], peak
 
 
-def test_muon_under_bf16_zero2_steps_with_a_bf16_iteration(tmp_path):
-    """Muon on a GPU: the iteration in bf16 (torch's, ns_precision unset), the run trains under bf16
-    ZeRO-2 (fp32 master slices), and each step's matrices went through the optimizer's gather."""
+@pytest.mark.parametrize(
+    "setup",
+    [dict(zero_stage=2), dict(zero_stage=0), dict(zero_stage=2, offload_optimizer="cpu")],
+    ids=["zero2", "zero0", "zero2_offload"],
+)
+def test_muon_under_bf16_steps_with_a_bf16_iteration(tmp_path, setup):
+    """Muon on a GPU in bf16: the iteration in bf16 (torch's; the engine's choice for a bf16 run),
+    on ZeRO-2's fp32 master slices (each step's matrices through the optimizer's gather), behind
+    ZeRO-0's unfused wrapper, and on ZeRO-Offload's host slices (the iteration on the GPU)."""
     from trainer.engine.muon import Muon
 
-    trainer, losses = train(
-        tmp_path, "muon", bf16=True, zero_stage=2, optim="muon", optim_args="muon_lr=0.02"
-    )
+    trainer, losses = train(tmp_path, "muon", bf16=True, optim="muon", optim_args="muon_lr=0.02", **setup)
     opt = trainer.engine.ds.basic_optimizer
-    assert isinstance(opt, Muon) and opt.ns_precision is None and opt.layouts
+    assert isinstance(opt, Muon) and opt.ns_precision == "bf16"
+    assert bool(opt.layouts) == (setup["zero_stage"] > 0)
     assert losses[-1] < 0.8 * losses[0]
 
 
