@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import torch.distributed as dist
 from transformers import set_seed
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -83,6 +84,8 @@ def run_ours(out: Path, data: datasets.Dataset, name: str = "ours", peft_config:
                          peft_config=peft_config)  # fmt: skip
     trainer.train()
     evaluated = evaluation(trainer)
+    if dist.is_initialized():
+        dist.barrier()  # rank 0 writes metrics.jsonl: every rank reads it once that writer is done
     return history(read_metrics(out / name)), evaluated
 
 
