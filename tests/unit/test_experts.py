@@ -23,6 +23,13 @@ def test_dense_layers_and_fused_experts_are_not():
     assert expert_blocks(MixtralForCausalLM(MixtralConfig(**small, num_local_experts=4))) == []
 
 
+def test_a_position_table_as_long_as_the_layers_is_no_router():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=4, n_embd=16, n_layer=4, n_head=2))
+    assert expert_blocks(gpt2) == []
+
+
 def test_a_list_without_a_router_is_not():
     routed = model()
     for layer in routed.model.layers:

@@ -70,8 +70,10 @@ def _experts(module: torch.nn.Module) -> torch.nn.ModuleList | None:
 
 
 def _routes(module: torch.nn.Module, experts: torch.nn.ModuleList) -> bool:
-    """Whether ``module`` holds, outside ``experts``, a matrix with one row per expert."""
-    inside = {id(p) for p in experts.parameters()}
+    """Whether ``module`` holds, outside ``experts`` and its embeddings (a model whose position
+    table has as many rows as it has layers is no block), a matrix with one row per expert."""
+    embeddings = (m for m in module.modules() if isinstance(m, torch.nn.Embedding))
+    inside = {id(p) for owner in (experts, *embeddings) for p in owner.parameters()}
     return any(
         len(shape := getattr(p, "ds_shape", p.shape)) == 2 and shape[0] == len(experts)
         for p in module.parameters()
