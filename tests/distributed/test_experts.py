@@ -57,5 +57,7 @@ def test_zero3_gathers_the_block_whole(results):
 
 def test_zero2_on_two_ranks_is_refused_naming_the_block(results):
     refused = results[2][2]["refused"]
-    assert refused.startswith("zero_optimization.stage: model.layers.0.mlp (RoutedMLP) runs a subset"), refused
+    assert refused.startswith("zero_optimization.stage: model.layers.0.mlp (RoutedMLP) runs a subset"), (
+        refused
+    )
     assert refused.endswith("use zero_stage 0 or 3"), refused

@@ -15,6 +15,7 @@ from transformers import get_scheduler
 
 from trainer import checkpoint as ckpt
 from trainer.args import TrainingArguments
+from trainer.config.files import precision_of
 from trainer.config.optim import MuonParams, optim_params
 from trainer.engine import Objective, Split, Tiling, TorchCompile, plan_tiling, takes, weight_decay_groups
 from trainer.engine.lars import LARS
@@ -99,7 +100,6 @@ def optimizer_for(
     if section.get("type") != "Muon":
         return None
     muon = MuonParams.model_validate(section.get("params") or {})
-    half = any((ds_config.get(p) or {}).get("enabled") is True for p in ("bf16", "fp16"))
     lr = muon.lr
     muon_lr, adam_lr = (lr if rate is None else rate for rate in (muon.muon_lr, muon.adam_lr))
     groups = muon_groups(model, muon.weight_decay, muon_lr, adam_lr)
@@ -112,7 +112,7 @@ def optimizer_for(
         ns_steps=muon.ns_steps,
         update_scale=muon.update_scale,
         # unset: the run's own precision where it trains in bf16/fp16 (torch's bf16), else the device's
-        ns_precision=muon.ns_precision or ("bf16" if half else None),
+        ns_precision=muon.ns_precision or ("bf16" if precision_of(ds_config) != "fp32" else None),
         betas=muon.betas,
         adam_eps=muon.eps,
     )
