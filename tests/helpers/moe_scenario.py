@@ -36,6 +36,8 @@ EXPERTS = 8
 class RoutedMLP(torch.nn.Module):
     """Top-1 routing over a list of Llama MLPs."""
 
+    top_k = 1  # what the router loss reads: each token's picks
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.router = torch.nn.Linear(config.hidden_size, EXPERTS, bias=False)

@@ -26,7 +26,11 @@ class ModelArguments(ArgsModel):
         None,
         description="A local HF model directory (or hub name) to fine-tune; None builds from model_config.",
     )
-    model_type: Literal["llama", "gpt2"] = Field("llama", description="Architecture built from model_config.")
+    model_type: Literal["llama", "gpt2", "mixtral", "qwen3_moe"] = Field(
+        "llama",
+        description="Architecture built from model_config: a Llama, a GPT-2, or a mixture of experts "
+        "(mixtral, qwen3_moe: 8 experts, 2 per token).",
+    )
     model_config_overrides: dict[str, Any] | str | None = Field(  # str: JSON, for HF's parser
         default_factory=dict, description="Config fields for a model built from scratch (hidden_size, ...)."
     )

@@ -333,6 +333,12 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
         "are removed, complete checkpoints kept): stop (exit code 74) or continue training and try the next save.",
     )
     label_smoothing_factor: float = Field(0.0, ge=0, le=1, description="Label smoothing; 0: none.")
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        description="Weight of a mixture-of-experts model's router load-balancing loss (docs/moe.md); "
+        "None: the model config's router_aux_loss_coef; 0: off.",
+    )
     neftune_noise_alpha: float | None = Field(None, gt=0, description="NEFTune's noise on input embeddings.")
     torch_empty_cache_steps: int | None = Field(None, ge=1, description="Empty GPU cache every N steps.")
     eval_delay: float = Field(0.0, ge=0, description="Epochs or steps (eval_strategy) before evaluating.")

@@ -52,7 +52,6 @@ class SFTConfig(TRLConfig):
 
     REFUSED: ClassVar[Refusals] = {
         "activation_offloading": (False, "use offload_activations with the tiled loss instead"),
-        "router_aux_loss_coef": (None, "the MoE router's auxiliary loss is not added"),
     }
 
     learning_rate: float = Field(2e-5, ge=0, description="Peak learning rate (TRL's default).")
@@ -89,7 +88,6 @@ class SFTConfig(TRLConfig):
         "nll", description="nll, or dft: each token's NLL weighted by its (detached) probability."
     )
     activation_offloading: bool = Field(False, description="Refused when true (REFUSED).")
-    router_aux_loss_coef: float | None = Field(None, description="Refused when set (REFUSED).")
     pad_token: str | None = Field(
         None, description="The token that pads; default the tokenizer's pad, else EOS."
     )

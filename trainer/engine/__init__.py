@@ -28,6 +28,7 @@ from trainer.engine.objectives import (
     takes,
 )
 from trainer.engine.pipeline_engine import PipelineEngine
+from trainer.engine.routers import Routers
 from trainer.engine.tiling import Tiling, plan_tiling
 from trainer.runtime.mesh import Mesh
 
@@ -81,7 +82,9 @@ def build_engine(
             "tiled_loss, tiled_mlp and offload_activations run with ZeRO 0-3, not with pipeline stages",
             path="tiled_loss",
         )
-    objective.check(Split(sequence=sequence_parallel > 1, tiles=bool(tiling.loss), stages=stages > 1))
+    split = Split(sequence=sequence_parallel > 1, tiles=bool(tiling.loss), stages=stages > 1)
+    objective.check(split)
+    objective.route(Routers.of(model), split)
     if torch_compile is not None and stages > 1:
         raise ConfigError(
             "torch_compile with pipeline_parallel_size > 1: the pipeline's stages are not compiled here; "

@@ -56,6 +56,16 @@ def check_expert_blocks(model: torch.nn.Module, stage: int, mesh: Mesh) -> None:
         )
 
 
+def router_of(block: torch.nn.Module) -> torch.nn.Module | None:
+    """The child of an expert block that holds its router matrix (whose output is the router's
+    logits); None where the block holds that matrix itself."""
+    experts = _experts(block)
+    for child in block.children():
+        if child is not experts and _routes(child, experts, own=True):
+            return child
+    return None
+
+
 def _experts(module: torch.nn.Module) -> torch.nn.ModuleList | None:
     """``module``'s list of experts, where it has one and a router for it."""
     for child in module.children():
@@ -69,13 +79,14 @@ def _experts(module: torch.nn.Module) -> torch.nn.ModuleList | None:
     return None
 
 
-def _routes(module: torch.nn.Module, experts: torch.nn.ModuleList) -> bool:
-    """Whether ``module`` holds, outside ``experts`` and its embeddings (a model whose position
-    table has as many rows as it has layers is no block), a matrix with one row per expert."""
+def _routes(module: torch.nn.Module, experts: torch.nn.ModuleList, own: bool = False) -> bool:
+    """Whether ``module`` holds (``own``: as its own parameter), outside ``experts`` and its
+    embeddings (a model whose position table has as many rows as it has layers is no block), a
+    matrix with one row per expert."""
     embeddings = (m for m in module.modules() if isinstance(m, torch.nn.Embedding))
     inside = {id(p) for owner in (experts, *embeddings) for p in owner.parameters()}
     return any(
         len(shape := getattr(p, "ds_shape", p.shape)) == 2 and shape[0] == len(experts)
-        for p in module.parameters()
+        for p in module.parameters(recurse=not own)
         if id(p) not in inside
     )

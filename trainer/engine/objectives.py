@@ -45,6 +45,7 @@ from transformers.utils import find_labels
 from trainer.config.errors import ConfigError
 from trainer.data import IGNORE_INDEX
 from trainer.data.collator import input_ids_count, is_causal_lm, non_padding_tokens
+from trainer.engine.routers import Balance, Routers
 from trainer.engine.tiling import tiled_loss_sum, tiled_token_nll
 from trainer.runtime.distributed import all_reduce_sum
 
@@ -244,6 +245,11 @@ class Objective(ABC):
             if getattr(split, name):
                 raise refused(self, feature)
 
+    def route(self, routers: Routers, split: Split) -> None:
+        """What the loss does with a mixture-of-experts model's ``routers`` (the engine asks once,
+        before it is built). By default nothing: a model's own loss adds its router loss itself."""
+        return None
+
     def eval_rows(self, batch: Batch, indices: list[int]) -> tuple[Batch, list[int]]:
         """(the evaluation batch to forward, the dataset index of each of its rows, -1 for a
         padding row). Ranks run the same number of forwards (ZeRO-3 and the pipeline need it), so a
@@ -301,10 +307,14 @@ class Objective(ABC):
 
 class CausalLM(Objective):
     """Summed next-token cross-entropy in fp32; ``label_smoothing`` as ``F.cross_entropy`` applies
-    it (HF's label smoother mixes in the same uniform term), still summed over target tokens."""
+    it (HF's label smoother mixes in the same uniform term), still summed over target tokens. A
+    mixture-of-experts model adds its routers' load-balancing loss (``trainer.engine.routers``)
+    times ``router_aux_loss_coef`` (None: the model config's), in training, not in evaluation."""
 
-    def __init__(self, label_smoothing: float = 0.0):
+    def __init__(self, label_smoothing: float = 0.0, router_aux_loss_coef: float | None = None):
         self.label_smoothing = label_smoothing
+        self.router_aux_loss_coef = router_aux_loss_coef
+        self.balance: Balance | None = None  # set by ``route`` where the run adds the router loss
 
     def check(self, split: Split) -> None:
         """Every split computes the next-token loss; the tiles' is plain cross-entropy."""
@@ -318,9 +328,41 @@ class CausalLM(Objective):
     def count(self, batch: Batch) -> float:
         return float(count_targets(batch))
 
+    def route(self, routers: Routers, split: Split) -> None:
+        """The load-balancing loss on, where the model has routers and a coefficient for it."""
+        if self.router_aux_loss_coef:  # asked for: the model must have routers to weight
+            routers.check("router_aux_loss_coef")
+        coefficient = self.router_aux_loss_coef
+        coefficient = routers.coefficient if coefficient is None else coefficient
+        if not routers or not coefficient:
+            return
+        routers.check("router_aux_loss_coef")
+        if split.sequence or split.stages:
+            raise ConfigError(
+                "router_aux_loss_coef: the load-balancing loss pools each row's router logits, which "
+                "sequence_parallel_size > 1 and pipeline stages split; set router_aux_loss_coef 0",
+                path="router_aux_loss_coef",
+            )
+        self.coefficient, self.balance = float(coefficient), Balance(routers)
+
     def loss_sum(self, tokens: Tokens, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
+        if self.balance is None:
+            return self.next_token_loss_sum(tokens, batch)
+        with self.balance.routers.capture() as logits:
+            loss, outputs = self.next_token_loss_sum(tokens, batch)
+        return loss + self.coefficient * self.balance.loss_sum(logits, batch), outputs
+
+    def next_token_loss_sum(self, tokens: Tokens, batch: Batch) -> tuple[torch.Tensor, Any]:
+        """(the summed next-token loss, the model's outputs), without the router loss."""
         loss, _, outputs = tokens.next_token_loss(batch, self.token_loss_sum)
         return loss, outputs
+
+    def metric_means(self, device: torch.device, evaluation: bool = False) -> dict[str, float]:
+        """With the router loss, its mean (``aux_loss``) and each layer's expert imbalance, from training."""
+        means = super().metric_means(device, evaluation)
+        if self.balance is not None and not evaluation:
+            means.update(self.balance.means(device))
+        return means
 
     def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of cross-entropy over non-ignored (already shifted) targets, in fp32."""
@@ -358,8 +400,8 @@ class SFT(CausalLM):
 
     metric_names = ("entropy", "mean_token_accuracy")
 
-    def __init__(self, loss_type: str = "nll"):
-        super().__init__()
+    def __init__(self, loss_type: str = "nll", router_aux_loss_coef: float | None = None):
+        super().__init__(router_aux_loss_coef=router_aux_loss_coef)
         self.dft = loss_type == "dft"
 
     def check(self, split: Split) -> None:
@@ -401,7 +443,7 @@ class SFT(CausalLM):
         weighs a padding-free batch, flattened into one row, by the rows it was made of)."""
         if not tokens.whole_logits:
             return super().eval_sum(tokens, batch)
-        loss, outputs = super().loss_sum(tokens, batch, 1.0)
+        loss, outputs = self.next_token_loss_sum(tokens, batch)
         self.record_metrics(self._token_metrics(outputs.logits, batch), evaluation=True)
         rows = float(batch_rows(batch))
         return loss / max(count_targets(batch), 1) * rows, loss.new_tensor(rows), outputs
@@ -527,6 +569,7 @@ def objective_for(
     label_smoothing: float = 0.0,
     label_names: list[str] | None = None,
     eval_per_batch: bool = False,
+    router_aux_loss_coef: float | None = None,
 ) -> Objective:
     """The objective a Trainer runs for ``model``: token-exact causal LM for a causal LM, the
     model's own loss otherwise, and a ``compute_loss`` override in place of either's forward.
@@ -536,7 +579,7 @@ def objective_for(
     mean once); the causal-LM objective stays token-exact."""
     causal = is_causal_lm(model)
     if compute_loss is None and causal:
-        objective: Objective = CausalLM(label_smoothing)
+        objective: Objective = CausalLM(label_smoothing, router_aux_loss_coef)
     else:
         config = getattr(unwrap_peft_model(model), "config", None)
         if getattr(config, "problem_type", None) == "multi_label_classification":

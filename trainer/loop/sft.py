@@ -136,7 +136,7 @@ class SFTTrainer(Trainer):
         """TRL's loss and metrics; a ``compute_loss`` override runs in its place, as the Trainer's."""
         if type(self).compute_loss is not Trainer.compute_loss:
             return super().make_objective()
-        return SFT(self.args.loss_type)
+        return SFT(self.args.loss_type, self.args.router_aux_loss_coef)
 
 
 def sft_config(args: SFTConfig | TrainingArguments | None) -> SFTConfig:

@@ -322,6 +322,7 @@ class Trainer(HFMethods, ResultsAPI):
             self.args.label_smoothing_factor,
             self.args.label_names,
             eval_per_batch=self.eval_per_batch,
+            router_aux_loss_coef=self.args.router_aux_loss_coef,
         )
 
     # ---- logging, evaluation, saving -----------------------------------------------------------

@@ -17,7 +17,9 @@ from transformers import (
     BitsAndBytesConfig,
     GPT2Config,
     LlamaConfig,
+    MixtralConfig,
     PretrainedConfig,
+    Qwen3MoeConfig,
 )
 from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -36,6 +38,13 @@ DEFAULT_LLAMA = dict(
     tie_word_embeddings=True,
 )
 DEFAULT_GPT2 = dict(n_embd=256, n_layer=4, n_head=4, tie_word_embeddings=True)
+# Mixtures of experts of the same width and depth: 8 experts, each token routed to 2 of half the
+# Llama's MLP width, so a token's active parameters match the Llama's.
+_MOE = dict(DEFAULT_LLAMA, intermediate_size=344, num_experts_per_tok=2)
+DEFAULT_MOE = {
+    "mixtral": (MixtralConfig, dict(_MOE, num_local_experts=8)),
+    "qwen3_moe": (Qwen3MoeConfig, dict(_MOE, moe_intermediate_size=344, num_experts=8, head_dim=64)),
+}
 
 
 def model_config(model_args: ModelArguments, tokenizer: Any, block_size: int) -> PretrainedConfig:
@@ -59,9 +68,10 @@ def model_config(model_args: ModelArguments, tokenizer: Any, block_size: int) ->
         return GPT2Config(
             **{**DEFAULT_GPT2, "n_positions": block_size, **special, **model_args.model_config_overrides}
         )
-    return LlamaConfig(
+    config_class, defaults = DEFAULT_MOE.get(model_args.model_type, (LlamaConfig, DEFAULT_LLAMA))
+    return config_class(
         **{
-            **DEFAULT_LLAMA,
+            **defaults,
             "max_position_embeddings": block_size,
             **special,
             **model_args.model_config_overrides,
