@@ -1,8 +1,10 @@
 """A mixture-of-experts model of a class no list knows (tests/helpers/moe_scenario.py: a Llama whose
 MLPs route each token to one of eight experts in a ``ModuleList``), through the public API.
 
-Two ranks under torchrun at ZeRO 0, 3 and 2, and one process with twice the accumulation steps at
-ZeRO 0 and 3 beside them, which sees the same rows in each step. The ranks' tokens pick different
+Two ranks under torchrun at ZeRO 0, 3 and 2, each stepping on micro-batches of 2 rows, and one
+process accumulating 4 micro-batches of one row at ZeRO 0 and 3 beside them, which sees the same
+rows in each step. The router's load-balancing loss is on: each row pools its own tokens, so the
+grouping of rows into micro-batches and ranks changes nothing. The ranks' tokens pick different
 experts, so under ZeRO-3 each expert's gather is asked for by some ranks only: without the block
 marked as a leaf (gathered whole) the launch fails on a collective mismatch. ZeRO-2 reduces
 gradients in the order they arrive, which then differs between ranks, and is refused, naming the
@@ -25,13 +27,13 @@ SCRIPT = "tests/helpers/moe_scenario.py"
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    def run(ranks: int, grad_acc: int, *stages: int) -> dict:
+    def run(ranks: int, batch: int, grad_acc: int, *stages: int) -> dict:
         out = tmp_path_factory.mktemp(f"experts_{ranks}")
         launcher = "torchrun" if ranks > 1 else "python"
-        launch([SCRIPT, str(out), str(grad_acc), *map(str, stages)], nproc=ranks, launcher=launcher)
+        launch([SCRIPT, str(out), str(batch), str(grad_acc), *map(str, stages)], nproc=ranks, launcher=launcher)
         return {stage: json.loads((out / f"zero{stage}.json").read_text()) for stage in stages}
 
-    two, one = together(lambda: run(2, 1, 0, 3, 2), lambda: run(1, 2, 0, 3))
+    two, one = together(lambda: run(2, 2, 1, 0, 3, 2), lambda: run(1, 1, 4, 0, 3))
     return {2: two, 1: one}
 
 
@@ -45,7 +47,7 @@ def test_the_ranks_ran_different_experts(results):
 def test_two_ranks_follow_one_process(results, stage):
     two, one = results[2][stage], results[1][stage]
     assert len(two["loss"]) == len(one["loss"]) == 3
-    for key in ("loss", "grad_norm"):
+    for key in ("loss", "aux_loss", "grad_norm"):
         for a, b in zip(two[key], one[key], strict=True):
             assert math.isclose(a, b, rel_tol=1e-5), (key, two[key], one[key])
 

@@ -5,11 +5,13 @@ each token sent to its top expert (scaled by the router's probability, so the ro
 see different tokens, so they run different experts: under ZeRO-3 each expert's gather would be
 asked for by some ranks only, and the run would hang, unless the block is gathered whole.
 
-Usage: ``[torchrun --nproc_per_node 2] tests/helpers/moe_scenario.py OUT GRAD_ACC STAGE [STAGE ...]``
-(one process with twice the accumulation steps of two ranks sees the same rows in each step). Rank
-0 writes ``OUT/zero<STAGE>.json``: the losses and grad norms of 3 steps, the blocks the engine made
-ZeRO-3 leaves, and which experts each rank ran in its first forward; or the error a stage was
-refused with.
+The router's load-balancing loss is on (``router_aux_loss_coef``; the block names its ``top_k``).
+
+Usage: ``[torchrun --nproc_per_node 2] tests/helpers/moe_scenario.py OUT BATCH GRAD_ACC STAGE [STAGE ...]``
+(runs whose ranks x BATCH x GRAD_ACC agree see the same rows in each step, however grouped). Rank
+0 writes ``OUT/zero<STAGE>.json``: the losses, router losses and grad norms of 3 steps, the blocks
+the engine made ZeRO-3 leaves, and which experts each rank ran in its first forward; or the error
+a stage was refused with.
 """
 
 from __future__ import annotations
@@ -67,13 +69,13 @@ def model() -> LlamaForCausalLM:
     return llama
 
 
-def run(out: Path, grad_acc: int, stage: int) -> None:
+def run(out: Path, batch: int, grad_acc: int, stage: int) -> None:
     policy = model()
     args = TrainingArguments(
-        output_dir=str(out / f"zero{stage}"), max_steps=3, per_device_train_batch_size=1, gradient_accumulation_steps=grad_acc,
+        output_dir=str(out / f"zero{stage}"), max_steps=3, per_device_train_batch_size=batch, gradient_accumulation_steps=grad_acc,
         learning_rate=1e-2,
         lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
-        disable_tqdm=True, seed=0, zero_stage=stage,
+        disable_tqdm=True, seed=0, zero_stage=stage, router_aux_loss_coef=0.1,
     )  # fmt: skip
     data = token_dataset(16, seed=3, min_len=4, max_len=8)  # a few tokens a rank: few experts
     trainer = Trainer(model=policy, args=args, train_dataset=data, data_collator=CausalLMCollator(0))
@@ -92,15 +94,16 @@ def run(out: Path, grad_acc: int, stage: int) -> None:
         (out / f"zero{stage}.json").write_text(json.dumps({
             "loss": [r["loss"] for r in history],
             "grad_norm": [r["grad_norm"] for r in history],
+            "aux_loss": [r["aux_loss"] for r in history],
             "leaves": leaves,
             "experts_ran": ran,
         }))  # fmt: skip
 
 
 def main() -> int:
-    out, grad_acc, stages = Path(sys.argv[1]), int(sys.argv[2]), [int(s) for s in sys.argv[3:]]
-    for stage in stages:
-        run(out, grad_acc, stage)
+    out, batch, grad_acc = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    for stage in sys.argv[4:]:
+        run(out, batch, grad_acc, int(stage))
     return 0
 
 
