@@ -52,6 +52,16 @@ def test_figures_carry_the_expected_series(tmp_path):
     assert memory["host peak RSS"][1] == [1.5] * 12
 
 
+def test_a_mixture_of_experts_plots_its_router_loss_and_each_layers_imbalance():
+    rows = [{"step": s, "loss": 1.0, "aux_loss": 2.0 + s / 10, "expert_imbalance/0": 1.5,
+             "expert_imbalance/1": 1.0 + s / 4} for s in (1, 2, 3)]  # fmt: skip
+    figures = build_figures({"run": rows})
+    assert lines_of(figures["router_loss"]) == {"run": ([1, 2, 3], [2.1, 2.2, 2.3])}
+    layers = lines_of(figures["expert_imbalance"])
+    assert layers == {"layer 0": ([1, 2, 3], [1.5] * 3), "layer 1": ([1, 2, 3], [1.25, 1.5, 1.75])}
+    assert "expert_imbalance" not in build_figures({"run": [{"step": 1, "loss": 1.0}]})
+
+
 def test_a_mixture_plots_each_source_share():
     """Every ``source_share/<name>`` key is a series of the source-share plot, named by its source."""
     rows = [{"step": s, "loss": 1.0, "source_share/code": c, "source_share/prose": 1 - c}

@@ -1,5 +1,6 @@
 """PNG plots of one or more runs' metrics.jsonl over steps: loss, learning rate, throughput, memory,
-and a streamed mixture's realised share of each source.
+a streamed mixture's realised share of each source, and a mixture of experts' router loss and
+expert imbalance per layer.
 
 Several runs are overlaid in each plot, one colour per run. Figures are built with matplotlib's
 object API on the Agg canvas, so plotting needs no display and touches no global pyplot state.
@@ -38,6 +39,12 @@ PLOTS: dict[str, tuple[str, str, list[tuple[str, str, str, float]]]] = {
         "Realised share of each source",
         "share of blocks trained",
         [("source_share/*", "", "-", 1.0)],
+    ),
+    "router_loss": ("Router load-balancing loss", "aux_loss", [("aux_loss", "", "-", 1.0)]),
+    "expert_imbalance": (
+        "Expert imbalance per MoE layer",
+        "busiest expert's tokens / mean (1: balanced)",
+        [("expert_imbalance/*", "layer", "-", 1.0)],
     ),
 }
 
