@@ -30,7 +30,9 @@ def results(tmp_path_factory):
     def run(ranks: int, batch: int, grad_acc: int, *stages: int) -> dict:
         out = tmp_path_factory.mktemp(f"experts_{ranks}")
         launcher = "torchrun" if ranks > 1 else "python"
-        launch([SCRIPT, str(out), str(batch), str(grad_acc), *map(str, stages)], nproc=ranks, launcher=launcher)
+        launch(
+            [SCRIPT, str(out), str(batch), str(grad_acc), *map(str, stages)], nproc=ranks, launcher=launcher
+        )
         return {stage: json.loads((out / f"zero{stage}.json").read_text()) for stage in stages}
 
     two, one = together(lambda: run(2, 2, 1, 0, 3, 2), lambda: run(1, 1, 4, 0, 3))

@@ -1,11 +1,13 @@
 """A mixture of experts through the user's command: ``deepspeed --num_gpus 2 scripts/train.py
---model_type mixtral --zero_stage 3`` (and 2), with the router's load-balancing loss on at
-``--router_aux_loss_coef``.
+--model_type mixtral``, with the router's load-balancing loss on at ``--router_aux_loss_coef``, at
+ZeRO-3 and with ``--expert_parallel_size 2`` (AutoEP: each rank holds half of every layer's
+experts) at ZeRO 1, 2 and 3.
 
 Two ranks, each accumulating 2 micro-batches of 2 rows, against one process on one batch of 8 over
 4 steps: the losses, router losses and grad norms, and the exported weights, within 1e-5. A copy of
-the ZeRO-3 run's checkpoint-2 is resumed by the same command, bit for bit. ``final/`` holds every
-expert, and ``from_pretrained`` loads it as a Mixtral.
+the expert-parallel ZeRO-3 run's checkpoint-2 is resumed by the same command, bit for bit, and
+refused, naming both sizes, by a run without expert parallelism. ``final/`` holds every expert in
+HF's layout, and ``from_pretrained`` loads it as a Mixtral.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from tests.helpers.launch import launch, together
@@ -26,31 +29,41 @@ COMMON = [
     "--model_type", "mixtral", "--router_aux_loss_coef", "0.1", "--optim", "adamw_torch",
 ]  # fmt: skip
 SPLIT = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
-STAGES = (2, 3)
+RUNS = ("zero3", "ep_zero1", "ep_zero2", "ep_zero3")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    out = {name: root / str(name) for name in ("one", *STAGES, "resumed")}
+    out = {name: root / name for name in ("one", *RUNS, "resumed", "refused")}
 
-    def zero(stage: int, where: str | int) -> None:
-        flags = [*SPLIT, "--output_dir", str(out[where]), "--zero_stage", str(stage)]
+    def two_ranks(where: str) -> None:
+        stage = where[-1]
+        expert = ["--expert_parallel_size", "2"] if where.startswith("ep") or where == "resumed" else []
+        flags = [*SPLIT, *expert, "--output_dir", str(out[where]), "--zero_stage", stage if stage.isdigit() else "3"]
         launch([*COMMON, *flags], launcher="deepspeed")
 
-    def resumed() -> None:
-        shutil.copytree(out[3] / "checkpoint-2", out["resumed"] / "checkpoint-2")
-        zero(3, "resumed")
+    def copy(where: str) -> None:
+        shutil.copytree(out["ep_zero3"] / "checkpoint-2", out[where] / "checkpoint-2")
+
+    def refused() -> None:
+        copy("refused")
+        flags = ["--per_device_train_batch_size", "8", "--zero_stage", "3", "--output_dir", str(out["refused"])]
+        out["refused_proc"] = launch([*COMMON, *flags], launcher="python", check=False)
 
     one = [*COMMON, "--output_dir", str(out["one"]), "--per_device_train_batch_size", "8"]
-    together(lambda: launch(one, launcher="python"), lambda: zero(3, 3))
-    together(lambda: zero(2, 2), resumed)
+    together(lambda: launch(one, launcher="python"), lambda: two_ranks("zero3"))
+    two_ranks("ep_zero3")
+    copy("resumed")
+    together(lambda: two_ranks("resumed"), refused)
+    two_ranks("ep_zero1")
+    two_ranks("ep_zero2")
     return out
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_two_ranks_accumulating_take_one_process_steps(runs, stage):
-    one, ranks = train_rows(runs["one"]), train_rows(runs[stage])
+@pytest.mark.parametrize("run", RUNS)
+def test_two_ranks_accumulating_take_one_process_steps(runs, run):
+    one, ranks = train_rows(runs["one"]), train_rows(runs[run])
     assert [r["step"] for r in ranks] == [1, 2, 3, 4]
     assert ranks[-1]["loss"] < ranks[0]["loss"] - 0.05  # it trained
     for a, b in zip(one, ranks, strict=True):
@@ -58,24 +71,40 @@ def test_two_ranks_accumulating_take_one_process_steps(runs, stage):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a["step"])
         assert sorted(k for k in b if k.startswith("expert_imbalance/")) == ["expert_imbalance/0", "expert_imbalance/1"]
         assert all(1.0 <= b[f"expert_imbalance/{layer}"] <= 2.0 for layer in (0, 1))  # 4 experts, top-2
-    assert_same_weights(runs[stage] / "final", runs["one"] / "final", rtol=1e-5, atol=1e-6)
+    assert_same_weights(runs[run] / "final", runs["one"] / "final", rtol=1e-5, atol=1e-6)
 
 
 def test_the_router_loss_is_on_and_weighted(runs):
-    """4 experts, top-2: 2 when balanced, more when not; 0.1 of it is in the loss."""
+    """4 experts, top-2: 2 when balanced, more when not."""
     assert all(1.95 < row["aux_loss"] < 2.5 for row in train_rows(runs["one"]))
 
 
-def test_a_checkpoint_resumes_bitwise(runs):
+def test_expert_parallel_ranks_held_half_of_the_experts_each(runs):
+    """Each rank's share of the expert states: the checkpoint's expert files, one per expert."""
+    files = sorted(p.name for p in (runs["ep_zero2"] / "checkpoint-4" / "ds").rglob("layer_*_expert_*"))
+    assert len(files) == 2 * 4, files  # 2 layers x 4 experts, written by the ranks that hold them
+
+
+def test_an_expert_parallel_checkpoint_resumes_bitwise(runs):
     names = ("loss", "aux_loss", "grad_norm")
     again = {(r["step"], k): r[k] for r in train_rows(runs["resumed"]) for k in names}
-    whole = {(r["step"], k): r[k] for r in train_rows(runs[3]) for k in names if r["step"] >= 3}
+    whole = {(r["step"], k): r[k] for r in train_rows(runs["ep_zero3"]) for k in names if r["step"] >= 3}
     assert again == whole
-    assert_same_weights(runs["resumed"] / "final", runs[3] / "final")
+    assert_same_weights(runs["resumed"] / "final", runs["ep_zero3"] / "final")
+
+
+def test_another_expert_parallel_size_is_refused_naming_both(runs):
+    proc = runs["refused_proc"]
+    assert proc.returncode != 0
+    assert "was saved with expert_parallel_size 2 and this run asks for 1" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
 
 
 def test_the_export_is_a_mixtral_with_every_expert(runs):
-    model = AutoModelForCausalLM.from_pretrained(runs[3] / "final")
-    assert type(model).__name__ == "MixtralForCausalLM"
-    experts = model.model.layers[0].mlp.experts
-    assert experts.gate_up_proj.shape[0] == 4 and experts.gate_up_proj.abs().sum() > 0
+    ep = AutoModelForCausalLM.from_pretrained(runs["ep_zero3"] / "final")
+    one = AutoModelForCausalLM.from_pretrained(runs["one"] / "final")
+    assert type(ep).__name__ == "MixtralForCausalLM"
+    experts = ep.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape == (4, 2 * 128, 64) and experts.down_proj.shape == (4, 64, 128)
+    ids = torch.arange(1, 17)[None]
+    assert torch.allclose(ep(ids).logits, one(ids).logits, rtol=1e-4, atol=1e-5)

@@ -20,7 +20,7 @@ from trainer.cli import train as run_module
 from trainer.cli import train_job
 from trainer.config.errors import ConfigError
 from trainer.runtime.distributed import DistInfo
-from trainer.runtime.mesh import Mesh
+from trainer.runtime.mesh import Mesh, Sizes
 
 ONE = DistInfo(rank=0, local_rank=0, world_size=1)
 
@@ -354,13 +354,13 @@ def test_what_a_resume_carries_and_what_it_refuses(tmp_path):
     checkpoints, and a ZeRO 1-2 checkpoint takes another tensor-parallel size; DeepSpeed loads ZeRO-0
     and ZeRO-3 ones at their own stage only, and a pipeline's on its own stages only."""
     path = make_checkpoint(tmp_path, 5)
-    sizes = {"tensor_parallel": 1, "pipeline_parallel": 1}
 
-    def refused(stage_then: int, stage_now: int, objective: str = "dpo", **now) -> str | None:
-        saved_with(
-            path, zero_stage=stage_then, objective="dpo", tensor_parallel_size=1, pipeline_parallel_size=1
-        )
-        found = ckpt.uncarried(path, objective, stage_now, **{**sizes, **now})
+    def refused(
+        stage_then: int, stage_now: int, objective: str = "dpo", expert_then: int = 1, **now
+    ) -> str | None:
+        saved_with(path, zero_stage=stage_then, objective="dpo", tensor_parallel_size=1, pipeline_parallel_size=1,
+                   expert_parallel_size=expert_then)  # fmt: skip
+        found = ckpt.uncarried(path, objective, stage_now, Sizes(**now))
         return found and found[0]
 
     carried = {(a, b) for a in range(4) for b in range(4) if a == b or {a, b} <= {1, 2}}
@@ -368,10 +368,12 @@ def test_what_a_resume_carries_and_what_it_refuses(tmp_path):
         for now in range(4):
             assert refused(then, now) == (None if (then, now) in carried else "zero_stage"), (then, now)
     assert refused(2, 2, "orpo") == refused(3, 0, "orpo") == "objective"  # the objective is named first
-    assert refused(1, 1, tensor_parallel=2) is None and refused(2, 1, tensor_parallel=2) is None
-    assert refused(0, 0, tensor_parallel=2) == refused(3, 3, tensor_parallel=2) == "tensor_parallel_size"
-    assert refused(1, 1, pipeline_parallel=2) == "pipeline_parallel_size"
-    assert ckpt.uncarried(path, "orpo", 3, 1, 1) == (
+    assert refused(1, 1, tensor=2) is None and refused(2, 1, tensor=2) is None
+    assert refused(0, 0, tensor=2) == refused(3, 3, tensor=2) == "tensor_parallel_size"
+    assert refused(1, 1, pipeline=2) == "pipeline_parallel_size"
+    assert refused(2, 2, expert=2) == refused(3, 3, expert_then=2) == "expert_parallel_size"
+    assert refused(2, 2, expert_then=2, expert=2) is None
+    assert ckpt.uncarried(path, "orpo", 3, Sizes()) == (
         "objective",
         f"{path} was saved with objective dpo and this run asks for orpo; another objective is another run: "
         "resume with objective dpo, or use a new --output_dir, or --resume_from_checkpoint false to start over",
@@ -380,10 +382,10 @@ def test_what_a_resume_carries_and_what_it_refuses(tmp_path):
 
 def test_an_older_manifest_without_the_objective_is_read_from_the_run_config(tmp_path):
     path = make_checkpoint(tmp_path, 5)  # no objective, tensor or pipeline size recorded
-    assert ckpt.uncarried(path, "orpo", 0, 1, 1) is None  # nothing to compare with
+    assert ckpt.uncarried(path, "orpo", 0, Sizes()) is None  # nothing to compare with
     (path / "run_config.yaml").write_text(yaml.safe_dump({"objective": "causal_lm"}))
-    assert ckpt.uncarried(path, "causal_lm", 0, 1, 1) is None
-    assert ckpt.uncarried(path, "dpo", 0, 1, 1)[0] == "objective"
+    assert ckpt.uncarried(path, "causal_lm", 0, Sizes()) is None
+    assert ckpt.uncarried(path, "dpo", 0, Sizes())[0] == "objective"
 
 
 def test_a_field_added_since_the_checkpoint_counts_as_its_default(tmp_path):

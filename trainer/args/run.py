@@ -61,6 +61,11 @@ class RunConfig(BaseModel):
                 "use_peft, tensor_parallel_size: LoRA runs with ZeRO 0-3 and data parallelism, not with "
                 "tensor parallelism (AutoTP does not split peft's wrapped layers)"
             )
+        if self.model.use_peft and self.training.expert_parallel_size > 1:
+            raise ValueError(
+                "use_peft, expert_parallel_size: LoRA runs with ZeRO 0-3 and data parallelism, not with "
+                "expert parallelism (AutoEP replaces the blocks peft wrapped)"
+            )
         return self
 
     @model_validator(mode="after")

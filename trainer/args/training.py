@@ -299,6 +299,12 @@ class TrainingFields(HFArgumentHelpers, ArgsModel):
         description="AutoTP tensor parallelism: ranks that split each layer's matrices and read the same rows "
         "(world = this × data parallel).",
     )
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="AutoEP expert parallelism: data-parallel ranks that split each mixture-of-experts layer's "
+        "experts (docs/moe.md); it divides the data-parallel size.",
+    )
     tiled_loss: Literal["auto", "true", "false"] = Field(
         "auto",
         description="The LM loss in token tiles, never the whole logits tensor: auto (when one micro-batch's fp32 "

@@ -15,7 +15,7 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from safetensors.torch import load_file
@@ -92,22 +92,23 @@ def _rewritten_data(checkpoint: Path, run: RunConfig, changed: list[str]) -> lis
     return rewritten
 
 
-def uncarried(
-    checkpoint: Path, objective: str, zero_stage: int, tensor_parallel: int, pipeline_parallel: int
-) -> tuple[str, str] | None:
+def uncarried(checkpoint: Path, objective: str, zero_stage: int, layout: Any) -> tuple[str, str] | None:
     """The first of this run's objective, ZeRO stage and parallel layout that ``checkpoint`` cannot
     carry, as (the setting, one line saying why and what to do); None when it can resume. Read from
     its manifest (the objective, in checkpoints written before the manifest held it, from its run
     config; a checkpoint with neither is not compared). What carries, as measured: ZeRO 1 <-> 2 (same
     world size: the shards load as they are; another: the universal path), and a tensor-parallel size
     change of a ZeRO 1-2 checkpoint (the universal conversion re-splits it). What does not: DeepSpeed
-    loads a ZeRO-0 or ZeRO-3 checkpoint only at its own stage, and a checkpoint only on its own pipeline stages."""
+    loads a ZeRO-0 or ZeRO-3 checkpoint only at its own stage, and a checkpoint only on its own pipeline
+    stages; an expert-parallel checkpoint is resumed at its own expert-parallel size. ``layout``: this
+    run's parallel sizes (its ``Mesh``, or the ``Sizes`` it is built from)."""
     try:
         manifest = read_manifest(checkpoint)
     except CheckpointError:
         return None  # the resume's verification names it
     stage, saved = manifest.get("zero_stage", 0), saved_mesh(manifest)
-    tensor, pipeline = saved.tensor, saved.pipeline
+    tensor, pipeline, expert = saved.tensor, saved.pipeline, saved.expert
+    tensor_parallel, pipeline_parallel, expert_parallel = layout.tensor, layout.pipeline, layout.expert
     saved_objective = manifest.get("objective", _saved_run(checkpoint).get("objective"))
     rules = (
         ("objective", saved_objective, objective, saved_objective in (None, objective),
@@ -118,6 +119,8 @@ def uncarried(
          f"DeepSpeed's universal conversion re-splits the weights of ZeRO 1-2 checkpoints only, not ZeRO-{stage}"),
         ("pipeline_parallel_size", pipeline, pipeline_parallel,
          pipeline == pipeline_parallel, "a checkpoint is cut by its pipeline stages, and nothing re-cuts it"),
+        ("expert_parallel_size", expert, expert_parallel, expert == expert_parallel,
+         "its experts are saved by the ranks that held them, and the resume does not re-split them"),
     )  # fmt: skip
     for key, saved, now, carried, why in rules:
         if not carried:

@@ -134,7 +134,7 @@ def _nothing_to_resume(run_config: RunConfig, hardware: Hardware) -> bool:
     # The stage as the run's DeepSpeed dict will have it (an argument's, or a --deepspeed file's).
     ds_config = resolve(args, dist_info().world_size, hardware, total_steps=args.warmup_steps + 1)
     sizes, stage = sizes_for(run_config), ds_config["zero_optimization"].get("stage", 0)
-    if uncarried := ckpt.uncarried(path, args.objective, stage, sizes.tensor, sizes.pipeline):
+    if uncarried := ckpt.uncarried(path, args.objective, stage, sizes):
         raise ConfigError([uncarried])
     refused, changed = ckpt.run_config_changes(path, run_config)
     if refused:

@@ -8,7 +8,7 @@ Public API::
 
     validate(data, world_size=None) -> DSConfig        # raises ConfigError listing every problem
     resolve(run, world_size, hardware, *, hidden_size=None, total_steps=None, data_parallel=None) -> dict
-    parallel_sizes(run) -> (pipeline stages, sequence- and tensor-parallel sizes) as resolve settles them
+    parallel_sizes(run) -> (pipeline stages, sequence-, tensor- and expert-parallel sizes) as resolve settles them
     for_zero_init(config) -> the dict zero.Init builds a ZeRO-3 model with; custom_tensor_plan(run)
     generate(zero_stage=, precision=, micro_batch=, grad_accum=, world_size=, ...) -> dict
     load_deepspeed_json(path) -> dict

@@ -24,6 +24,7 @@ class TrainingArgs(Protocol):
     pipeline_parallel_size: int
     sequence_parallel_size: int
     tensor_parallel_size: int
+    expert_parallel_size: int
     zero_stage: int
     offload_optimizer: str
     offload_param: str
@@ -79,6 +80,7 @@ class Shortcuts(BaseModel):
     pipeline_parallel_size: int = 1  # a generated config has no pipeline section
     sequence_parallel_size: int = Field(1, ge=1)
     tensor_parallel_size: int = Field(1, ge=1)
+    expert_parallel_size: int = Field(1, ge=1)
 
     @property
     def requested_precision(self) -> str:

@@ -11,8 +11,8 @@ from trainer.config.errors import ConfigError
 from trainer.config.files import MISSING, base_config, get_path, positive_int
 
 
-def parallel_sizes(run: RunArgs | TrainingArgs) -> tuple[int, int, int]:
-    """(pipeline stages, sequence-parallel size, tensor-parallel size) as ``resolve`` settles them: an argument set
+def parallel_sizes(run: RunArgs | TrainingArgs) -> tuple[int, int, int, int]:
+    """(pipeline stages, sequence-, tensor- and expert-parallel sizes) as ``resolve`` settles them: an argument set
     explicitly (or above 1), else the DeepSpeed file's value, else the argument's default. What a
     run's ``Mesh`` is built from (``runtime.mesh.sizes_for``), so the mesh and the DeepSpeed dict agree."""
     args = run.training if hasattr(run, "training") else run
@@ -25,11 +25,14 @@ def parallel_sizes(run: RunArgs | TrainingArgs) -> tuple[int, int, int]:
         ("pipeline_parallel_size", "pipeline.stages"),
         ("sequence_parallel_size", "sequence_parallel_size"),
         ("tensor_parallel_size", "tensor_parallel.autotp_size"),
+        ("expert_parallel_size", "expert_parallel.autoep_size"),
     ):
-        value = getattr(args, arg)
+        value = getattr(args, arg, 1)
         from_file = positive_int(get_path(data, path))
+        if arg == "expert_parallel_size" and get_path(data, "expert_parallel.enabled") is not True:
+            from_file = None  # a disabled section splits nothing
         sizes.append(value if value > 1 or arg in args.model_fields_set or from_file is None else from_file)
-    return sizes[0], sizes[1], sizes[2]
+    return sizes[0], sizes[1], sizes[2], sizes[3]
 
 
 def for_zero_init(config: dict[str, Any]) -> dict[str, Any]:

@@ -167,6 +167,10 @@ class _Resolver(OptimizerRules):
             self.settle_arg("sequence_parallel_size", "sequence_parallel_size")
         if tp > 1 or self.explicit("tensor_parallel_size"):
             self.settle_arg("tensor_parallel.autotp_size", "tensor_parallel_size")
+        if getattr(self.args, "expert_parallel_size", 1) > 1 or self.explicit("expert_parallel_size"):
+            self.settle_arg("expert_parallel.autoep_size", "expert_parallel_size")
+            if self.args.expert_parallel_size > 1:
+                self.settle("expert_parallel.enabled", True, "expert_parallel_size > 1 turns AutoEP on")
         if tensor_size_of(self.data) > 1:
             # Left unset, AutoTP splits a tied head by vocabulary, and every loss here reads whole rows.
             self.settle(

@@ -20,6 +20,7 @@ from trainer.config.sections import (
     CheckpointConfig,
     CommsLoggerConfig,
     CsvMonitorConfig,
+    ExpertParallelConfig,
     FlopsProfilerConfig,
     PipelineConfig,
     TensorBoardConfig,
@@ -115,6 +116,9 @@ class DSConfig(ConfigModel):
     tensor_parallel: TensorParallelConfig | None = Field(
         None, description="AutoTP tensor parallelism: ranks that split each layer's matrices."
     )
+    expert_parallel: ExpertParallelConfig | None = Field(
+        None, description="AutoEP expert parallelism: ranks that split each MoE layer's experts."
+    )
 
     @field_validator("steps_per_print", mode="before")
     @classmethod
@@ -200,6 +204,21 @@ class DSConfig(ConfigModel):
                     ),
                 )
             )
+        if expert_size(self) > 1 and (staged or sequence_split or tensor_size(self) > 1):
+            other = (
+                "pipeline.stages"
+                if staged
+                else "sequence_parallel_size"
+                if sequence_split
+                else "tensor_parallel.autotp_size"
+            )
+            problems.append(
+                (
+                    f"expert_parallel.autoep_size, {other}",
+                    "AutoEP expert parallelism runs with ZeRO 0-3 and data parallelism here, not with "
+                    "pipeline stages, sequence or tensor parallelism",
+                )
+            )
         optimizer = self.optimizer
         if (
             optimizer is not None
@@ -246,6 +265,12 @@ def batch_problems(config: DSConfig, world_size: int) -> list[Problem]:
         config.sequence_parallel_size or 1,
         tensor_size(config),
     )
+
+
+def expert_size(config: DSConfig) -> int:
+    """The ranks AutoEP splits each MoE layer's experts over (1: off)."""
+    section = config.expert_parallel
+    return section.autoep_size if section is not None and section.enabled else 1
 
 
 def tensor_size(config: DSConfig) -> int:

@@ -145,6 +145,34 @@ class PipelineConfig(ConfigModel):
     grad_partitioned: bool = Field(True, description="Partition gradients sent between stages.")
 
 
+class ExpertParallelConfig(ConfigModel):
+    """DeepSpeed's AutoEP: each mixture-of-experts layer's experts split over ``autoep_size``
+    data-parallel ranks, tokens sent to the rank holding their expert and back. Runs with ZeRO 0-3
+    and data parallelism; the model's MoE blocks are found by its HF model type or a preset."""
+
+    enabled: bool = Field(False, description="Replace the model's MoE blocks with expert-parallel ones.")
+    autoep_size: int = Field(
+        1, ge=1, description="Ranks each layer's experts are split over (it divides them)."
+    )
+    preset_model: str | None = Field(
+        None,
+        description="A built-in MoE layout (mixtral, qwen3_moe, qwen3_5_moe, deepseek_v2, deepseek_v3, "
+        "minimax_m3); None: found from the model's HF type.",
+    )
+    expert_tensor_parallel_size: Literal[1] = Field(
+        1, description="Ranks each expert is split over; only 1 (experts whole) is supported here."
+    )
+    moe_layer_pattern: str | None = Field(
+        None, description="Regex of the MoE blocks' module names (no preset)."
+    )
+    router_pattern: str | None = Field(None, description="The router's name inside a block (no preset).")
+    expert_pattern: str | None = Field(None, description="The experts' name inside a block (no preset).")
+    use_grouped_mm: bool = Field(True, description="Grouped matrix multiplies for the local experts.")
+    load_balance_coeff: None = Field(
+        None, description="Unsupported by AutoEP; the trainer adds the router loss (router_aux_loss_coef)."
+    )
+
+
 class TensorParallelConfig(ConfigModel):
     """DeepSpeed's AutoTP training: each layer's matrices split over ``autotp_size`` consecutive
     ranks, which read the same rows. Runs with ZeRO 0-3, not with pipeline stages or Ulysses."""

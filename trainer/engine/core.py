@@ -307,8 +307,10 @@ class Engine(ABC):
         memory and write in the background)."""
         # universal_checkpoint_info lets ds_to_universal convert this save for another world size;
         # AutoTP's says how its split weights join (empty otherwise, as DeepSpeed leaves it out).
+        # With expert-parallel layers DeepSpeed writes its own and refuses the key from a client.
         info = getattr(self.module, UNIVERSAL_CHECKPOINT_INFO, None) or {}
-        state = {UNIVERSAL_CHECKPOINT_INFO: dict(info), **client_state}
+        moe = getattr(self.ds, "has_moe_layers", False)
+        state = client_state if moe else {UNIVERSAL_CHECKPOINT_INFO: dict(info), **client_state}
         own = self.ds.checkpoint_engine
         self.ds.checkpoint_engine = _ThroughWriter(writer, getattr(own, "zipfile_serialization", False))
         try:

@@ -18,6 +18,7 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from trainer.config.errors import ConfigError
 from trainer.engine import zero
 from trainer.engine.core import Batch, Engine, TorchCompile, weight_decay_groups
+from trainer.engine.expert_parallel import ExpertParallel
 from trainer.engine.experts import check_expert_blocks
 from trainer.engine.objectives import CausalLM, Objective, Tokens
 from trainer.engine.partitions import Partitioned
@@ -67,6 +68,9 @@ class DeepSpeedEngine(Engine):
         )
         self.mesh = mesh.with_groups(**groups)
         check_expert_blocks(model, (ds_config.get("zero_optimization") or {}).get("stage", 0), mesh)
+        self.experts = ExpertParallel(model, ds_config, mesh.expert) if mesh.expert > 1 else None
+        if self.experts is not None and optimizer is None:
+            params = self.experts.named_groups(params)
         self._initialize(
             model,
             ds_config,
@@ -76,6 +80,8 @@ class DeepSpeedEngine(Engine):
             mpu=next(iter(groups.values()), None),
             torch_compile=torch_compile,
         )
+        if self.experts is not None:
+            self.mesh = self.mesh.with_groups(expert=self.experts.made())
         # What DeepSpeed divides the summed gradients by: the data-parallel size, except that
         # ZeRO-3's reduce-scatter averages over every rank, sequence-parallel ones too (0.19).
         zero3_sp = self.sp is not None and self.ds.zero_optimization_partition_weights()
@@ -143,6 +149,8 @@ class DeepSpeedEngine(Engine):
                     with zero.gathered([param], enabled=partitioned):
                         state[name] = param.detach().cpu().clone()
             return state if self.ds.global_rank == 0 else None
+        if self.experts is not None:  # every expert from the ranks of its group, in HF's layout
+            return self.experts.full_state_dict(self.module, partitioned)
         if partitioned or self.mesh.tensor > 1:  # DeepSpeed gathers ZeRO-3's and AutoTP's pieces
             state = self.ds._consolidated_16bit_state_dict()
             return state if self.ds.global_rank == 0 else None

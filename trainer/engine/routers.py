@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
 from transformers.trainer_utils import unwrap_peft_model
 
 from trainer.config.errors import ConfigError
@@ -39,7 +40,9 @@ from trainer.runtime.distributed import all_reduce_sum
 
 class Routers:
     """The routers of a model, hooked: ``capture()`` yields the logits of each of them in a forward.
-    ``Routers.of(model)``: one per model, so engines built again over it do not hook it twice."""
+    ``Routers.of(model)``: one per model, so engines built again over it do not hook it twice. The
+    hooks go on at the first capture, into the model as the engine left it: expert parallelism
+    (``trainer.engine.expert_parallel``) replaces the blocks, routers included, when it is built."""
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Routers:
@@ -49,7 +52,8 @@ class Routers:
         return found
 
     def __init__(self, model: torch.nn.Module):
-        self.modules, index, owners = _routers(model)
+        self.model = model
+        self.modules, _, owners = _routers(model)
         self.experts = _experts_of(self.modules[0]) if self.modules else 0
         config = getattr(model, "config", None)
         get = getattr(config, "get_text_config", None)
@@ -58,8 +62,7 @@ class Routers:
         self.coefficient: float | None = getattr(config, "router_aux_loss_coef", None)
         self.top_k = _top_k(owners, config)
         self._armed: list[torch.Tensor] | None = None
-        for module in self.modules:
-            module.register_forward_hook(self._keep(index))
+        self._hooked: list[torch.nn.Module] = []
 
     def __bool__(self) -> bool:
         return bool(self.modules)
@@ -74,6 +77,10 @@ class Routers:
     @contextmanager
     def capture(self) -> Iterator[list[torch.Tensor]]:
         """Within the block, each router's logits of the forwards run, in order."""
+        if not self._hooked:
+            self._hooked, index, _ = _routers(self.model)
+            for module in self._hooked:
+                module.register_forward_hook(self._keep(index))
         self._armed = taken = []
         try:
             yield taken
@@ -164,7 +171,11 @@ def row_balance(
 
 def _routers(model: torch.nn.Module) -> tuple[list[torch.nn.Module], int, list[Any]]:
     """(the model's routers in forward order, the index of the logits in their output, where to
-    read the experts each token picks: the routers, or the blocks that hold them)."""
+    read the experts each token picks: the routers, or the blocks that hold them). AutoEP's blocks
+    keep the router's matrix as a linear layer, ``router.gate``, whose output is the logits."""
+    replaced = [m for m in model.modules() if isinstance(m, AutoEPMoELayer)]
+    if replaced:
+        return [layer.router.gate for layer in replaced], 0, replaced
     for module in model.modules():
         recorded = (getattr(module, "_can_record_outputs", None) or {}).get("router_logits")
         if recorded is not None:

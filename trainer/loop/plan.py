@@ -101,7 +101,7 @@ def plan_run(
         ds_config = finalize_zero3(user_args, ds_config)
     if checkpoint is not None:  # a checkpoint this run's objective, stage or mesh cannot load: one line, now
         stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-        if refused := ckpt.uncarried(checkpoint, args.objective, stage, mesh.tensor, mesh.pipeline):
+        if refused := ckpt.uncarried(checkpoint, args.objective, stage, mesh):
             raise ConfigError([refused])
     check_auto_batch(args, ds_config, mesh)  # before the model is built (build_run) or trained
     return RunPlan(hardware, dist, mesh, args, steps, total_steps, checkpoint, spec, ds_config)

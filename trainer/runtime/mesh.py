@@ -139,11 +139,11 @@ class Sizes:
 
 
 def sizes_for(run: Any) -> Sizes:
-    """The pipeline, sequence and tensor sizes as the DeepSpeed dict will have them: an argument set,
+    """The pipeline, sequence, tensor and expert sizes as the DeepSpeed dict will have them: an argument set,
     else the DeepSpeed file's, else the default (``config.parallel_sizes``, the rule ``resolve``
     follows). ``run``: a RunConfig or its training arguments."""
-    pipeline, sequence, tensor = parallel_sizes(run)
-    return Sizes(tensor=tensor, pipeline=pipeline, sequence=sequence)
+    pipeline, sequence, tensor, expert = parallel_sizes(run)
+    return Sizes(tensor=tensor, pipeline=pipeline, sequence=sequence, expert=expert)
 
 
 def mesh_for(run: Any, world_size: int, rank: int) -> Mesh:
@@ -162,6 +162,7 @@ class SavedMesh:
     zero_shards: int | None
     tensor: int
     pipeline: int
+    expert: int = 1
 
 
 def saved_mesh(manifest: Mapping[str, Any]) -> SavedMesh:
@@ -173,4 +174,5 @@ def saved_mesh(manifest: Mapping[str, Any]) -> SavedMesh:
         manifest.get("optimizer_partitions", data),
         manifest.get("tensor_parallel_size", 1),
         manifest.get("pipeline_parallel_size", 1),
+        manifest.get("expert_parallel_size", 1),
     )
