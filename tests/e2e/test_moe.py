@@ -40,7 +40,14 @@ def runs(tmp_path_factory):
     def two_ranks(where: str) -> None:
         stage = where[-1]
         expert = ["--expert_parallel_size", "2"] if where.startswith("ep") or where == "resumed" else []
-        flags = [*SPLIT, *expert, "--output_dir", str(out[where]), "--zero_stage", stage if stage.isdigit() else "3"]
+        flags = [
+            *SPLIT,
+            *expert,
+            "--output_dir",
+            str(out[where]),
+            "--zero_stage",
+            stage if stage.isdigit() else "3",
+        ]
         launch([*COMMON, *flags], launcher="deepspeed")
 
     def copy(where: str) -> None:
@@ -48,7 +55,14 @@ def runs(tmp_path_factory):
 
     def refused() -> None:
         copy("refused")
-        flags = ["--per_device_train_batch_size", "8", "--zero_stage", "3", "--output_dir", str(out["refused"])]
+        flags = [
+            "--per_device_train_batch_size",
+            "8",
+            "--zero_stage",
+            "3",
+            "--output_dir",
+            str(out["refused"]),
+        ]
         out["refused_proc"] = launch([*COMMON, *flags], launcher="python", check=False)
 
     one = [*COMMON, "--output_dir", str(out["one"]), "--per_device_train_batch_size", "8"]
@@ -69,7 +83,10 @@ def test_two_ranks_accumulating_take_one_process_steps(runs, run):
     for a, b in zip(one, ranks, strict=True):
         for key in ("loss", "aux_loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a["step"])
-        assert sorted(k for k in b if k.startswith("expert_imbalance/")) == ["expert_imbalance/0", "expert_imbalance/1"]
+        assert sorted(k for k in b if k.startswith("expert_imbalance/")) == [
+            "expert_imbalance/0",
+            "expert_imbalance/1",
+        ]
         assert all(1.0 <= b[f"expert_imbalance/{layer}"] <= 2.0 for layer in (0, 1))  # 4 experts, top-2
     assert_same_weights(runs[run] / "final", runs["one"] / "final", rtol=1e-5, atol=1e-6)
 

@@ -260,6 +260,6 @@ def test_format_table_has_one_line_per_configuration():
     result = plan(load_model_spec("gpt2"), Cluster(2, 1, 16, 64), 1024, 4)
     lines = format_table(result).splitlines()
     assert len(lines) == 2 + 16
-    assert lines[0].split() == ["zero", "tp", "offload", "ckpt", "|", "model", "buffers", "activ.", "total/GPU",
+    assert lines[0].split() == ["zero", "tp", "ep", "offload", "ckpt", "|", "model", "buffers", "activ.", "total/GPU",
                                 "GPU/node", "CPU/node", "|", "fits"]  # fmt: skip
-    assert lines[-1].split()[:4] == ["3", "1", "opt+param", "on"]
+    assert lines[-1].split()[:5] == ["3", "1", "1", "opt+param", "on"]

@@ -80,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="AutoTP tensor parallelism up to N ranks a layer, within a node (sizes dividing N are tried; "
         "default 1)",
     )  # fmt: skip
+    run.add_argument(
+        "--expert-parallel", type=int, metavar="N",
+        help="a mixture of experts: AutoEP over up to N ranks (sizes dividing N, the experts and the world "
+        "are tried; default: the GPUs of a node; 1 for a dense model)",
+    )  # fmt: skip
     long = parser.add_argument_group(
         "long context (the plan picks the fewest features and smallest size that fit)"
     )
@@ -128,6 +133,7 @@ def _check_positive(args: argparse.Namespace) -> None:
         "cpu_memory_gb",
         "sequence_parallel",
         "tensor_parallel",
+        "expert_parallel",
         *SIZE_FLAGS,
     ]
     problems = [
@@ -193,6 +199,8 @@ def training_flags(row: dict[str, Any], tiled_loss_given: bool) -> list[str]:
         flags.append(f"--sequence_parallel_size {row['sequence_parallel']}")
     if row["tensor_parallel"] > 1:
         flags.append(f"--tensor_parallel_size {row['tensor_parallel']}")
+    if row["expert_parallel"] > 1:
+        flags.append(f"--expert_parallel_size {row['expert_parallel']}")
     if tiled_loss_given:
         flags.append(f"--tiled_loss {str(row['tiled_loss']).lower()}")
     flags += ["--tiled_mlp true"] if row["tiled_mlp"] else []
@@ -226,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
         args.tiled_mlp,
         args.offload_activations,
         args.tensor_parallel,
+        (args.expert_parallel or cluster.gpus_per_node) if spec.n_experts else 1,
     )
 
     def config_for(setup: Setup) -> dict[str, Any]:
@@ -242,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(_report(result, replace(options, tensor_parallel=1) != LongContext()))
+        print(_report(result, replace(options, tensor_parallel=1, expert_parallel=1) != LongContext()))
     if best is None:
         print(f"trainer plan: {no_fit_message(result)}", file=sys.stderr)
         return 1
@@ -255,6 +264,15 @@ def _report(result: dict[str, Any], long_context: bool) -> str:
     lines = [
         f"model {m['name']}: {m['n_params'] / 1e9:.2f}B parameters, {m['n_layers']} layers, hidden "
         f"{m['hidden_size']}, {m['n_heads']} heads, vocab {m['vocab_size']}",
+        *(
+            [
+                f"a mixture of {m['n_experts']} experts a layer, {m['experts_per_token']} per token: "
+                f"{m['expert_params'] / 1e9:.2f}B parameters in experts, {result['active_params'] / 1e9:.2f}B "
+                "active per token; expert states per rank divided by the expert-parallel size"
+            ]
+            if m["n_experts"]
+            else []
+        ),
         f"run: {result['precision']}, seq_len {result['seq_len']}, micro-batch {result['micro_batch']}; "
         f"{c['nodes']} node(s) x {c['gpus_per_node']} GPUs of {c['gpu_memory_gb']:g} GB, "
         f"{c['cpu_memory_gb']:g} GB host memory per node (10% of each kept free)",

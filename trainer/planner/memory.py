@@ -161,12 +161,19 @@ def layer_saved_bytes(spec: ModelSpec, precision: str, seq_len: int, sp: int = 1
                 "scores": 5 * spec.n_heads * seq_len * scale, "mlp": mlp + 3 * h * scale}  # fmt: skip
     norm = 4 * h + 2 * p * h + 4  # fp32 input, normalised input, output; an fp32 rsqrt per token
     attention = p * (2 * q + 2 * kv) + 4 * spec.n_heads / tp + (p * q if sp > 1 else 0)
-    return {
+    saved = {
         "norms": 2 * norm,
         "attention": attention,
         "scores": 0.0,
         "mlp": 0.0 if tiled_mlp else 4 * p * ffn,
     }
+    if spec.n_experts:
+        # Each of a token's k experts keeps the token's gathered input and the gated MLP's four
+        # tensors at its width; the router keeps its logits and their fp32 softmax, one per expert.
+        k, width = spec.experts_per_token, spec.expert_intermediate_size
+        saved["mlp"] = k * (p * h + 4 * p * width)
+        saved["router"] = (p + 4) * spec.n_experts
+    return saved
 
 
 def layer_working_bytes(spec: ModelSpec, precision: str, tokens: int, sp: int = 1,

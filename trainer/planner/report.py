@@ -22,6 +22,7 @@ def long_context_words(row: dict[str, Any]) -> list[str]:
     """The long-context features a configuration turns on, in words (none for a plain run)."""
     words = [f"sequence parallel {row['sequence_parallel']}"] if row["sequence_parallel"] > 1 else []
     words += [f"tensor parallel {row['tensor_parallel']}"] if row.get("tensor_parallel", 1) > 1 else []
+    words += [f"expert parallel {row['expert_parallel']}"] if row.get("expert_parallel", 1) > 1 else []
     names = ("tiled loss", "tiled MLP", "activation offload")
     flags = (row["tiled_loss"], row["tiled_mlp"], row["offload_activations"])
     return words + [name for name, on in zip(names, flags, strict=True) if on]
@@ -67,7 +68,7 @@ def table_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 def format_table(result: dict[str, Any]) -> str:
     """The plan as a fixed-width table, one configuration a line."""
     head = (
-        f"{'zero':>4} {'tp':>2} {'offload':>9} {'ckpt':>4} | {'model':>8} {'buffers':>8} {'activ.':>8} "
+        f"{'zero':>4} {'tp':>2} {'ep':>2} {'offload':>9} {'ckpt':>4} | {'model':>8} {'buffers':>8} {'activ.':>8} "
         f"{'total/GPU':>9} {'GPU/node':>9} {'CPU/node':>9} | fits"
     )
     lines = [head, "-" * len(head)]
@@ -77,7 +78,7 @@ def format_table(result: dict[str, Any]) -> str:
         )
         fits = "yes" if r["fits"] else ("no (GPU)" if not r["fits_gpu"] else "no (CPU)")
         lines.append(
-            f"{r['zero_stage']:>4} {r['tensor_parallel']:>2} {offload:>9} "
+            f"{r['zero_stage']:>4} {r['tensor_parallel']:>2} {r['expert_parallel']:>2} {offload:>9} "
             f"{'on' if r['activation_checkpointing'] else 'off':>4} | "
             f"{r['model_states_gb_per_gpu']:8.2f} {r['buffers_gb_per_gpu']:8.2f} "
             f"{r['activations_gb_per_gpu']:8.2f} {r['total_gb_per_gpu']:9.2f} {r['gpu_gb_per_node']:9.1f} "

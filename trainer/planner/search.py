@@ -67,9 +67,7 @@ def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micr
         states = lora_state_bytes(spec, lora_r, qlora, setup.zero_stage, dp, precision,
                                   setup.offload_optimizer, setup.offload_param)  # fmt: skip
     else:
-        matrices = held - spec.embedding_params - spec.small_params if optim == "muon" else 0
-        states = model_state_bytes(held, setup.zero_stage, dp, precision,
-                                   setup.offload_optimizer, setup.offload_param, max(0, matrices))  # fmt: skip
+        states = expert_state_bytes(spec, held, setup, dp, precision, optim == "muon")
     trainable = lora_params(spec, lora_r) if lora_r else held
     buffers = buffer_bytes(spec, setup, dp, precision, knobs_from_config(ds_config), trainable)
     acts = activation_bytes(spec, seq_len, micro_batch * objective.sequences_per_row, precision, setup)
@@ -165,13 +163,46 @@ def sequence_parallel_sizes(spec: ModelSpec, cluster: Cluster, seq_len: int, lar
 class LongContext:
     """What a plan may use beyond ZeRO and offload (``trainer plan``'s flags): sequence-parallel sizes up
     to ``sequence_parallel``, a tiled MLP, offloaded checkpointed inputs; the loss tiled as given, or by
-    the trainer's auto rule when None; tensor-parallel sizes up to ``tensor_parallel``."""
+    the trainer's auto rule when None; tensor-parallel sizes up to ``tensor_parallel``, expert-parallel
+    ones up to ``expert_parallel``."""
 
     sequence_parallel: int = 1
     tiled_loss: bool | None = None
     tiled_mlp: bool = False
     offload_activations: bool = False
     tensor_parallel: int = 1
+    expert_parallel: int = 1  # expert-parallel sizes up to this, for a mixture of experts
+
+
+def expert_state_bytes(spec: ModelSpec, held: int, setup: Setup, dp: int, precision: str,
+                       muon: bool) -> dict[str, float]:  # fmt: skip
+    """Model states of a rank holding ``held`` parameters: those outside the experts partitioned by
+    ZeRO over the data-parallel ranks; a mixture's experts split over the expert-parallel group first,
+    each rank's share partitioned over the dp / ep ranks that hold the same experts. ``muon``: every
+    matrix keeps one moment (the experts are matrices)."""
+    ep = setup.expert_parallel
+    dense, experts = held - spec.expert_params, spec.expert_params / ep
+    matrices = max(0, dense - spec.embedding_params - spec.small_params) if muon else 0
+    offload = (setup.offload_optimizer, setup.offload_param)
+    states = model_state_bytes(dense, setup.zero_stage, dp, precision, *offload, matrices)
+    if not experts:
+        return states
+    split = model_state_bytes(
+        experts, setup.zero_stage, dp // ep, precision, *offload, experts if muon else 0
+    )
+    return {key: states[key] + split[key] for key in states}
+
+
+def expert_parallel_sizes(spec: ModelSpec, cluster: Cluster, largest: int) -> list[int]:
+    """The expert-parallel sizes up to ``largest`` a run could use, smallest first: the divisors of
+    ``largest`` that divide the experts and the world (1 alone for a dense model)."""
+    if not spec.n_experts:
+        return [1]
+    return [
+        n
+        for n in range(1, largest + 1)
+        if largest % n == 0 and not spec.n_experts % n and not cluster.world_size % n
+    ]
 
 
 def candidate_setups(spec: ModelSpec, cluster: Cluster, seq_len: int, sequences: int,
@@ -180,15 +211,17 @@ def candidate_setups(spec: ModelSpec, cluster: Cluster, seq_len: int, sequences:
 
     Optimizer offload decides first (as in ``setups``), then the fewest features that cost compute or
     transfers (checkpointing, a tiled MLP, activation offload, preferred in that order), then the
-    smallest sequence-parallel size, then ZeRO 0-2 with the smallest tensor-parallel size before ZeRO-3
-    (within a node TP's all-reduces cost less than ZeRO-3's gathers of every weight; TP does not run
-    with sequence parallelism or LoRA), then the lowest ZeRO stage. The loss tiling is no choice: it
+    smallest sequence-parallel size, then ZeRO 0-2 with the smallest tensor- and expert-parallel sizes
+    before ZeRO-3 (within a node TP's all-reduces cost less than ZeRO-3's gathers of every weight, and
+    EP's exchange of a layer's tokens less than the gathers of its experts; neither runs with sequence
+    parallelism, nor with the other), then the lowest ZeRO stage. The loss tiling is no choice: it
     follows the flag, or the trainer's auto rule for the tokens a rank holds (``sequences`` of a
     micro-batch: its rows, a pair's two for a preference objective). Without long-context
     options this is ``setups()`` in its own order.
     """
     out = []
     tensor_sizes = tensor_parallel_sizes(spec, cluster, options.tensor_parallel)
+    expert_sizes = expert_parallel_sizes(spec, cluster, options.expert_parallel)
     for base in setups():
         for sp in sequence_parallel_sizes(spec, cluster, seq_len, options.sequence_parallel):
             tiled_loss = options.tiled_loss
@@ -197,14 +230,15 @@ def candidate_setups(spec: ModelSpec, cluster: Cluster, seq_len: int, sequences:
             for tiled_mlp in sorted({False, options.tiled_mlp}):
                 for offload in sorted({False, options.offload_activations and base.activation_checkpointing}):
                     for tp in tensor_sizes if sp == 1 else [1]:
-                        out.append(replace(base, sequence_parallel=sp, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp,
-                                           offload_activations=offload, tensor_parallel=tp))  # fmt: skip
+                        for ep in expert_sizes if sp == tp == 1 else [1]:  # AutoEP runs with DP alone
+                            out.append(replace(base, sequence_parallel=sp, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp,
+                                               offload_activations=offload, tensor_parallel=tp, expert_parallel=ep))  # fmt: skip
 
     def order(s: Setup) -> tuple[Any, ...]:
         features = (s.activation_checkpointing, s.tiled_mlp, s.offload_activations)
         tier = OFFLOADS.index((s.offload_optimizer, s.offload_param))
         return (tier, sum(features), s.sequence_parallel, tuple(not f for f in features), s.zero_stage == 3,
-                s.tensor_parallel, s.zero_stage)  # fmt: skip
+                s.tensor_parallel, s.expert_parallel, s.zero_stage)  # fmt: skip
 
     return sorted(out, key=order)
 
@@ -243,6 +277,8 @@ def plan(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int, prec
     for setup in candidate_setups(spec, cluster, seq_len, sequences, long_context):
         if optim == "muon" and (setup.offload_optimizer == "nvme" or setup.tensor_parallel > 1):
             continue  # refused by the run: Muon needs whole matrices, its states in memory
+        if lora_r and setup.expert_parallel > 1:
+            continue  # refused by the run: AutoEP replaces the blocks LoRA wraps
         ds_config = config_for(setup) if config_for else None
         rows.append(
             estimate(
@@ -271,6 +307,7 @@ def plan(spec: ModelSpec, cluster: Cluster, seq_len: int, micro_batch: int, prec
         "objective": asdict(objective),
         "optim": optim,
         "trainable_params": lora_params(spec, lora_r) if lora_r else spec.n_params,
+        "active_params": spec.active_params,
         "usable_gpu_memory_gb": cluster.gpu_memory_gb * (1 - HEADROOM),
         "usable_cpu_memory_gb": cluster.cpu_memory_gb * (1 - HEADROOM),
         "long_context": {

@@ -60,6 +60,21 @@ class ModelSpec:
     head_dim: int = 0  # 0: hidden_size // n_heads
     intermediate_size: int = 0  # the MLP's width; 0: 4 x hidden_size
     arch: str = "llama"  # "llama" (HF Llama-style decoder) or "gpt2": which activation count applies
+    # A mixture of experts: its experts per MoE layer, those each token runs, and the parameters of
+    # every layer's experts together (0: a dense model).
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0
+    expert_intermediate_size: int = 0
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token runs through: all but the experts it was not routed to."""
+        if not self.n_experts:
+            return self.n_params
+        return (
+            self.n_params - self.expert_params + self.expert_params * self.experts_per_token // self.n_experts
+        )
 
     @property
     def tensor_split_params(self) -> int:
@@ -94,6 +109,7 @@ class Setup:
     tiled_mlp: bool = False  # each MLP over the sequence in tiles
     offload_activations: bool = False  # checkpointed layer inputs kept on the host (needs checkpointing)
     tensor_parallel: int = 1  # AutoTP: each projection split over N ranks, which read the same rows
+    expert_parallel: int = 1  # AutoEP: each MoE layer's experts split over N data-parallel ranks
 
 
 @dataclass(frozen=True)
@@ -124,17 +140,40 @@ def _llama_like(cfg: dict[str, Any], name: str) -> ModelSpec:
     attn_bias = bool(cfg.get("attention_bias", False))
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
     attention = h * q_out + 2 * h * kv_out + q_out * h + (q_out + 2 * kv_out + h if attn_bias else 0)
+    attention += 2 * head_dim if str(cfg.get("model_type", "")).startswith("qwen3") else 0  # q and k norms
     mlp = 3 * h * ffn  # gate, up and down projections
-    per_layer = attention + mlp + 2 * h  # two RMSNorm weights
+    experts, top_k, expert_ffn, moe_layers = _experts(cfg, layers, ffn)
+    expert_params = moe_layers * experts * 3 * h * expert_ffn
+    # An MoE layer's MLP is its experts (counted apart) and a router with one row per expert.
+    mlps = (layers - moe_layers) * mlp + moe_layers * h * experts + expert_params
     embed = vocab * h
     lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * h
-    total = embed + layers * per_layer + h + lm_head
-    largest = max(embed, h * ffn, h * q_out)
+    total = embed + layers * (attention + 2 * h) + mlps + h + lm_head  # two RMSNorm weights a layer
+    # HF keeps each layer's experts in one 3-D parameter, which ZeRO-3 gathers whole.
+    largest = max(embed, h * ffn, h * q_out, 2 * experts * expert_ffn * h)
     linear_io = (h + q_out) * 2 + 2 * (h + kv_out) + 3 * (h + ffn)  # q, o, k, v; gate, up, down
     return ModelSpec(
         name, total, layers, h, heads, vocab, largest, (2 * layers + 1) * h, linear_io, embed + lm_head,
-        n_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=ffn,
+        n_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=ffn, n_experts=experts,
+        experts_per_token=top_k, expert_params=expert_params, expert_intermediate_size=expert_ffn,
     )  # fmt: skip
+
+
+def _experts(cfg: dict[str, Any], layers: int, ffn: int) -> tuple[int, int, int, int]:
+    """(experts per MoE layer, experts per token, an expert's MLP width, MoE layers) of an HF config:
+    Mixtral's ``num_local_experts``, Qwen-MoE's ``num_experts`` (with ``moe_intermediate_size``,
+    ``decoder_sparse_step`` and ``mlp_only_layers``); (0, 0, 0, 0) for a dense model."""
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if experts < 2:
+        return 0, 0, 0, 0
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+    moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return (
+        experts,
+        int(cfg.get("num_experts_per_tok") or 2),
+        int(cfg.get("moe_intermediate_size") or ffn),
+        moe_layers,
+    )
 
 
 def _gpt2(cfg: dict[str, Any], name: str) -> ModelSpec:
