@@ -4,7 +4,8 @@
 #   2. the --device cuda benchmark: the 1.1B Llama in bf16 on ZeRO-2 with all four systems (plus a
 #      profile of ours), ZeRO-2 with activation checkpointing, and ZeRO-3 (ours and the raw loop),
 #   3. the long-context search (scripts/bench_long_context.py): the longest sequence a ~1B Llama
-#      trains on within the GPU's memory, ours without and with tiling, and HF Trainer.
+#      trains on within the GPU's memory, ours without and with tiling, and HF Trainer,
+#   4. with two GPUs or more, expert parallelism against ZeRO-3 alone (scripts/bench_moe.py).
 # Everything goes under RESULTS_DIR: logs, JSON, profiles, and summary.txt with each phase's status.
 #
 #   scripts/gpu_check.sh RESULTS_DIR
@@ -129,5 +130,12 @@ if [[ -f "$out/work-long-context/report.md" ]]; then
     cat "$out/long-context.txt"
 fi
 rm -rf "$out/work-long-context/data/cache"  # the tokenised corpus; logs, metrics and configs stay
+# Expert parallelism against ZeRO-3 alone (scripts/bench_moe.py): one rank a GPU, so two GPUs at least.
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+if ((gpus >= 2)); then
+    phase bench-moe 150 "$py" scripts/bench_moe.py --max_steps 40 --out "$out/work-moe" --json "$out/bench-moe.json"
+else
+    note "bench-moe: not run (expert parallelism puts one rank on each of 2 GPUs; this machine has $gpus)"
+fi
 note "total: ${SECONDS}s; results in $out"
 exit $status

@@ -1,5 +1,5 @@
 """A mixture of experts through the user's command: ``deepspeed --num_gpus 2 scripts/train.py
---model_type mixtral``, with the router's load-balancing loss on at ``--router_aux_loss_coef``, at
+--model_type mixtral --expert_parallel_size 2 --zero_stage 3`` (the other runs under torchrun), with the router's load-balancing loss on at ``--router_aux_loss_coef``, at
 ZeRO-3 and with ``--expert_parallel_size 2`` (AutoEP: each rank holds half of every layer's
 experts) at ZeRO 1, 2 and 3.
 

@@ -2,7 +2,8 @@
 the same rows, with the router's load-balancing loss on (``output_router_logits``, HF's switch;
 on by default here). Each micro-batch is one row, where HF's pooling and ours (each row's tokens)
 agree. Ours trains again on the same rows as one batch of 4, as 2 micro-batches of 2 and as 4 of 1,
-rows of different lengths (padding, which neither pool counts).
+rows of different lengths (padding, which neither pool counts), and as one batch of 4 with activation
+checkpointing (the routers run again in backward, their hooks disarmed).
 
 Usage: ``python tests/helpers/moe_parity.py OUT``; writes ``OUT/parity.json``: per run, the losses
 (and ours' ``aux_loss``) of each step.
@@ -48,17 +49,18 @@ def main() -> int:
     collator = CausalLMCollator(0)
     results = {}
     data = token_dataset(16, seed=5, min_len=6, max_len=12)
-    for name, trainer_class, batch, accumulate in (
-        ("hf", transformers.Trainer, 1, 1),
-        ("ours", Trainer, 1, 1),
-        ("ours_batch4", Trainer, 4, 1),
-        ("ours_2x2", Trainer, 2, 2),
-        ("ours_4x1", Trainer, 1, 4),
+    for name, trainer_class, batch, accumulate, recompute in (
+        ("hf", transformers.Trainer, 1, 1, False),
+        ("ours", Trainer, 1, 1, False),
+        ("ours_batch4", Trainer, 4, 1, False),
+        ("ours_2x2", Trainer, 2, 2, False),
+        ("ours_4x1", Trainer, 1, 4, False),
+        ("ours_batch4_checkpointed", Trainer, 4, 1, True),
     ):
         hf = trainer_class is transformers.Trainer
         arguments = (transformers.TrainingArguments if hf else TrainingArguments)(
             output_dir=str(out / name), per_device_train_batch_size=batch, gradient_accumulation_steps=accumulate,
-            **COMMON, **({"use_cpu": True} if hf else {}),
+            gradient_checkpointing=recompute, **COMMON, **({"use_cpu": True} if hf else {}),
         )  # fmt: skip
         trainer = trainer_class(
             model=copy.deepcopy(model), args=arguments, train_dataset=data, data_collator=collator

@@ -132,7 +132,7 @@ def test_one_process_takes_hfs_steps_with_the_router_loss(parity):
     assert all(1.9 < aux < 2.2 for aux in ours["aux_loss"])  # 4 experts, top-2: 2 when balanced
 
 
-@pytest.mark.parametrize("split", ["ours_2x2", "ours_4x1"])
+@pytest.mark.parametrize("split", ["ours_2x2", "ours_4x1", "ours_batch4_checkpointed"])
 def test_a_batch_split_into_micro_batches_gives_the_same_steps(parity, split):
     one, parts = parity["ours_batch4"], parity[split]
     for key in ("loss", "aux_loss", "grad_norm"):
