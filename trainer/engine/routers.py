@@ -25,6 +25,7 @@ row gets HF's value.
 from __future__ import annotations
 
 from collections.abc import Iterator
+import weakref
 from contextlib import contextmanager
 from typing import Any
 
@@ -52,7 +53,9 @@ class Routers:
         return found
 
     def __init__(self, model: torch.nn.Module):
-        self.model = model
+        # Weakly: the model holds this object, and a cycle would keep a dropped model (and, under
+        # ZeRO-3, its registration with transformers) alive until a garbage collection.
+        self._model = weakref.ref(model)
         self.modules, _, owners = _routers(model)
         self.experts = _experts_of(self.modules[0]) if self.modules else 0
         config = getattr(model, "config", None)
@@ -78,7 +81,7 @@ class Routers:
     def capture(self) -> Iterator[list[torch.Tensor]]:
         """Within the block, each router's logits of the forwards run, in order."""
         if not self._hooked:
-            self._hooked, index, _ = _routers(self.model)
+            self._hooked, index, _ = _routers(self._model())
             for module in self._hooked:
                 module.register_forward_hook(self._keep(index))
         self._armed = taken = []
