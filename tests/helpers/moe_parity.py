@@ -3,7 +3,8 @@ the same rows, with the router's load-balancing loss on (``output_router_logits`
 on by default here). Each micro-batch is one row, where HF's pooling and ours (each row's tokens)
 agree. Ours trains again on the same rows as one batch of 4, as 2 micro-batches of 2 and as 4 of 1,
 rows of different lengths (padding, which neither pool counts), and as one batch of 4 with activation
-checkpointing (the routers run again in backward, their hooks disarmed).
+checkpointing (the routers run again in backward, their hooks disarmed). Both train LoRA adapters on
+the attention (the router frozen, its loss still moving the adapters), micro-batches of one row.
 
 Usage: ``python tests/helpers/moe_parity.py OUT``; writes ``OUT/parity.json``: per run, the losses
 (and ours' ``aux_loss``) of each step.
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from peft import LoraConfig, get_peft_model
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from tests.helpers.trainer_scenarios import VOCAB, token_dataset
@@ -56,15 +58,20 @@ def main() -> int:
         ("ours_2x2", Trainer, 2, 2, False),
         ("ours_4x1", Trainer, 1, 4, False),
         ("ours_batch4_checkpointed", Trainer, 4, 1, True),
+        ("hf_lora", transformers.Trainer, 1, 1, False),
+        ("ours_lora", Trainer, 1, 1, False),
     ):
         hf = trainer_class is transformers.Trainer
         arguments = (transformers.TrainingArguments if hf else TrainingArguments)(
             output_dir=str(out / name), per_device_train_batch_size=batch, gradient_accumulation_steps=accumulate,
             gradient_checkpointing=recompute, **COMMON, **({"use_cpu": True} if hf else {}),
         )  # fmt: skip
-        trainer = trainer_class(
-            model=copy.deepcopy(model), args=arguments, train_dataset=data, data_collator=collator
-        )
+        policy = copy.deepcopy(model)
+        if name.endswith("_lora"):  # adapters on the attention; the router and experts frozen
+            policy = get_peft_model(
+                policy, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+            )
+        trainer = trainer_class(model=policy, args=arguments, train_dataset=data, data_collator=collator)
         trainer.train()
         results[name] = steps(trainer.state.log_history)
     (out / "parity.json").write_text(json.dumps(results))

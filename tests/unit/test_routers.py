@@ -122,10 +122,11 @@ def parity(tmp_path_factory):
     return json.loads((out / "parity.json").read_text())
 
 
-def test_one_process_takes_hfs_steps_with_the_router_loss(parity):
+@pytest.mark.parametrize("run", ["", "_lora"])
+def test_one_process_takes_hfs_steps_with_the_router_loss(parity, run):
     """A micro-batch of one row: HF's Trainer (its loss plus 0.05 x its router loss) and ours, step
-    by step; without the router loss ours would be 0.1 lower."""
-    hf, ours = parity["hf"], parity["ours"]
+    by step, the whole model or LoRA adapters; without the router loss ours would be 0.1 lower."""
+    hf, ours = parity[f"hf{run}"], parity[f"ours{run}"]
     assert len(hf["loss"]) == len(ours["loss"]) == 4 and len(ours["aux_loss"]) == 4
     for key in ("loss", "grad_norm"):
         assert ours[key] == pytest.approx(hf[key], rel=1e-5), key
