@@ -33,11 +33,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from trainer.bench.muon import cores, has_gpu, launch_env
+from trainer.observe.metrics import read_metrics
 
-from trainer.bench.muon import cores, has_gpu, launch_env  # noqa: E402
-from trainer.observe.metrics import read_metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 VARIANTS = {
     "zero3": ["--zero_stage", "3"],

@@ -64,6 +64,10 @@ TEST_NODES = {
     "deepspeed --num_gpus 2 scripts/train.py --sequence_parallel_size 2": (
         "tests/e2e/test_sequence_parallel.py::test_two_ranks_follow_the_one_rank_losses_and_grad_norms"
     ),
+    "deepspeed --num_gpus 2 scripts/train.py --model_type mixtral --expert_parallel_size 2 --zero_stage 3": (
+        "tests/e2e/test_moe.py::test_two_ranks_accumulating_take_one_process_steps"
+    ),
+    "scripts/bench_moe.py": "tests/e2e/test_bench_moe.py::test_expert_parallelism_is_measured_against_zero3",
     "deepspeed --num_gpus 2 scripts/train.py --tensor_parallel_size 2 --zero_stage 2": (
         "tests/e2e/test_tensor_parallel.py::test_a_group_of_two_follows_one_process"
     ),

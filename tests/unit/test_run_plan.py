@@ -59,9 +59,14 @@ def test_the_mesh_refuses_a_rank_outside_the_world():
 
 def test_sizes_come_from_an_explicit_argument_else_the_deepspeed_file():
     stated = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2, "pipeline": {"stages": 2}}
-    assert parallel_sizes(TrainingArguments(output_dir="o", deepspeed=stated)) == (2, 2, 1)
-    assert parallel_sizes(TrainingArguments(output_dir="o")) == (1, 1, 1)
-    assert parallel_sizes(TrainingArguments(output_dir="o", sequence_parallel_size=4)) == (1, 4, 1)
+    assert parallel_sizes(TrainingArguments(output_dir="o", deepspeed=stated)) == (2, 2, 1, 1)
+    assert parallel_sizes(TrainingArguments(output_dir="o")) == (1, 1, 1, 1)
+    assert parallel_sizes(TrainingArguments(output_dir="o", sequence_parallel_size=4)) == (1, 4, 1, 1)
+    experts = {"train_micro_batch_size_per_gpu": 1, "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    assert parallel_sizes(TrainingArguments(output_dir="o", deepspeed=experts)) == (1, 1, 1, 2)
+    disabled = {**experts, "expert_parallel": {"enabled": False, "autoep_size": 2}}
+    assert parallel_sizes(TrainingArguments(output_dir="o", deepspeed=disabled)) == (1, 1, 1, 1)
+    assert parallel_sizes(TrainingArguments(output_dir="o", expert_parallel_size=4)) == (1, 1, 1, 4)
     mesh = mesh_for(TrainingArguments(output_dir="o", deepspeed=stated), 8, 3)
     assert (mesh.data_parallel_size, mesh.pipeline, mesh.sequence, mesh.rank) == (2, 2, 2, 3)
 

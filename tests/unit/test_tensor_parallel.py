@@ -26,8 +26,8 @@ def test_a_tensor_parallel_group_reads_one_set_of_rows_and_counts_them_once():
 
 def test_the_size_comes_from_the_argument_else_the_deepspeed_file():
     stated = {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}}
-    assert parallel_sizes(TrainingArguments(output_dir="o", deepspeed=stated)) == (1, 1, 2)
-    assert parallel_sizes(TrainingArguments(output_dir="o", tensor_parallel_size=4)) == (1, 1, 4)
+    assert parallel_sizes(TrainingArguments(output_dir="o", deepspeed=stated)) == (1, 1, 2, 1)
+    assert parallel_sizes(TrainingArguments(output_dir="o", tensor_parallel_size=4)) == (1, 1, 4, 1)
 
 
 def test_a_run_resolves_autotp_with_whole_logits_and_a_data_parallel_batch():

@@ -75,7 +75,6 @@ STATED_ARGUMENTS = {
     "pipeline_parallel_size": "pipeline.stages",
     "sequence_parallel_size": "sequence_parallel_size",
     "tensor_parallel_size": "tensor_parallel.autotp_size",
-    "expert_parallel_size": "expert_parallel.autoep_size",
     "learning_rate": "optimizer.params.lr",
     "weight_decay": "optimizer.params.weight_decay",
 }
