@@ -24,8 +24,8 @@ row gets HF's value.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import weakref
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
