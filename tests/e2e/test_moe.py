@@ -1,7 +1,7 @@
 """A mixture of experts through the user's command: ``deepspeed --num_gpus 2 scripts/train.py
 --model_type mixtral --expert_parallel_size 2 --zero_stage 3`` (the other runs under torchrun), with the router's load-balancing loss on at ``--router_aux_loss_coef``, at
 ZeRO-3 and with ``--expert_parallel_size 2`` (AutoEP: each rank holds half of every layer's
-experts) at ZeRO 1, 2 and 3.
+experts) at ZeRO 1, 2 (its optimizer offloaded to the CPU) and 3.
 
 Two ranks, each accumulating 2 micro-batches of 2 rows, against one process on one batch of 8 over
 4 steps: the losses, router losses and grad norms, and the exported weights, within 1e-5. A copy of
@@ -29,7 +29,7 @@ COMMON = [
     "--model_type", "mixtral", "--router_aux_loss_coef", "0.1", "--optim", "adamw_torch",
 ]  # fmt: skip
 SPLIT = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
-RUNS = ("zero3", "ep_zero1", "ep_zero2", "ep_zero3")
+RUNS = ("zero3", "ep_zero1", "ep_zero2_offload", "ep_zero3")
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +38,10 @@ def runs(tmp_path_factory):
     out = {name: root / name for name in ("one", *RUNS, "resumed", "refused")}
 
     def two_ranks(where: str) -> None:
-        stage = where[-1]
+        stage = next((c for c in where if c.isdigit()), "3")  # "resumed": the ZeRO-3 run's
         expert = ["--expert_parallel_size", "2"] if where.startswith("ep") or where == "resumed" else []
-        flags = [
-            *SPLIT,
-            *expert,
-            "--output_dir",
-            str(out[where]),
-            "--zero_stage",
-            stage if stage.isdigit() else "3",
-        ]
+        offload = ["--offload_optimizer", "cpu"] if where.endswith("offload") else []
+        flags = [*SPLIT, *expert, *offload, "--output_dir", str(out[where]), "--zero_stage", stage]
         launch([*COMMON, *flags], launcher="deepspeed")
 
     def copy(where: str) -> None:
@@ -71,7 +65,7 @@ def runs(tmp_path_factory):
     copy("resumed")
     together(lambda: two_ranks("resumed"), refused)
     two_ranks("ep_zero1")
-    two_ranks("ep_zero2")
+    two_ranks("ep_zero2_offload")
     return out
 
 
@@ -98,7 +92,9 @@ def test_the_router_loss_is_on_and_weighted(runs):
 
 def test_expert_parallel_ranks_held_half_of_the_experts_each(runs):
     """Each rank's share of the expert states: the checkpoint's expert files, one per expert."""
-    files = sorted(p.name for p in (runs["ep_zero2"] / "checkpoint-4" / "ds").rglob("layer_*_expert_*"))
+    files = sorted(
+        p.name for p in (runs["ep_zero2_offload"] / "checkpoint-4" / "ds").rglob("layer_*_expert_*")
+    )
     assert len(files) == 2 * 4, files  # 2 layers x 4 experts, written by the ranks that hold them
 
 
