@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, MixtralForCausalLM, set_seed
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from tests.helpers.preference_scenarios import COLOURS, SUBJECTS, base, lora, main
@@ -62,13 +62,13 @@ def rows(kind: str, n: int = 32, start: int = 0) -> datasets.Dataset:
 
 
 def history(rows: list[dict]) -> dict[str, list[float]]:
-    """Each metric's value at every logged training step."""
+    """Each metric's value at every logged training step (and a mixture of experts' ``aux_loss``)."""
     train = [r for r in rows if "loss" in r and "train_runtime" not in r]
-    return {k: [r[k] for r in train] for k in METRICS if all(k in r for r in train)}
+    return {k: [r[k] for r in train] for k in (*METRICS, "aux_loss") if all(k in r for r in train)}
 
 
-def model_and_tokenizer(out: Path, template: str | None) -> tuple[Any, Any]:
-    path = base(out)
+def model_and_tokenizer(out: Path, template: str | None, name: str = "base") -> tuple[Any, Any]:
+    path = base(out, name)
     tok = AutoTokenizer.from_pretrained(path)
     if template:
         tok.chat_template = template
@@ -82,20 +82,30 @@ def evaluated(trainer: Any) -> dict[str, float]:
     return {k: metrics.get(k, row.get(k)) for k in EVAL_METRICS if k in metrics or k in row}
 
 
-def run_trl(out: Path, data: dict, template: str | None, setup: dict, **fields: Any) -> tuple[dict, dict]:
+def run_trl(
+    out: Path, data: dict, template: str | None, setup: dict, model: str = "base", **fields: Any
+) -> tuple[dict, dict]:
     import trl
 
     unset_hf_deepspeed_config()
-    model, tok = model_and_tokenizer(out, template)
+    model, tok = model_and_tokenizer(out, template, model)
     args = trl.SFTConfig(output_dir=str(out / "trl"), use_cpu=True, **{**COMMON, **fields})
     trainer = trl.SFTTrainer(model, args=args, processing_class=tok, **data, **setup)
     trainer.train()
     return history(trainer.state.log_history), evaluated(trainer)
 
 
-def run_ours(out: Path, data: dict, template: str | None, setup: dict, name: str = "ours", **fields: Any):
+def run_ours(
+    out: Path,
+    data: dict,
+    template: str | None,
+    setup: dict,
+    name: str = "ours",
+    model: str = "base",
+    **fields: Any,
+):
     """Our trainer on ``data`` (``train_dataset``, and ``eval_dataset``)."""
-    model, tok = model_and_tokenizer(out, template)
+    model, tok = model_and_tokenizer(out, template, model)
     args = SFTConfig(output_dir=str(out / name), **{**COMMON, **fields})
     trainer = SFTTrainer(model, args=args, processing_class=tok, **data, **setup)
     trainer.train()
@@ -103,14 +113,19 @@ def run_ours(out: Path, data: dict, template: str | None, setup: dict, name: str
 
 
 def parity(
-    out: Path, kind: str, template: str | None = None, setup: dict | None = None, **fields: Any
+    out: Path,
+    kind: str,
+    template: str | None = None,
+    setup: dict | None = None,
+    model: str = "base",
+    **fields: Any,
 ) -> dict:
     """TRL's run and ours on 32 training rows, then each one's evaluation on 12 others."""
     data = {"train_dataset": rows(kind), "eval_dataset": rows(kind, 12, start=32)}
     set_seed(0)
-    theirs, their_eval = run_trl(out, data, template, setup or {}, **fields)
+    theirs, their_eval = run_trl(out, data, template, setup or {}, model, **fields)
     set_seed(0)
-    trainer, ours = run_ours(out, data, template, setup or {}, **fields)
+    trainer, ours = run_ours(out, data, template, setup or {}, model=model, **fields)
     tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"])
     return {"ours": ours, "trl": theirs, "ours_eval": evaluated(trainer), "trl_eval": their_eval,
             "rows": len(trainer.train_dataset), "tokens": tokens}  # fmt: skip
@@ -175,6 +190,24 @@ def dft(out: Path) -> dict:
 @scenario
 def lora_adapters(out: Path) -> dict:
     return parity(out, "text", setup={"peft_config": lora()})
+
+
+@scenario
+def mixture_of_experts(out: Path) -> dict:
+    """A Mixtral (4 experts, 2 a token) with its router loss at weight 0.05, on by default in both;
+    one row a micro-batch (and an evaluation batch), where TRL's pool of a micro-batch's tokens and
+    ours of a row's agree. Both evaluate with the router loss."""
+    path = out / "moe_base"
+    if not path.is_dir():
+        tok = AutoTokenizer.from_pretrained(base(out))
+        set_seed(0)
+        config = MixtralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
+                               num_experts_per_tok=2, router_aux_loss_coef=0.05, max_position_embeddings=128,
+                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+        MixtralForCausalLM(config).save_pretrained(path)
+        tok.save_pretrained(path)
+    return parity(out, "text", model="moe_base", per_device_train_batch_size=1, per_device_eval_batch_size=1)
 
 
 if __name__ == "__main__":

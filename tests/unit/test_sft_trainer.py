@@ -38,10 +38,12 @@ def results(tmp_path_factory):
 def test_each_step_matches_trls_sft_trainer(results, name):
     """Loss, grad norm, entropy and token accuracy at every one of 4 steps, then the evaluation:
     text, prompt-completion and conversations; packed (bfd, bfd_split, wrapped) and not;
-    assistant-only and completion-only losses; two accumulated micro-batches; dft; LoRA."""
+    assistant-only and completion-only losses; two accumulated micro-batches; dft; LoRA; a mixture of
+    experts with its router loss."""
     ours, trl = results[name]["ours"], results[name]["trl"]
-    assert set(trl) == set(METRICS) and set(ours) == set(METRICS)
-    for key in METRICS:
+    metrics = (*METRICS, "aux_loss") if name == "mixture_of_experts" else METRICS  # the router's loss
+    assert set(trl) == set(metrics) and set(ours) == set(metrics)
+    for key in metrics:
         assert len(trl[key]) == 4, key
         assert ours[key] == pytest.approx(trl[key], rel=1e-5, abs=1e-6), key
     assert trl["loss"][3] != trl["loss"][0]

@@ -309,7 +309,7 @@ class CausalLM(Objective):
     """Summed next-token cross-entropy in fp32; ``label_smoothing`` as ``F.cross_entropy`` applies
     it (HF's label smoother mixes in the same uniform term), still summed over target tokens. A
     mixture-of-experts model adds its routers' load-balancing loss (``trainer.engine.routers``)
-    times ``router_aux_loss_coef`` (None: the model config's), in training, not in evaluation."""
+    times ``router_aux_loss_coef`` (None: the model config's), in training and in evaluation."""
 
     def __init__(self, label_smoothing: float = 0.0, router_aux_loss_coef: float | None = None):
         self.label_smoothing = label_smoothing
@@ -346,22 +346,26 @@ class CausalLM(Objective):
         self.coefficient, self.balance = float(coefficient), Balance(routers)
 
     def loss_sum(self, tokens: Tokens, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
-        if self.balance is None:
-            return self.next_token_loss_sum(tokens, batch)
-        with self.balance.routers.capture() as logits:
-            loss, outputs = self.next_token_loss_sum(tokens, batch)
-        return loss + self.coefficient * self.balance.loss_sum(logits, batch), outputs
+        return self.next_token_loss_sum(tokens, batch)
 
-    def next_token_loss_sum(self, tokens: Tokens, batch: Batch) -> tuple[torch.Tensor, Any]:
-        """(the summed next-token loss, the model's outputs), without the router loss."""
-        loss, _, outputs = tokens.next_token_loss(batch, self.token_loss_sum)
-        return loss, outputs
+    def next_token_loss_sum(
+        self, tokens: Tokens, batch: Batch, evaluation: bool = False
+    ) -> tuple[torch.Tensor, Any]:
+        """(the summed next-token loss, with the router loss on its weighted rows' router losses
+        added; the model's outputs). ``evaluation``: what the router loss measures goes to the
+        evaluation's log."""
+        if self.balance is None:
+            loss, _, outputs = tokens.next_token_loss(batch, self.token_loss_sum)
+            return loss, outputs
+        with self.balance.routers.capture() as logits:
+            loss, _, outputs = tokens.next_token_loss(batch, self.token_loss_sum)
+        return loss + self.coefficient * self.balance.loss_sum(logits, batch, evaluation), outputs
 
     def metric_means(self, device: torch.device, evaluation: bool = False) -> dict[str, float]:
-        """With the router loss, its mean (``aux_loss``) and each layer's expert imbalance, from training."""
+        """With the router loss, its mean (``aux_loss``) and each layer's expert imbalance."""
         means = super().metric_means(device, evaluation)
-        if self.balance is not None and not evaluation:
-            means.update(self.balance.means(device))
+        if self.balance is not None:
+            means.update(self.balance.means(device, evaluation))
         return means
 
     def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -369,6 +373,11 @@ class CausalLM(Objective):
         return token_loss_sum(logits, targets, self.label_smoothing)
 
     def eval_sum(self, tokens: Tokens, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The token-weighted loss; with the router loss on, it counts as in training (HF's model
+        and TRL's evaluate it with the router loss too)."""
+        if self.balance is not None:  # never split over a sequence-parallel group (``route``)
+            loss, outputs = self.next_token_loss_sum(tokens, batch, evaluation=True)
+            return loss, loss.new_tensor(float(count_targets(batch))), outputs
         loss, targets, outputs = tokens.next_token_loss(batch, self.token_loss_sum)
         return loss, (targets != IGNORE_INDEX).sum().float(), outputs
 
@@ -443,7 +452,7 @@ class SFT(CausalLM):
         weighs a padding-free batch, flattened into one row, by the rows it was made of)."""
         if not tokens.whole_logits:
             return super().eval_sum(tokens, batch)
-        loss, outputs = self.next_token_loss_sum(tokens, batch)
+        loss, outputs = self.next_token_loss_sum(tokens, batch, evaluation=True)
         self.record_metrics(self._token_metrics(outputs.logits, batch), evaluation=True)
         rows = float(batch_rows(batch))
         return loss / max(count_targets(batch), 1) * rows, loss.new_tensor(rows), outputs

@@ -115,26 +115,28 @@ class Balance:
     def __init__(self, routers: Routers):
         self.routers = routers
         self.layers, self.experts, self.top_k = len(routers.modules), routers.experts, routers.top_k
-        self._sums: torch.Tensor | None = None
+        self._sums: dict[bool, torch.Tensor] = {}  # by evaluation (True) or training (False)
 
-    def loss_sum(self, logits: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Each row's loss (see the module's note) times its target tokens, summed over rows."""
+    def loss_sum(
+        self, logits: list[torch.Tensor], batch: dict[str, torch.Tensor], evaluation: bool = False
+    ) -> torch.Tensor:
+        """Each row's loss (see the module's note) times its target tokens, summed over rows;
+        measured for the training's log, or the evaluation's."""
         loss, weights, load = row_balance(logits, batch, self.top_k)
         weighted = (loss * weights).sum()
         measured = torch.cat([torch.stack([weighted.detach(), weights.sum()]), load.flatten()])
-        self._sums = measured if self._sums is None else self._sums + measured
+        held = self._sums.get(evaluation)
+        self._sums[evaluation] = measured if held is None else held + measured
         return weighted
 
-    def means(self, device: torch.device) -> dict[str, float]:
+    def means(self, device: torch.device, evaluation: bool = False) -> dict[str, float]:
         """``aux_loss``, the target-weighted mean of the rows' losses, and per layer the expert
         imbalance: the busiest expert's tokens over the mean expert's (1: balanced; ``experts /
-        top_k``: every pick on the same experts); over every rank since the last call. A collective."""
-        sums = (
-            self._sums
-            if self._sums is not None
-            else torch.zeros(2 + self.layers * self.experts, device=device)
-        )
-        self._sums = None
+        top_k``: every pick on the same experts); over every rank since the last call, of the
+        training steps or of an evaluation. A collective."""
+        sums = self._sums.pop(evaluation, None)
+        if sums is None:
+            sums = torch.zeros(2 + self.layers * self.experts, device=device)
         total, weight, *load = all_reduce_sum(sums.double()).tolist()
         if not weight:
             return {}
