@@ -120,4 +120,4 @@ def test_the_export_is_a_mixtral_with_every_expert(runs):
     experts = ep.model.layers[0].mlp.experts
     assert experts.gate_up_proj.shape == (4, 2 * 128, 64) and experts.down_proj.shape == (4, 64, 128)
     ids = torch.arange(1, 17)[None]
-    assert torch.allclose(ep(ids).logits, one(ids).logits, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(ep(ids).logits, one(ids).logits, rtol=1e-5, atol=5e-6)  # 9e-7 apart here
