@@ -4,7 +4,9 @@ training against HF's Trainer and across splits of one batch (tests/helpers/moe_
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -143,9 +145,6 @@ def test_a_batch_split_into_micro_batches_gives_the_same_steps(parity, split):
 def test_a_dropped_model_is_freed_at_once():
     """The model holds its routers; the routers hold it weakly, so dropping it frees it without a
     garbage collection (under ZeRO-3 a model that lives on keeps transformers' zero.Init switch on)."""
-    import gc
-    import weakref
-
     model = mixtral()
     with Routers.of(model).capture():
         model(input_ids=torch.ones(1, 4, dtype=torch.long))

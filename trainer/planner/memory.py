@@ -276,6 +276,25 @@ def lora_state_bytes(spec: ModelSpec, r: int, qlora: bool, stage: int, dp: int, 
     return states
 
 
+def expert_state_bytes(spec: ModelSpec, held: int, setup: Setup, dp: int, precision: str,
+                       muon: bool) -> dict[str, float]:  # fmt: skip
+    """Model states of a rank holding ``held`` parameters: those outside the experts partitioned by
+    ZeRO over the data-parallel ranks; a mixture's experts split over the expert-parallel group first,
+    each rank's share partitioned over the dp / ep ranks that hold the same experts. ``muon``: every
+    matrix keeps one moment (the experts are matrices)."""
+    ep = setup.expert_parallel
+    dense, experts = held - spec.expert_params, spec.expert_params / ep
+    matrices = max(0, dense - spec.embedding_params - spec.small_params) if muon else 0
+    offload = (setup.offload_optimizer, setup.offload_param)
+    states = model_state_bytes(dense, setup.zero_stage, dp, precision, *offload, matrices)
+    if not experts:
+        return states
+    split = model_state_bytes(
+        experts, setup.zero_stage, dp // ep, precision, *offload, experts if muon else 0
+    )
+    return {key: states[key] + split[key] for key in states}
+
+
 def tensor_parallel_params(spec: ModelSpec, tp: int) -> float:
     """The parameters one rank of a tensor-parallel group holds: a 1/T slice of the projections, the
     rest whole."""

@@ -14,11 +14,11 @@ from trainer.planner.memory import (
     activation_bytes,
     buffer_bytes,
     cpu_bytes_per_node,
+    expert_state_bytes,
     knobs_from_config,
     lora_params,
     lora_state_bytes,
     loss_tile_tokens,
-    model_state_bytes,
     reference_bytes,
     tensor_parallel_allreduce_bytes,
     tensor_parallel_params,
@@ -172,25 +172,6 @@ class LongContext:
     offload_activations: bool = False
     tensor_parallel: int = 1
     expert_parallel: int = 1  # expert-parallel sizes up to this, for a mixture of experts
-
-
-def expert_state_bytes(spec: ModelSpec, held: int, setup: Setup, dp: int, precision: str,
-                       muon: bool) -> dict[str, float]:  # fmt: skip
-    """Model states of a rank holding ``held`` parameters: those outside the experts partitioned by
-    ZeRO over the data-parallel ranks; a mixture's experts split over the expert-parallel group first,
-    each rank's share partitioned over the dp / ep ranks that hold the same experts. ``muon``: every
-    matrix keeps one moment (the experts are matrices)."""
-    ep = setup.expert_parallel
-    dense, experts = held - spec.expert_params, spec.expert_params / ep
-    matrices = max(0, dense - spec.embedding_params - spec.small_params) if muon else 0
-    offload = (setup.offload_optimizer, setup.offload_param)
-    states = model_state_bytes(dense, setup.zero_stage, dp, precision, *offload, matrices)
-    if not experts:
-        return states
-    split = model_state_bytes(
-        experts, setup.zero_stage, dp // ep, precision, *offload, experts if muon else 0
-    )
-    return {key: states[key] + split[key] for key in states}
 
 
 def expert_parallel_sizes(spec: ModelSpec, cluster: Cluster, largest: int) -> list[int]:
