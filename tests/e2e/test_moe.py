@@ -4,9 +4,11 @@ ZeRO-3 and with ``--expert_parallel_size 2`` (AutoEP: each rank holds half of ev
 experts) at ZeRO 1, 2 (its optimizer offloaded to the CPU) and 3.
 
 Two ranks, each accumulating 2 micro-batches of 2 rows, against one process on one batch of 8 over
-4 steps: the losses, router losses and grad norms, and the exported weights, within 1e-5. A copy of
-the expert-parallel ZeRO-3 run's checkpoint-2 is resumed by the same command, bit for bit, and
-refused, naming both sizes, by a run without expert parallelism. ``final/`` holds every expert in
+4 steps: the losses, router losses and grad norms, and the exported weights, within 1e-5. The
+expert-parallel ZeRO-3 run again under torchrun's elastic agent, with rank 1 killed (SIGKILL) after
+step 3: the agent restarts both ranks, they resume from checkpoint-2 and end bit for bit where the
+uninterrupted run ended. A copy of that checkpoint is refused, naming both sizes, by a run without
+expert parallelism. ``final/`` holds every expert in
 HF's layout, and ``from_pretrained`` loads it as a Mixtral.
 """
 
@@ -18,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers.launch import launch, together
+from tests.helpers.launch import launch, run_env, together
 from tests.helpers.scaffold import TINY_MODEL, assert_same_weights, tiny_flags, train_rows
 
 pytestmark = pytest.mark.distributed
@@ -42,13 +44,15 @@ def runs(tmp_path_factory):
         expert = ["--expert_parallel_size", "2"] if where.startswith("ep") or where == "resumed" else []
         offload = ["--offload_optimizer", "cpu"] if where.endswith("offload") else []
         flags = [*SPLIT, *expert, *offload, "--output_dir", str(out[where]), "--zero_stage", stage]
-        launch([*COMMON, *flags], launcher="deepspeed")
-
-    def copy(where: str) -> None:
-        shutil.copytree(out["ep_zero3"] / "checkpoint-2", out[where] / "checkpoint-2")
+        if where == "resumed":  # killed after step 3, restarted by the agent
+            out["resumed_proc"] = launch(
+                [*COMMON, *flags], restarts=1, env=run_env(TRAINER_FAULT="crash:rank=1:step=3")
+            )
+        else:
+            launch([*COMMON, *flags], launcher="deepspeed")
 
     def refused() -> None:
-        copy("refused")
+        shutil.copytree(out["ep_zero3"] / "checkpoint-2", out["refused"] / "checkpoint-2")
         flags = [
             "--per_device_train_batch_size",
             "8",
@@ -62,7 +66,6 @@ def runs(tmp_path_factory):
     one = [*COMMON, "--output_dir", str(out["one"]), "--per_device_train_batch_size", "8"]
     together(lambda: launch(one, launcher="python"), lambda: two_ranks("zero3"))
     two_ranks("ep_zero3")
-    copy("resumed")
     together(lambda: two_ranks("resumed"), refused)
     two_ranks("ep_zero1")
     two_ranks("ep_zero2_offload")
@@ -98,11 +101,15 @@ def test_expert_parallel_ranks_held_half_of_the_experts_each(runs):
     assert len(files) == 2 * 4, files  # 2 layers x 4 experts, written by the ranks that hold them
 
 
-def test_an_expert_parallel_checkpoint_resumes_bitwise(runs):
+def test_a_killed_expert_parallel_run_restarts_and_resumes_bitwise(runs):
+    resumed = f"Resumed from {runs['resumed'] / 'checkpoint-2'} at step 2."
+    assert resumed in runs["resumed_proc"].stdout  # the agent restarted the killed ranks
+    rows = train_rows(runs["resumed"])
+    # The first attempt's rows (step 3's unless the kill came before it was logged), then 3-4 again.
+    assert [r["step"] for r in rows] in ([1, 2, 3, 3, 4], [1, 2, 3, 4]), rows
     names = ("loss", "aux_loss", "grad_norm")
-    again = {(r["step"], k): r[k] for r in train_rows(runs["resumed"]) for k in names}
-    whole = {(r["step"], k): r[k] for r in train_rows(runs["ep_zero3"]) for k in names if r["step"] >= 3}
-    assert again == whole
+    whole = {r["step"]: {k: r[k] for k in names} for r in train_rows(runs["ep_zero3"])}
+    assert [{k: r[k] for k in names} for r in rows] == [whole[r["step"]] for r in rows]
     assert_same_weights(runs["resumed"] / "final", runs["ep_zero3"] / "final")
 
 

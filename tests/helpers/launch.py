@@ -45,8 +45,10 @@ def launch(
     timeout: int = 900,
     check: bool = True,
     env: dict[str, str] | None = None,
+    restarts: int = 0,
 ) -> subprocess.CompletedProcess:
     """Run a script under a real launcher; on failure the output is part of the assertion message.
+    ``restarts``: how many times torchrun's elastic agent restarts the ranks after one fails.
 
     torchrun unless a test names another: the deepspeed launcher imports DeepSpeed twice before the
     ranks start (about 9 s a launch here), so it is used where it is the door under test (the launch
@@ -55,7 +57,8 @@ def launch(
     if launcher == "deepspeed":
         cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), *args]
     elif launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", f"--master_port={free_port()}", *args]
+        cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", f"--max-restarts={restarts}",
+               f"--master_port={free_port()}", *args]  # fmt: skip
     elif launcher == "accelerate":
         # --multi_gpu: without it accelerate starts one process where it sees no GPUs.
         cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nproc),
