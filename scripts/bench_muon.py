@@ -4,6 +4,7 @@
     python scripts/bench_muon.py --adamw_lrs 2e-3,5e-3 --muon_lrs 0.01,0.02,0.04 --muon_adam_lr 3e-3 \
         [--muon_args update_scale=match_rms_adamw] [--no-hf_trainer]
     python scripts/bench_muon.py --max_steps 60 --eval_steps 20 --muon_lrs ""      # a quick check
+    python scripts/bench_muon.py --job_flags '--max_eval_samples 32'   # every run's recipe changed
 
 The job is ``make demo``'s (scripts/recipes/default.yaml: a 4.2M-parameter Llama on the standard
 library's source), 600 steps by default, run through ``python scripts/train.py`` with every core as
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -74,6 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="also train the job with HF's Trainer")  # fmt: skip
     p.add_argument("--tolerance", type=float, default=0.0,
                    help="an eval loss this fraction above the target counts as reached")  # fmt: skip
+    p.add_argument("--job_flags", type=shlex.split, default=[],
+                   help="flags every run adds to the recipe's, e.g. a smaller model: "
+                   "'--model_config_overrides {\"num_hidden_layers\": 2} --max_eval_samples 16'")  # fmt: skip
     p.add_argument("--threads", type=int, default=cores(), help="OpenMP threads of each run (all cores)")
     p.add_argument("--out", type=Path, default=Path("output/bench-muon"), help="where the runs go")
     p.add_argument("--json", type=Path, help="write the results here, one object keyed by variant")
@@ -101,7 +106,7 @@ def main(argv: list[str]) -> int:
     runs = {}
     for variant in args.variants:
         print(f"{variant.name}: training", flush=True)
-        runs[variant.name] = run_variant(variant, args.out, plan, env)
+        runs[variant.name] = run_variant(variant, args.out, plan, env, args.job_flags)
         run = runs[variant.name]
         print(f"{variant.name}: exit {run.returncode} after {run.wall_s:.0f} s", flush=True)
     summary = summarise(runs, tolerance=args.tolerance)

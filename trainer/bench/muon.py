@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,21 +140,25 @@ def launch_env(threads: int, gpu: bool) -> dict[str, str]:
     return env
 
 
-def command(variant: Variant, out: Path, plan: Schedule) -> list[str]:
-    common = ["--output_dir", str(out), *plan.flags(), *variant.flags]
+def command(variant: Variant, out: Path, plan: Schedule, job: Sequence[str] = ()) -> list[str]:
+    """``variant``'s process; ``job``: flags every variant adds to the recipe (another model, fewer
+    evaluation rows)."""
+    common = ["--output_dir", str(out), *plan.flags(), *job, *variant.flags]
     if variant.system == HF_TRAINER:
         return [sys.executable, "-m", "trainer.bench.muon", HF_TRAINER, *common]
     return [sys.executable, str(ROOT / "scripts" / "train.py"), *common]
 
 
-def run_variant(variant: Variant, root: Path, plan: Schedule, env: dict[str, str]) -> Run:
+def run_variant(
+    variant: Variant, root: Path, plan: Schedule, env: dict[str, str], job: Sequence[str] = ()
+) -> Run:
     """Train ``variant`` in ``root/<name>`` (emptied first: a leftover checkpoint would be resumed);
     its output goes to ``root/<name>.log``."""
     out, log_path = root / variant.name, root / f"{variant.name}.log"
     if out.exists():
         shutil.rmtree(out)
     root.mkdir(parents=True, exist_ok=True)
-    cmd = command(variant, out, plan)
+    cmd = command(variant, out, plan, job)
     started = time.perf_counter()
     with log_path.open("w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
