@@ -4,8 +4,9 @@ runs them: TRL's flags, ``quantization_config=get_quantization_config(...)`` and
 ``peft_config=get_peft_config(...)`` into the trainer, ``trainer.accelerator.print(...)`` and
 ``trainer.end()`` at the end.
 
-- One process: DPO with LoRA (``--use_peft``: the adapters drawn after seeding, as TRL's), SFT on
-  prompt-completion rows and KTO on labelled completions (plain SGD: tests/helpers/kto_scenarios.py
+- One process: DPO with LoRA (``--use_peft``: the adapters drawn after seeding, as TRL's), SFT of a
+  mixture of experts (a Mixtral, its router loss on by default in both, one row a micro-batch, where
+  TRL's pool of a micro-batch's tokens and ours of a row's agree) on prompt-completion rows and KTO on labelled completions (plain SGD: tests/helpers/kto_scenarios.py
   says why) give, step by step, what TRL's unchanged script gives.
 - Two ranks under the deepspeed launcher, a ZeRO-3 DeepSpeed file of "auto" values: DPO with LoRA
   follows the one-process run at the same global batch, and the script's prints appear once.
@@ -31,7 +32,7 @@ COMMON = ["--max_steps", "4", "--per_device_train_batch_size", "4", "--lr_schedu
           "--disable_tqdm", "true", "--seed", "0", "--bf16", "false", "--gradient_checkpointing", "false"]  # fmt: skip
 DPO = ["--learning_rate", "1e-2", "--max_length", "24", "--use_peft", "--lora_r", "4", "--lora_alpha", "8",
        "--lora_target_modules", "q_proj", "v_proj"]  # fmt: skip
-SFT = ["--learning_rate", "5e-3", "--max_length", "32"]
+SFT = ["--learning_rate", "5e-3", "--max_length", "32", "--per_device_train_batch_size", "1"]
 KTO = ["--optim", "sgd", "--learning_rate", "1.0", "--max_length", "24"]
 ZERO3 = {  # as users write it: the batch and clipping from the arguments
     "train_micro_batch_size_per_gpu": "auto",
@@ -42,7 +43,7 @@ ZERO3 = {  # as users write it: the batch and clipping from the arguments
 }
 DPO_METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
                "logps/rejected")  # fmt: skip
-SFT_METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy")
+SFT_METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "aux_loss")
 KTO_METRICS = ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected",
                "logits/chosen", "entropy")  # fmt: skip
 DONE = "✅ Training completed."
@@ -54,7 +55,8 @@ def runs(tmp_path_factory):
     write_inputs(out)
     (out / "zero3.json").write_text(json.dumps(ZERO3))
     ported = {name: write_ported(name, out) for name in ("dpo", "sft", "kto")}
-    inputs = {name: ["--model_name_or_path", str(out / "model"), "--dataset_name", str(out / f"{name}_data")]
+    model = {"dpo": "model", "sft": "moe_model", "kto": "model"}
+    inputs = {name: ["--model_name_or_path", str(out / model[name]), "--dataset_name", str(out / f"{name}_data")]
               for name in ("dpo", "sft", "kto")}  # fmt: skip
     flags = {"dpo": [*inputs["dpo"], *COMMON, *DPO], "sft": [*inputs["sft"], *COMMON, *SFT],
              "kto": [*inputs["kto"], *COMMON, *KTO]}  # fmt: skip

@@ -192,14 +192,12 @@ def lora_adapters(out: Path) -> dict:
     return parity(out, "text", setup={"peft_config": lora()})
 
 
-@scenario
-def mixture_of_experts(out: Path) -> dict:
-    """A Mixtral (4 experts, 2 a token) with its router loss at weight 0.05, on by default in both;
-    one row a micro-batch (and an evaluation batch), where TRL's pool of a micro-batch's tokens and
-    ours of a row's agree. Both evaluate with the router loss."""
-    path = out / "moe_base"
+def moe_base(out: Path, tokenizer: str, name: str = "moe_base") -> str:
+    """A tiny Mixtral (4 experts, 2 a token, router loss weight 0.05) with ``tokenizer``, saved once
+    under ``out``."""
+    path = out / name
     if not path.is_dir():
-        tok = AutoTokenizer.from_pretrained(base(out))
+        tok = AutoTokenizer.from_pretrained(tokenizer)
         set_seed(0)
         config = MixtralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                                num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
@@ -207,6 +205,15 @@ def mixture_of_experts(out: Path) -> dict:
                                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
         MixtralForCausalLM(config).save_pretrained(path)
         tok.save_pretrained(path)
+    return str(path)
+
+
+@scenario
+def mixture_of_experts(out: Path) -> dict:
+    """The Mixtral of ``moe_base`` with its router loss on by default in both; one row a
+    micro-batch (and an evaluation batch), where TRL's pool of a micro-batch's tokens and ours of a
+    row's agree. Both evaluate with the router loss."""
+    moe_base(out, base(out))
     return parity(out, "text", model="moe_base", per_device_train_batch_size=1, per_device_eval_batch_size=1)
 
 

@@ -48,13 +48,13 @@ def write_ported(name: str, out: Path) -> Path:
 
 
 def write_inputs(out: Path) -> None:
-    """The base model and the data directories."""
+    """The base models (a Llama, and a Mixtral for SFT) and the data directories."""
     from tests.helpers.kto_scenarios import completions
     from tests.helpers.preference_scenarios import base, pairs
-    from tests.helpers.sft_scenarios import rows
+    from tests.helpers.sft_scenarios import moe_base, rows
 
     out.mkdir(parents=True, exist_ok=True)
-    base(out, "model")
+    moe_base(out, base(out, "model"), "moe_model")  # SFT trains a mixture of experts
     data_sets = (
         ("dpo_data", pairs("text")),
         ("sft_data", rows("prompt_completion")),
