@@ -1,15 +1,16 @@
 """A mixture of experts through the user's command: ``deepspeed --num_gpus 2 scripts/train.py
---model_type mixtral --expert_parallel_size 2 --zero_stage 3`` (the other runs under torchrun), with the router's load-balancing loss on at ``--router_aux_loss_coef``, at
-ZeRO-3 and with ``--expert_parallel_size 2`` (AutoEP: each rank holds half of every layer's
-experts) at ZeRO 1, 2 (its optimizer offloaded to the CPU) and 3.
+--model_type mixtral --expert_parallel_size 2 --zero_stage 3`` (the others under the same launcher
+unless said), with the router's load-balancing loss on at ``--router_aux_loss_coef``, at ZeRO-3 and
+with ``--expert_parallel_size 2`` (AutoEP: each rank holds half of every layer's experts) at ZeRO 1,
+2 (its optimizer offloaded to the CPU) and 3.
 
 Two ranks, each accumulating 2 micro-batches of 2 rows, against one process on one batch of 8 over
 4 steps: the losses, router losses and grad norms, and the exported weights, within 1e-5. The
 expert-parallel ZeRO-3 run again under torchrun's elastic agent, with rank 1 killed (SIGKILL) after
 step 3: the agent restarts both ranks, they resume from checkpoint-2 and end bit for bit where the
 uninterrupted run ended. A copy of that checkpoint is refused, naming both sizes, by a run without
-expert parallelism. ``final/`` holds every expert in
-HF's layout, and ``from_pretrained`` loads it as a Mixtral.
+expert parallelism. ``final/`` holds every expert in HF's layout, and ``from_pretrained`` loads it
+as a Mixtral.
 """
 
 from __future__ import annotations
