@@ -276,8 +276,9 @@ def lora_state_bytes(spec: ModelSpec, r: int, qlora: bool, stage: int, dp: int, 
     return states
 
 
-def expert_state_bytes(spec: ModelSpec, held: int, setup: Setup, dp: int, precision: str,
-                       muon: bool) -> dict[str, float]:  # fmt: skip
+def expert_state_bytes(
+    spec: ModelSpec, held: int, setup: Setup, dp: int, precision: str, muon: bool
+) -> dict[str, float]:
     """Model states of a rank holding ``held`` parameters: those outside the experts partitioned by
     ZeRO over the data-parallel ranks; a mixture's experts split over the expert-parallel group first,
     each rank's share partitioned over the dp / ep ranks that hold the same experts. ``muon``: every
