@@ -218,6 +218,9 @@ def remove_stale_staging(output_dir: str | Path) -> None:
 # ---- RNG state (every rank) ----------------------------------------------------------------------
 
 
+RNG_KEYS = ("python", "numpy", "torch", "cuda")
+
+
 def rng_state() -> dict[str, Any]:
     """RNG states as tensors and plain lists, so they load with ``torch.load(weights_only=True)``."""
     version, internal, gauss = random.getstate()
@@ -246,8 +249,12 @@ def save_rng(directory: Path, rank: int) -> None:
     torch.save(rng_state(), directory / f"rng_state_{rank}.pt")
 
 
-def load_rng(directory: Path, rank: int) -> None:
-    """Restore this rank's RNG; a rank the checkpoint did not have keeps its seeded state."""
+def load_rng(directory: Path, rank: int) -> dict[str, Any]:
+    """Restore this rank's RNG; a rank the checkpoint did not have keeps its seeded state. Returns
+    what else the rank kept in the file ({} where none)."""
     path = directory / f"rng_state_{rank}.pt"
-    if path.is_file():
-        set_rng_state(torch.load(path, weights_only=True))
+    if not path.is_file():
+        return {}
+    state = torch.load(path, weights_only=True)
+    set_rng_state(state)
+    return {k: v for k, v in state.items() if k not in RNG_KEYS}

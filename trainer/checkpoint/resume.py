@@ -316,19 +316,21 @@ def universal_copy(path: Path, dist: DistInfo) -> Path:
     return target
 
 
-def load(engine: Engine, path: Path, dist: DistInfo, restore_rng: bool = True) -> TrainerState:
-    """Load a verified checkpoint into the engine; returns its TrainerState (as saved). A
+def load(
+    engine: Engine, path: Path, dist: DistInfo, restore_rng: bool = True
+) -> tuple[TrainerState, dict[str, Any]]:
+    """Load a verified checkpoint into the engine; returns its TrainerState (as saved) and what
+    this rank kept beside its RNG states (``Saver.save``'s ``rank_state``; {} with none). A
     ``save_only_model`` checkpoint gives its weights alone (``load_best_model_at_end``), and
     refuses a resume (``restore_rng``)."""
     if not resumable(path):
         if restore_rng:
             refuse_model_only(path)
         engine.load_weights(load_file(str(path / WEIGHTS)))
-        return TrainerState.load_from_json(path / "trainer_state.json")
+        return TrainerState.load_from_json(path / "trainer_state.json"), {}
     if needs_universal(path, engine.mesh):
         engine.load_universal(str(universal_copy(path, dist)), DS_TAG)
     else:
         engine.load(str(path), DS_TAG, load_optimizer_states=True)
-    if restore_rng:
-        load_rng(path, dist.rank)
-    return TrainerState.load_from_json(path / "trainer_state.json")
+    kept = load_rng(path, dist.rank) if restore_rng else {}
+    return TrainerState.load_from_json(path / "trainer_state.json"), kept

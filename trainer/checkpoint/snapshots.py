@@ -64,9 +64,10 @@ class Snapshots:
     def pending(self) -> bool:
         return self.saver.pending
 
-    def take(self, engine: Engine, state: Any) -> None:
-        """A snapshot of this step (the loop calls it when one is due)."""
-        self._quietly(lambda: self.saver.save(engine, state))
+    def take(self, engine: Engine, state: Any, rank_state: dict[str, Any] | None = None) -> None:
+        """A snapshot of this step (the loop calls it when one is due); ``rank_state`` as a
+        checkpoint keeps it."""
+        self._quietly(lambda: self.saver.save(engine, state, rank_state=rank_state))
 
     def ballot(self) -> list[float]:
         """This rank's part of the step's vote (``trainer.loop.vote``): [1.0] once its part of the

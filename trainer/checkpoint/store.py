@@ -8,7 +8,8 @@ package (``from trainer import checkpoint as ckpt``) exports what the rest of th
 
     ds/                     DeepSpeed's own state (model, optimizer and scheduler shards)
     trainer_state.json      TrainerState, including the data position
-    rng_state_<rank>.pt     python/numpy/torch RNG states of each rank (tensors and lists only)
+    rng_state_<rank>.pt     python/numpy/torch RNG states of each rank, and what its producer
+                            keeps (an RL run's rollout buffer): tensors, numbers and lists only
     ds_config.json          the DeepSpeed config that wrote it
     run_config.yaml         the resolved run config
     manifest.json           size and checksum of every file above, plus the objective, world size,
@@ -115,11 +116,13 @@ class Saver:
         state: TrainerState,
         on_written: Callable[[], None] | None = None,
         model_only: bool = False,
+        rank_state: dict[str, Any] | None = None,
     ) -> Path | None:
         """Start ``checkpoint-<step>``; returns it once committed (synchronous saves), else None.
         ``on_written`` runs on each rank once its files are handed to the writer (fault injection).
         ``model_only`` (``save_only_model``): the weights alone, without DeepSpeed's optimizer and
-        scheduler states or the RNG states."""
+        scheduler states or the RNG states. ``rank_state``: what this rank keeps beside its RNG
+        states (a rollout buffer), in the same file."""
         self.finish()
         args, dist = self.args, self.dist
         staging, final = (
@@ -142,7 +145,7 @@ class Saver:
                 engine.save(
                     str(staging), DS_TAG, client_state={"global_step": state.global_step}, writer=writer
                 )
-                writer.save(rng_state(), staging / f"rng_state_{dist.rank}.pt")
+                writer.save({**rng_state(), **(rank_state or {})}, staging / f"rng_state_{dist.rank}.pt")
             if dist.is_main:
                 writer.write_text(staging / "trainer_state.json", state.to_json())
                 writer.write_text(staging / DS_CONFIG, json.dumps(self.ds_config, indent=2, sort_keys=True))

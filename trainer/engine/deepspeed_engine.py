@@ -8,7 +8,8 @@ size, so the update equals one big batch however it is split into micro-batches 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import deepspeed
@@ -138,6 +139,20 @@ class DeepSpeedEngine(Engine):
         kwargs.setdefault("synced_gpus", bool(self.ds.zero_optimization_partition_weights()))
         return self.module.generate(**inputs, **kwargs)
 
+    @torch.no_grad()
+    def rollout(self, inputs: Batch, config: Any, gather: bool = True) -> torch.Tensor:
+        """Prompts and completions the HF model samples from this rank's left-padded prompts
+        (``config``: a ``GenerationConfig``), with its KV cache: activation checkpointing is off
+        meanwhile, the module's mode as it is. Under ZeRO-3, ``gather``: the weights gathered whole
+        once for the generation where they fit in the device's free memory (``zero.whole_model``),
+        else gathered by each forward as in training; ranks step together until all are done."""
+        partitioned = bool(self.ds.zero_optimization_partition_weights())
+        whole = gather and partitioned and zero.fits_whole(self.module, self.device)
+        with zero.whole_model(self.ds, whole), checkpointing_off(self.module):
+            return self.module.generate(
+                **self.to_device(inputs), generation_config=config, synced_gpus=partitioned and not whole
+            )
+
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
         """Gathered under ZeRO-3; on rank 0 only. ``trainable_only``: the parameters that train (a
         LoRA adapter's), each gathered alone, so the frozen base is never assembled."""
@@ -216,3 +231,18 @@ def _replay_cpu_adam_bias_state(ds: Any) -> None:
     for k in range(1, max(steps, default=0) + 1):
         for group in opt.param_groups:  # in the order a real step visits them
             call(k, group, dummy)
+
+
+@contextmanager
+def checkpointing_off(module: torch.nn.Module) -> Iterator[None]:
+    """Inside: the HF model's activation checkpointing off (a generation keeps its KV cache, which
+    HF turns off under checkpointing in training mode); back on, as it was, on exit."""
+    model = module.get_base_model() if hasattr(module, "get_base_model") else module
+    on = bool(getattr(model, "is_gradient_checkpointing", False))
+    if on:
+        model.gradient_checkpointing_disable()
+    try:
+        yield
+    finally:
+        if on:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -46,7 +46,7 @@ from trainer.config.errors import ConfigError
 from trainer.data import IGNORE_INDEX
 from trainer.data.collator import input_ids_count, is_causal_lm, non_padding_tokens
 from trainer.engine.routers import Balance, Routers
-from trainer.engine.tiling import tiled_loss_sum, tiled_token_nll
+from trainer.engine.tiling import tiled_loss_sum, tiled_token_logps, tiled_token_nll, token_logps
 from trainer.runtime.distributed import all_reduce_sum
 
 Batch = dict[str, torch.Tensor]
@@ -180,6 +180,26 @@ class Tokens:
             nll = F.pad(nll, (before, (sp.size - 1 - sp.rank) * nll.shape[1]))
             nll = all_reduce(nll, group=sp.mpu.get_sequence_parallel_group())[:, : width - 1]
         return nll, outputs
+
+
+    def completion_logps(
+        self, inputs: Batch, keep: int, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(the log-probability of each of the last ``keep`` tokens of every row, and the entropy of
+        the distribution that predicted it, both shape (rows, keep) in fp32; the model's outputs),
+        under the logits divided by ``temperature``: a completion's tokens after its prompt. Only
+        those positions' logits are computed: from the head's last ``keep + 1`` positions, or tiled
+        from the last hidden states, a tile at a time."""
+        targets = inputs["input_ids"][:, -keep:]
+        if self.tiles is not None:
+            head, size = self.tiles
+            outputs = self.forward(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+            hidden = outputs.hidden_states[-1][:, -keep - 1 : -1]
+            both = tiled_token_logps(hidden, head, targets, size, temperature)
+        else:
+            outputs = self.forward(**inputs, use_cache=False, logits_to_keep=keep + 1)
+            both = token_logps(outputs.logits[:, :-1], targets, temperature)
+        return both[..., 0], both[..., 1], outputs
 
 
 def takes(objective: Objective, split: Split) -> bool:

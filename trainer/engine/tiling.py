@@ -137,6 +137,26 @@ def tiled_token_nll(
     return torch.cat(_over_tiles(_tile_nll, hidden, head, targets, tile_tokens)).view(targets.shape)
 
 
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Each target's log-probability and its distribution's entropy, stacked on a last axis of 2,
+    from ``logits`` divided by ``temperature``, in fp32."""
+    logps = torch.log_softmax(logits.float() / temperature, dim=-1)
+    entropy = -(logps.exp() * logps).sum(-1)
+    return torch.stack([logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy], dim=-1)
+
+
+def tiled_token_logps(
+    hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, tile_tokens: int, temperature: float
+) -> torch.Tensor:
+    """Each target's fp32 log-probability under ``head(hidden) / temperature`` and that
+    distribution's entropy, shape ``targets.shape + (2,)``, the logits computed ``tile_tokens``
+    tokens at a time (what an RL objective weighs its tokens by)."""
+    def tile(head: torch.nn.Module, part: torch.Tensor, part_targets: torch.Tensor) -> torch.Tensor:
+        return token_logps(head(part), part_targets, temperature)
+
+    return torch.cat(_over_tiles(tile, hidden, head, targets, tile_tokens)).view(*targets.shape, 2)
+
+
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The HF model under a peft wrapper (the LoRA layers stay inside it)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

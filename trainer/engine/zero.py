@@ -62,6 +62,45 @@ def gathered(
         yield
 
 
+def fits_whole(module: torch.nn.Module, device: torch.device, share: float = 0.5) -> bool:
+    """Whether a partitioned model's whole weights fit in ``share`` of ``device``'s free memory (a
+    CPU's: its available RAM), leaving the rest to the KV cache and the activations of generation."""
+    need = sum(p.ds_numel * p.element_size() if hasattr(p, "ds_numel") else 0 for p in module.parameters())
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    return need <= share * free
+
+
+@contextlib.contextmanager
+def whole_model(ds_engine: Any, enabled: bool = True) -> Iterator[None]:
+    """Inside: a ZeRO-3 engine's weights gathered whole on every rank, once, with its per-module
+    gathering hooks taken off (each forward would otherwise release what it used and gather it
+    again); the hooks are put back and the weights partitioned again on exit. A generation then
+    forwards as a ZeRO-2 model does. A no-op when not ``enabled`` or nothing is partitioned."""
+    offload = getattr(getattr(ds_engine, "optimizer", None), "parameter_offload", None)
+    if not enabled or offload is None:
+        yield
+        return
+    params = list(ds_engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        for param in params:
+            param.ds_active_sub_modules.clear()
+        for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            coordinator = getattr(offload, "param_coordinator", None)
+            if coordinator is not None and not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()  # the generation's forwards were not the training trace
+            offload._register_deepspeed_module(offload.module)
+
+
 # What a frozen model's engine keeps of the training run's DeepSpeed config: the batch and
 # precision settings and ZeRO's partitioning (with its parameter offload); no optimizer, scheduler
 # or training-only features.

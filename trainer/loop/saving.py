@@ -39,6 +39,8 @@ class Checkpoints:
         self.snapshots: Snapshots | None = None
         self.saved: tuple[int, bool] | None = None  # (step, weights alone) of the last save
         self.data: Any = None  # the run's sampler; a stream's position goes into every checkpoint
+        #: What each rank keeps beside its RNG states in every checkpoint and snapshot (the producer's).
+        self.rank_state: Callable[[], dict[str, Any]] = dict
         self.in_flight: list[Participant] = []  # in the step's vote: [self] while anything is in flight
 
     @property
@@ -85,7 +87,8 @@ class Checkpoints:
         self.saved = (state.global_step, model_only)
         self._stamp(state)
         state.stateful_callbacks = stateful()
-        self._committed(lambda: self.saver.save(engine, state, model_only=model_only))
+        kept = self.rank_state()
+        self._committed(lambda: self.saver.save(engine, state, model_only=model_only, rank_state=kept))
         self._refresh()
 
     def finish(self) -> None:
@@ -122,7 +125,7 @@ class Checkpoints:
     def take_snapshot(self, engine: Any, state: TrainerState) -> None:
         """A snapshot of this step (due every ``snapshot_steps`` steps)."""
         self._stamp(state)
-        self.snapshots.take(engine, state)
+        self.snapshots.take(engine, state, self.rank_state())
         self._refresh()
 
     def _stamp(self, state: TrainerState) -> None:

@@ -150,8 +150,10 @@ def prepare_training(trainer: Any, spec: Any) -> ResumableDistributedSampler:
 def load_checkpoint(trainer: Any, path: Path, weights_only: bool = False) -> None:
     """``path`` loaded into the trainer's engine; unless ``weights_only``, the run's state (and RNG)
     from it too, its position re-divided among this run's data ranks."""
-    saved = ckpt.load(trainer.engine, path, trainer.dist, restore_rng=not weights_only)
+    saved, kept = ckpt.load(trainer.engine, path, trainer.dist, restore_rng=not weights_only)
     if not weights_only:
+        if hasattr(trainer.producer, "load_state_dict"):  # a rollout buffer the checkpoint kept
+            trainer.producer.load_state_dict(kept.get("producer", {}))
         samples = len(trainer.train_dataset)
         trainer.state = resumed_state(saved, trainer.state, samples, trainer.mesh.data_ranks, trainer.args)
 

@@ -144,6 +144,8 @@ class Trainer(HFMethods, ResultsAPI):
             self.checkpoints = Checkpoints(args, saver_args, weakly(self._saved))
         self.checkpoints.start_snapshots()
         self.checkpoints.data = sampler  # a stream's position goes into every checkpoint
+        if hasattr(self.producer, "state_dict"):  # a rollout buffer goes into every checkpoint
+            self.checkpoints.rank_state = lambda: {"producer": self.producer.state_dict()}
         self._fire("on_train_begin")
         if args.eval_on_start and self.eval_dataset is not None:
             self.evaluate()

@@ -19,8 +19,13 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Rows = Literal["rows", "pairs", "unpaired"]
-ROW_KINDS = {"rows": "texts", "pairs": "preference pairs", "unpaired": "labelled completions"}
+Rows = Literal["rows", "pairs", "unpaired", "prompts"]
+ROW_KINDS = {
+    "rows": "texts",
+    "pairs": "preference pairs",
+    "unpaired": "labelled completions",
+    "prompts": "prompts the policy completes",
+}
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,7 @@ class Entry:
     config: str  # "module:Class": the arguments that hold its fields
     trainer: str  # "module:Class": the Trainer that runs it and prepares its data
     loss: str | None = None  # "module:Class": its loss (None: the model's own, chosen per model)
-    data: Rows = "rows"  # a row: a text (tokens), a preference pair, or one labelled completion
+    data: Rows = "rows"  # a row: a text (tokens), a preference pair, a labelled completion, a prompt
     reference: bool = False  # scored against a frozen reference before training
     sequences_per_row: int = 1
 
@@ -94,6 +99,22 @@ OBJECTIVES: dict[str, Entry] = {
             data="unpaired",
             reference=True,
             sequences_per_row=2,  # the completion and its KL partner
+        ),
+        Entry(
+            "grpo",
+            "group relative policy optimisation on completions the policy generates and rewards score",
+            config="trainer.args.rl:GRPOConfig",
+            trainer="trainer.loop.grpo:GRPOTrainer",
+            loss="trainer.engine.rl:GRPO",
+            data="prompts",
+        ),
+        Entry(
+            "rloo",
+            "REINFORCE leave-one-out on completions the policy generates and rewards score",
+            config="trainer.args.rl:RLOOConfig",
+            trainer="trainer.loop.grpo:RLOOTrainer",
+            loss="trainer.engine.rl:RLOO",
+            data="prompts",
         ),
     )
 }

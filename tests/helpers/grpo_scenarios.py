@@ -1,0 +1,186 @@
+"""Online RL through ``from trainer import GRPOTrainer, RLOOTrainer`` against TRL 1.16's, on the same
+tiny Llama, tokenizer, prompts, reward functions and seed, in one process (TRL's without DeepSpeed,
+``use_cpu``); and our own runs on any launcher.
+
+Usage: ``python tests/helpers/grpo_scenarios.py OUT SCENARIO [SCENARIO...]``; each scenario writes
+``OUT/<scenario>.json`` (from the main rank) for ``tests/unit/test_grpo.py`` and
+``tests/distributed/test_grpo_zero.py`` to read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch.distributed as dist
+from transformers import set_seed
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+from tests.helpers.preference_scenarios import COLOURS, SUBJECTS, base, lora, main
+from tests.helpers.scaffold import read_metrics
+from trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from trainer.cli.main import exit_now
+from trainer.runtime.distributed import dist_info
+
+METRICS = ("loss", "grad_norm", "reward", "reward_std", "rewards/colour_named/mean", "rewards/length_reward/mean",
+           "frac_reward_zero_std", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
+           "completions/mean_length", "completions/clipped_ratio", "num_tokens")  # fmt: skip
+# Plain SGD at a rate that moves the tiny policy between generations.
+COMMON = dict(max_steps=3, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+              optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+              report_to="none", disable_tqdm=True, seed=0, gradient_checkpointing=False, bf16=False)  # fmt: skip
+SCENARIOS: dict[str, Any] = {}
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def colour_named(completions: list[str], subject: list[str], **kwargs: Any) -> list[float | None]:
+    """1 for a completion that names a colour, 0 if not; None (unscored) for the sea's."""
+    return [None if s == "the sea" else float(any(c in text for c in COLOURS)) for text, s in zip(completions, subject)]
+
+
+def length_reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """Longer completions score more (the tiny model's EOS cuts some short)."""
+    return [len(text) / 10 for text in completions]
+
+
+async def vowels(completions: list[str], **kwargs: Any) -> list[float]:
+    await asyncio.sleep(0)
+    return [sum(ch in "aeiou" for ch in text) / 5 for text in completions]
+
+
+def prompts(n: int = 16, kind: str = "text") -> datasets.Dataset:
+    rows = []
+    for i in range(n):
+        subject = SUBJECTS[i % 8]
+        prompt = f"What colour is {subject}?"
+        if kind == "conversation":
+            prompt = [{"role": "user", "content": prompt}]
+        rows.append({"prompt": prompt, "subject": subject})
+    return datasets.Dataset.from_list(rows)
+
+
+def history(rows: list[dict], keys: tuple[str, ...] = METRICS) -> dict[str, list[float | None]]:
+    train = [r for r in rows if "loss" in r and "train_runtime" not in r]
+    return {k: [r.get(k) for r in train] for k in keys}
+
+
+def classes(method: str, ours: bool) -> tuple[type, type]:
+    if ours:
+        return (GRPOConfig, GRPOTrainer) if method == "grpo" else (RLOOConfig, RLOOTrainer)
+    import trl
+
+    return (trl.GRPOConfig, trl.GRPOTrainer) if method == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
+
+
+def run(out: Path, name: str, method: str, ours: bool, data: Any = None, peft_config: Any = None,
+        funcs: Any = None, **fields: Any) -> dict[str, list]:  # fmt: skip
+    config, trainer_class = classes(method, ours)
+    extra = {} if ours else {"use_cpu": True}
+    if not ours:
+        unset_hf_deepspeed_config()
+    set_seed(0)
+    args = config(output_dir=str(out / name), **extra, **{**COMMON, **fields})
+    trainer = trainer_class(base(out), reward_funcs=funcs or [colour_named, length_reward], args=args,
+                            train_dataset=data if data is not None else prompts(), peft_config=peft_config)  # fmt: skip
+    trainer.train()
+    if ours:
+        if dist.is_initialized():
+            dist.barrier()
+        return history(read_metrics(out / name))
+    return history(trainer.state.log_history)
+
+
+def parity(out: Path, method: str = "grpo", **fields: Any) -> dict[str, Any]:
+    return {"trl": run(out, "trl", method, False, **fields), "ours": run(out, "ours", method, True, **fields)}
+
+
+@scenario
+def grpo_dapo(out: Path) -> dict[str, Any]:
+    """TRL's default loss; two micro-batches a step, one generation a step."""
+    return parity(out, gradient_accumulation_steps=2, per_device_train_batch_size=2)
+
+
+@scenario
+def grpo_grpo(out: Path) -> dict[str, Any]:
+    return parity(out, loss_type="grpo")
+
+
+@scenario
+def grpo_bnpo(out: Path) -> dict[str, Any]:
+    return parity(out, loss_type="bnpo", gradient_accumulation_steps=2, per_device_train_batch_size=2)
+
+
+@scenario
+def grpo_dr_grpo(out: Path) -> dict[str, Any]:
+    return parity(out, loss_type="dr_grpo")
+
+
+@scenario
+def gspo_buffer(out: Path) -> dict[str, Any]:
+    """GSPO's sequence-level ratio over a buffer reused: 2 steps a generation, 2 passes over it, so
+    the ratio moves off 1 and clips (a tight epsilon); the KL to the reference (beta > 0)."""
+    fields = dict(importance_sampling_level="sequence", steps_per_generation=2, num_iterations=2,
+                  epsilon=0.02, beta=0.1, max_steps=4, per_device_train_batch_size=2)  # fmt: skip
+    return parity(out, **fields)
+
+
+@scenario
+def grpo_scaled_masked(out: Path) -> dict[str, Any]:
+    """Batch-scaled advantages, truncated completions masked, weighted rewards with an async one."""
+    fields = dict(scale_rewards="batch", mask_truncated_completions=True, reward_weights=[1.0, 0.5, 2.0],
+                  temperature=0.7, top_k=50)  # fmt: skip
+    return parity(out, funcs=[colour_named, length_reward, vowels], **fields)
+
+
+@scenario
+def grpo_lora_beta(out: Path) -> dict[str, Any]:
+    """LoRA with beta > 0: the reference is the base with its adapters off, in both."""
+    return parity(out, peft_config=lora(), beta=0.2, learning_rate=1.0)
+
+
+@scenario
+def grpo_conversation(out: Path) -> dict[str, Any]:
+    return parity(out, data=prompts(kind="conversation"))
+
+
+@scenario
+def rloo(out: Path) -> dict[str, Any]:
+    """RLOO at TRL's defaults (beta 0.05: the KL in the reward), two micro-batches a step."""
+    return parity(out, "rloo", gradient_accumulation_steps=2, per_device_train_batch_size=2)
+
+
+@scenario
+def rloo_normalized(out: Path) -> dict[str, Any]:
+    return parity(out, "rloo", beta=0.0, normalize_advantages=True, reward_clip_range=(0.0, 0.8))
+
+
+@scenario
+def grpo_ranks(out: Path) -> dict[str, Any]:
+    """Under a launcher: the one-process run's global batch, each rank its share, at ZeRO-2 and
+    ZeRO-3 (the weights gathered for generation, and not), and ZeRO-3 with LoRA."""
+    world = dist_info().world_size
+    per_rank = COMMON["per_device_train_batch_size"] // world
+    base(out)
+    runs = {
+        "zero2": run(out, "zero2", "grpo", True, zero_stage=2, per_device_train_batch_size=per_rank),
+        "zero3": run(out, "zero3", "grpo", True, zero_stage=3, per_device_train_batch_size=per_rank),
+        "zero3_layers": run(out, "zero3_layers", "grpo", True, zero_stage=3, per_device_train_batch_size=per_rank,
+                            ds3_gather_for_generation=False),  # fmt: skip
+    }
+    return {"world_size": world, **runs}
+
+
+@scenario
+def grpo_one(out: Path) -> dict[str, Any]:
+    """Our run alone on one process, as ``grpo_ranks`` runs it on several."""
+    return {"ours": run(out, "ours", "grpo", True)}
+
+
+if __name__ == "__main__":
+    exit_now(main(SCENARIOS))
