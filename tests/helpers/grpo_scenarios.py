@@ -10,6 +10,7 @@ Usage: ``python tests/helpers/grpo_scenarios.py OUT SCENARIO [SCENARIO...]``; ea
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,19 +40,27 @@ def scenario(fn):
     return fn
 
 
-def colour_named(completions: list[str], subject: list[str], **kwargs: Any) -> list[float | None]:
+def text_of(completion: Any) -> str:
+    """A completion's text: as it is, or a conversation's assistant message."""
+    return completion if isinstance(completion, str) else completion[0]["content"]
+
+
+def colour_named(completions: list[Any], subject: list[str], **kwargs: Any) -> list[float | None]:
     """1 for a completion that names a colour, 0 if not; None (unscored) for the sea's."""
-    return [None if s == "the sea" else float(any(c in text for c in COLOURS)) for text, s in zip(completions, subject)]
+    return [
+        None if s == "the sea" else float(any(c in text_of(t) for c in COLOURS))
+        for t, s in zip(completions, subject, strict=True)
+    ]
 
 
-def length_reward(completions: list[str], **kwargs: Any) -> list[float]:
+def length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     """Longer completions score more (the tiny model's EOS cuts some short)."""
-    return [len(text) / 10 for text in completions]
+    return [len(text_of(t)) / 10 for t in completions]
 
 
-async def vowels(completions: list[str], **kwargs: Any) -> list[float]:
+async def vowels(completions: list[Any], **kwargs: Any) -> list[float]:
     await asyncio.sleep(0)
-    return [sum(ch in "aeiou" for ch in text) / 5 for text in completions]
+    return [sum(ch in "aeiou" for ch in text_of(t)) / 5 for t in completions]
 
 
 def prompts(n: int = 16, kind: str = "text") -> datasets.Dataset:
@@ -65,7 +74,10 @@ def prompts(n: int = 16, kind: str = "text") -> datasets.Dataset:
     return datasets.Dataset.from_list(rows)
 
 
-def history(rows: list[dict], keys: tuple[str, ...] = METRICS) -> dict[str, list[float | None]]:
+EXTRA = ("kl", "clip_ratio/low_min", "clip_ratio/high_max")  # logged by some runs only
+
+
+def history(rows: list[dict], keys: tuple[str, ...] = METRICS + EXTRA) -> dict[str, list[float | None]]:
     train = [r for r in rows if "loss" in r and "train_runtime" not in r]
     return {k: [r.get(k) for r in train] for k in keys}
 
@@ -108,7 +120,8 @@ def grpo_dapo(out: Path) -> dict[str, Any]:
 
 @scenario
 def grpo_grpo(out: Path) -> dict[str, Any]:
-    return parity(out, loss_type="grpo")
+    """On-policy, one pass: the ratio is exactly 1, so even a clip range of 1e-7 clips nothing."""
+    return parity(out, loss_type="grpo", epsilon=1e-7)
 
 
 @scenario
@@ -157,23 +170,51 @@ def rloo(out: Path) -> dict[str, Any]:
 
 @scenario
 def rloo_normalized(out: Path) -> dict[str, Any]:
-    return parity(out, "rloo", beta=0.0, normalize_advantages=True, reward_clip_range=(0.0, 0.8))
+    return parity(out, "rloo", beta=0.0, normalize_advantages=True, reward_clip_range=(0.0, 2.0))
+
+
+@scenario
+def dapo_splits(out: Path) -> dict[str, Any]:
+    """The same generation batch of 4 completions a step, as 1, 2 or 4 micro-batches."""
+    return {
+        f"{micro}x{4 // micro}": run(
+            out,
+            f"m{micro}",
+            "grpo",
+            True,
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=4 // micro,
+        )  # fmt: skip
+        for micro in (4, 2, 1)
+    }
+
+
+@scenario
+def seeds(out: Path) -> dict[str, Any]:
+    """Our runs from seed 0 twice and from seed 1."""
+    return {name: run(out, name, "grpo", True, seed=seed) for name, seed in (("a", 0), ("b", 0), ("c", 1))}
 
 
 @scenario
 def grpo_ranks(out: Path) -> dict[str, Any]:
-    """Under a launcher: the one-process run's global batch, each rank its share, at ZeRO-2 and
-    ZeRO-3 (the weights gathered for generation, and not), and ZeRO-3 with LoRA."""
+    """Under a launcher: TRL's trainer (DDP) and ours on the same global batch, each rank its share:
+    ours at ZeRO-2 and at ZeRO-3 (the weights gathered once for generation, and gathered by each
+    forward: ``ds3_gather_for_generation=False``)."""
     world = dist_info().world_size
-    per_rank = COMMON["per_device_train_batch_size"] // world
-    base(out)
-    runs = {
-        "zero2": run(out, "zero2", "grpo", True, zero_stage=2, per_device_train_batch_size=per_rank),
-        "zero3": run(out, "zero3", "grpo", True, zero_stage=3, per_device_train_batch_size=per_rank),
-        "zero3_layers": run(out, "zero3_layers", "grpo", True, zero_stage=3, per_device_train_batch_size=per_rank,
-                            ds3_gather_for_generation=False),  # fmt: skip
+    per_rank = dict(per_device_train_batch_size=COMMON["per_device_train_batch_size"] // world)
+    if dist_info().is_main:  # one rank writes the model (save_pretrained writes on the main process only)
+        base(out)
+    while not (out / "base" / "config.json").is_file():
+        time.sleep(0.1)
+    return {
+        "world_size": world,
+        "trl": run(out, "trl", "grpo", False, **per_rank),
+        "zero2": run(out, "zero2", "grpo", True, zero_stage=2, **per_rank),
+        "zero3": run(out, "zero3", "grpo", True, zero_stage=3, **per_rank),
+        "zero3_layers": run(
+            out, "zero3_layers", "grpo", True, zero_stage=3, ds3_gather_for_generation=False, **per_rank
+        ),  # fmt: skip
     }
-    return {"world_size": world, **runs}
 
 
 @scenario

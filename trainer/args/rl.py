@@ -54,7 +54,9 @@ class RLConfig(TRLConfig):
         description="Reward functions as module:function (Python callables with TRL's signature) or "
         "reward models' paths; the trainer's reward_funcs argument takes precedence.",
     )
-    reward_weights: list[float] | None = Field(None, description="One weight per reward function (default 1).")
+    reward_weights: list[float] | None = Field(
+        None, description="One weight per reward function (default 1)."
+    )
     num_generations: int = Field(8, ge=2, description="Completions per prompt (a group).")
     num_generations_eval: int | None = Field(None, description="Refused when set (REFUSED).")
     max_completion_length: int = Field(512, ge=1, description="The most tokens a completion has.")
@@ -65,15 +67,23 @@ class RLConfig(TRLConfig):
     )
     shuffle_dataset: bool = Field(True, description="Shuffle the prompts (seeded by seed).")
     generation_batch_size: int | None = Field(
-        None, ge=1, description="Completions generated at once over all ranks (default: a step's global batch)."
+        None,
+        ge=1,
+        description="Completions generated at once over all ranks (default: a step's global batch).",
     )
     steps_per_generation: int | None = Field(
-        None, ge=1, description="Micro-batches of each rank one generation feeds (default: gradient_accumulation_steps)."
+        None,
+        ge=1,
+        description="Micro-batches of each rank one generation feeds (default: gradient_accumulation_steps).",
     )
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature; the log-probabilities divide by it too.")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature; the log-probabilities divide by it too."
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling's cumulative probability.")
     top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens (0: all).")
-    min_p: float | None = Field(None, ge=0, le=1, description="Least probability relative to the likeliest token.")
+    min_p: float | None = Field(
+        None, ge=0, le=1, description="Least probability relative to the likeliest token."
+    )
     repetition_penalty: float = Field(1.0, gt=0, description="HF generate's repetition penalty.")
     generation_kwargs: dict[str, Any] | None = Field(
         None, description="More GenerationConfig fields; they override the ones above."
@@ -82,10 +92,14 @@ class RLConfig(TRLConfig):
         None, description="Keyword arguments for the chat template of conversational prompts."
     )
     cache_implementation: str | None = Field(None, description="HF generate's KV cache implementation.")
-    beta: float = Field(0.0, ge=0, description="Weight of the KL term against the reference (0: no reference).")
+    beta: float = Field(
+        0.0, ge=0, description="Weight of the KL term against the reference (0: no reference)."
+    )
     num_iterations: int = Field(1, ge=1, description="Optimisation passes over each rollout buffer.")
     epsilon: float = Field(0.2, ge=0, description="Lower clipping bound of the ratio: 1 - epsilon.")
-    epsilon_high: float | None = Field(None, ge=0, description="Upper bound 1 + epsilon_high (default epsilon).")
+    epsilon_high: float | None = Field(
+        None, ge=0, description="Upper bound 1 + epsilon_high (default epsilon)."
+    )
     mask_truncated_completions: bool = Field(
         False, description="Leave out of the loss the completions cut at max_completion_length."
     )
@@ -167,7 +181,9 @@ class GRPOConfig(RLConfig):
     """TRL's ``GRPOConfig`` fields: group-relative advantages and TRL's loss types."""
 
     OBJECTIVES: ClassVar[tuple[str, ...]] = names_for(f"{__name__}:GRPOConfig")
-    objective: Objective = Field(OBJECTIVES[0], description="grpo: what scripts/train.py runs with these fields.")
+    objective: Objective = Field(
+        OBJECTIVES[0], description="grpo: what scripts/train.py runs with these fields."
+    )
 
     REFUSED: ClassVar[Refusals] = {
         **SHARED_REFUSED,
@@ -195,7 +211,9 @@ class GRPOConfig(RLConfig):
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
         "sum_then_normalize", description="Weigh the rewards then normalise, or normalise each then weigh."
     )
-    delta: float | None = Field(None, gt=0, description="Upper clamp of the ratio's unclipped term (two-sided clipping).")
+    delta: float | None = Field(
+        None, gt=0, description="Upper clamp of the ratio's unclipped term (two-sided clipping)."
+    )
     use_bias_correction_kl: bool = Field(True, description="Weigh the per-token KL by the importance ratio.")
     off_policy_mask_threshold: float | None = Field(None, description="Refused when set (REFUSED).")
     top_entropy_quantile: float = Field(1.0, description="Refused unless 1 (REFUSED).")
@@ -214,10 +232,16 @@ class RLOOConfig(RLConfig):
     """TRL's ``RLOOConfig`` fields: the leave-one-out baseline, with the KL in the reward."""
 
     OBJECTIVES: ClassVar[tuple[str, ...]] = names_for(f"{__name__}:RLOOConfig")
-    objective: Objective = Field(OBJECTIVES[0], description="rloo: what scripts/train.py runs with these fields.")
+    objective: Objective = Field(
+        OBJECTIVES[0], description="rloo: what scripts/train.py runs with these fields."
+    )
     REFUSED: ClassVar[Refusals] = SHARED_REFUSED
 
     num_generations: int = Field(2, ge=2, description="Completions per prompt (a group).")
     beta: float = Field(0.05, ge=0, description="Weight of the KL penalty in the reward (0: no reference).")
-    normalize_advantages: bool = Field(False, description="Normalise the advantages over the generation batch.")
-    reward_clip_range: tuple[float, float] | None = Field(None, description="Clamp each reward into (low, high).")
+    normalize_advantages: bool = Field(
+        False, description="Normalise the advantages over the generation batch."
+    )
+    reward_clip_range: tuple[float, float] | None = Field(
+        None, description="Clamp each reward into (low, high)."
+    )

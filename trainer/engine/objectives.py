@@ -181,7 +181,6 @@ class Tokens:
             nll = all_reduce(nll, group=sp.mpu.get_sequence_parallel_group())[:, : width - 1]
         return nll, outputs
 
-
     def completion_logps(
         self, inputs: Batch, keep: int, temperature: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:

@@ -55,7 +55,10 @@ class PolicyObjective(Objective):
 
     def check(self, split: Split) -> None:
         """Generation needs whole rows on every rank, and one stage that holds the whole model."""
-        for name, feature in (("sequence", "sequence_parallel_size > 1"), ("stages", "pipeline_parallel_size > 1")):
+        for name, feature in (
+            ("sequence", "sequence_parallel_size > 1"),
+            ("stages", "pipeline_parallel_size > 1"),
+        ):
             if getattr(split, name):
                 raise ConfigError(
                     f"{feature}: online RL generates completions with the whole model on each rank; "
@@ -90,7 +93,9 @@ class PolicyObjective(Objective):
             self.rollout_metrics = {}
         return means
 
-    def record_global(self, values: list[tuple[torch.Tensor, torch.Tensor]], extremes: list[torch.Tensor]) -> None:
+    def record_global(
+        self, values: list[tuple[torch.Tensor, torch.Tensor]], extremes: list[torch.Tensor]
+    ) -> None:
         """This micro-batch's metrics over every rank: each (sum, count) pair's mean, then each of
         ``extremes``' (a per-completion value, NaN where undefined) minimum over all ranks' (the
         first) or maximum (the rest); recorded as one item each rank holds alike."""
@@ -166,7 +171,9 @@ class GRPO(PolicyObjective):
         self._metrics(mask, entropy, kl, coef, advantages)
         return loss, outputs
 
-    def _metrics(self, mask: torch.Tensor, entropy: torch.Tensor, kl: Any, coef: torch.Tensor, advantages: torch.Tensor) -> None:
+    def _metrics(
+        self, mask: torch.Tensor, entropy: torch.Tensor, kl: Any, coef: torch.Tensor, advantages: torch.Tensor
+    ) -> None:
         def masked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if x.shape[-1] == 1:  # one value per completion
                 return x.sum(), x.new_tensor(float(x.shape[0]))

@@ -151,6 +151,7 @@ def tiled_token_logps(
     """Each target's fp32 log-probability under ``head(hidden) / temperature`` and that
     distribution's entropy, shape ``targets.shape + (2,)``, the logits computed ``tile_tokens``
     tokens at a time (what an RL objective weighs its tokens by)."""
+
     def tile(head: torch.nn.Module, part: torch.Tensor, part_targets: torch.Tensor) -> torch.Tensor:
         return token_logps(head(part), part_targets, temperature)
 

@@ -63,7 +63,11 @@ class GRPOTrainer(Trainer):
         args = args or config()
         if not isinstance(args, config):
             raise TypeError(f"{name}: args must be {config.__name__}, got {type(args).__name__}")
-        for given, what in ((tools, "tools"), (rollout_func, "rollout_func"), (environment_factory, "environment_factory")):
+        for given, what in (
+            (tools, "tools"),
+            (rollout_func, "rollout_func"),
+            (environment_factory, "environment_factory"),
+        ):
             if given is not None:
                 raise ValueError(f"{name}: {what} is not supported; rollouts are single-turn HF generate")
         if eval_dataset is not None:
@@ -87,7 +91,9 @@ class GRPOTrainer(Trainer):
             disable_dropout(reference)
         funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
         if funcs is None:
-            raise ValueError(f"{name}: reward_funcs: give the reward functions (or set the config's reward_funcs)")
+            raise ValueError(
+                f"{name}: reward_funcs: give the reward functions (or set the config's reward_funcs)"
+            )
         self.rewards = Rewards(funcs, args.reward_weights, reward_processing_classes, args.model_init_kwargs)
         self.eos_token_ids = _eos_ids(model, processing_class)
         self.generation_config = GenerationConfig(
@@ -118,6 +124,8 @@ class GRPOTrainer(Trainer):
             raise ValueError(f"{name}: tensor_parallel_size > 1 is not supported for online RL")
         if self.train_dataset is not None:  # the chunk follows the mesh's readers, known now
             self.train_dataset = prompt_rows(self.train_dataset.prompts, self.args, self.mesh.readers)
+        # As TRL: each rank samples from its own seed, so a group split over ranks is not duplicated.
+        set_seed(args.seed + self.dist.rank)
         self._reference_model, self._reference_tokens = reference, None
         self._reference_stack = contextlib.ExitStack()  # the frozen reference's engine, once built
         self.producer = RolloutProducer(self)
@@ -180,7 +188,9 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
     return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]
 
 
-def _reference_copy(model: torch.nn.Module, path: str | None, args: RLConfig, tokenizer: Any) -> torch.nn.Module:
+def _reference_copy(
+    model: torch.nn.Module, path: str | None, args: RLConfig, tokenizer: Any
+) -> torch.nn.Module:
     """A frozen copy of the initial policy: loaded again from its path, else copied whole. A model
     partitioned at creation (ZeRO-3's) cannot be copied: it must come by path, or train with LoRA."""
     if path is not None:

@@ -37,7 +37,9 @@ def resolve(func: Reward, index: int, model_init_kwargs: dict[str, Any] | None) 
             try:
                 found = getattr(importlib.import_module(module), name)
             except (ImportError, AttributeError) as err:
-                raise ValueError(f"reward_funcs[{index}]: {func!r} names no importable function ({err})") from None
+                raise ValueError(
+                    f"reward_funcs[{index}]: {func!r} names no importable function ({err})"
+                ) from None
             if not callable(found):
                 raise ValueError(f"reward_funcs[{index}]: {func!r} is not callable")
             return found, name
@@ -108,17 +110,21 @@ class Rewards:
         for i, func in enumerate(self.funcs):
             if isinstance(func, torch.nn.Module):
                 out[:, i] = self._model_scores(func, self.tokenizers[i], prompts, completions, device)
-            elif inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None)):
+            elif _is_async(func):
                 pending.append(i)
             else:
-                values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+                values = func(
+                    prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs
+                )
                 out[:, i] = self._checked(values, i, len(prompts))
 
         if pending:
 
             async def all_async() -> list[Any]:
                 calls = [
-                    self.funcs[i](prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+                    self.funcs[i](
+                        prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs
+                    )
                     for i in pending
                 ]
                 return await asyncio.gather(*calls)
@@ -126,7 +132,9 @@ class Rewards:
             for i, values in zip(pending, asyncio.run(all_async()), strict=True):
                 out[:, i] = self._checked(values, i, len(prompts))
         parts = all_gather_object(out.tolist())
-        return torch.tensor([row for part in parts for row in part], dtype=torch.float32).view(-1, len(self.funcs))
+        return torch.tensor([row for part in parts for row in part], dtype=torch.float32).view(
+            -1, len(self.funcs)
+        )
 
     def _checked(self, values: Any, index: int, expected: int) -> torch.Tensor:
         values = [float("nan") if v is None else float(v) for v in values]
@@ -138,15 +146,23 @@ class Rewards:
 
     @torch.no_grad()
     def _model_scores(
-        self, model: torch.nn.Module, tokenizer: Any, prompts: list[Any], completions: list[Any], device: torch.device
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        prompts: list[Any],
+        completions: list[Any],
+        device: torch.device,
     ) -> torch.Tensor:
         if isinstance(prompts[0], list):  # conversations
             texts = [
-                tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions, strict=True)
+                tokenizer.apply_chat_template(p + c, tokenize=False)
+                for p, c in zip(prompts, completions, strict=True)
             ]
         else:
             texts = [p + c for p, c in zip(prompts, completions, strict=True)]
-        inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        inputs = tokenizer(
+            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        )
         inputs = {k: v.to(device) for k, v in inputs.items()}
         return model.to(device)(**inputs).logits[:, 0].float().cpu()
 
@@ -163,3 +179,8 @@ class Rewards:
             for name, values in part.items():
                 totals.setdefault(name, []).extend(values)
         return {name: sum(v) / len(v) for name, v in sorted(totals.items()) if v}
+
+
+def _is_async(func: Any) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)

@@ -117,7 +117,11 @@ class RolloutProducer:
                             f"the rollout buffer of generation {generation} is not in the checkpoint resumed "
                             "from; resume from a checkpoint this version of the trainer wrote"
                         )
-                    indices = [i for i in order[generation * chunk : (generation + 1) * chunk] for _ in range(self.group)]
+                    indices = [
+                        i
+                        for i in order[generation * chunk : (generation + 1) * chunk]
+                        for _ in range(self.group)
+                    ]
                     share = len(indices) // readers
                     rows = [prompts[i] for i in indices[rank * share : (rank + 1) * share]]
                     self.buffer, self.key = self.generate(trainer, rows), key
@@ -187,7 +191,11 @@ class RolloutProducer:
     def _prompt_ids(self, prompts: list[Any], template_kwargs: dict[str, Any]) -> list[list[int]]:
         if isinstance(prompts[0], list):
             out = self.tokenizer.apply_chat_template(
-                conversation=prompts, add_generation_prompt=True, tokenize=True, return_dict=True, **template_kwargs
+                conversation=prompts,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                **template_kwargs,
             )
             return [list(ids) for ids in out["input_ids"]]
         return [list(ids) for ids in self.tokenizer(text=prompts)["input_ids"]]
@@ -274,7 +282,9 @@ class RolloutProducer:
         group, weights = self.group, self.rewards.weights
         if args.multi_objective_aggregation == "normalize_then_sum":
             grouped = rewards.view(-1, group, rewards.shape[1])
-            each = (grouped - _nanmean(grouped, dim=1, keepdim=True)) / (_nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+            each = (grouped - _nanmean(grouped, dim=1, keepdim=True)) / (
+                _nanstd(grouped, dim=1, keepdim=True) + 1e-4
+            )
             summed = (each.view(-1, rewards.shape[1]) * weights).nansum(dim=1)
             summed[unscorable] = float("nan")
             std = _nanstd(summed).expand_as(summed)

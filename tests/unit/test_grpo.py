@@ -1,0 +1,106 @@
+"""Online RL: ``from trainer import GRPOTrainer, RLOOTrainer`` against TRL 1.16's, step by step, and
+the invariants the losses must keep.
+
+The runs happen in one child process (tests/helpers/grpo_scenarios.py, plain python, one rank), TRL's
+and ours on the same tiny Llama, tokenizer, prompts, reward functions and seed: both generate the
+same completions from it, so every metric below is computed from the same rollouts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers.grpo_scenarios import METRICS
+from tests.helpers.launch import launch
+from trainer import GRPOConfig, GRPOTrainer, RLOOConfig
+
+SCRIPT = "tests/helpers/grpo_scenarios.py"
+PARITY = ["grpo_dapo", "grpo_grpo", "grpo_bnpo", "grpo_dr_grpo", "gspo_buffer", "grpo_scaled_masked",
+          "grpo_lora_beta", "grpo_conversation", "rloo", "rloo_normalized"]  # fmt: skip
+KL = {"gspo_buffer", "grpo_lora_beta", "rloo"}  # beta > 0: kl is logged
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo")
+    names = [*PARITY, "dapo_splits", "seeds"]
+    launch([SCRIPT, str(out), *names], launcher="python", timeout=1200)
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in names}
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_each_step_matches_trls_trainer(results, name):
+    """Loss, grad norm, rewards, entropy, clipping and completion metrics at every step, within
+    fp32's reordering of the same sums. An on-policy loss is a sum of advantages that cancel (about
+    1e-7), so the absolute 1e-6 bounds it; the grad norms are compared relatively."""
+    run = results[name]
+    keys = [*METRICS, *(["kl"] if name in KL else [])]
+    if name.startswith("rloo"):
+        keys = [k for k in keys if k not in ("clip_ratio/low_mean", "clip_ratio/high_mean")] + [
+            "clip_ratio/low_mean"
+        ]
+    for key in keys:
+        trl, ours = run["trl"][key], run["ours"][key]
+        assert len(trl) == len(ours) >= 3, key
+        logged = [i for i, v in enumerate(trl) if v is not None]  # num_tokens: TRL's rows of a generation
+        if key != "num_tokens":
+            assert [v is None for v in ours] == [v is None for v in trl], key
+        assert [ours[i] for i in logged] == pytest.approx([trl[i] for i in logged], rel=1e-5, abs=1e-6), key
+    assert run["trl"]["grad_norm"][0] > 0.05  # a gradient to compare
+
+
+def test_the_runs_exercise_what_they_claim(results):
+    """Unscored completions (None), truncated and ended ones, clipping where the buffer is reused,
+    a KL that grows from 0, rewards that differ within groups."""
+    grpo, gspo = results["grpo_grpo"]["trl"], results["gspo_buffer"]["trl"]
+    assert None in grpo["rewards/colour_named/mean"]
+    assert min(grpo["completions/clipped_ratio"]) > 0 or 0 < max(grpo["completions/clipped_ratio"]) < 1
+    assert max(gspo["clip_ratio/region_mean"]) > 0
+    assert gspo["kl"][0] == 0 and max(gspo["kl"]) > 0
+    assert max(results["grpo_lora_beta"]["trl"]["kl"]) > 0
+    assert max(results["rloo"]["trl"]["kl"]) > 0
+    assert min(grpo["frac_reward_zero_std"]) < 1
+
+
+def test_on_policy_the_ratio_is_one(results):
+    """num_iterations=1, one generation a step: the ratio is exactly 1, so a clip range of 1e-7
+    (grpo_grpo's) clips no token."""
+    for key in ("clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max"):
+        assert set(results["grpo_grpo"]["ours"][key]) == {0.0}, key
+
+
+def test_dapo_does_not_depend_on_the_micro_batches(results):
+    """One generation batch of 4 completions a step, trained as 4x1, 2x2 or 1x4 micro-batches. (TRL's
+    entropy is a mean over micro-batches of their token means: a split changes it by definition.)"""
+    runs = results["dapo_splits"]
+    for key in ("loss", "grad_norm", "reward", "completions/mean_length"):
+        for split in ("2x2", "1x4"):
+            assert runs[split][key] == pytest.approx(runs["4x1"][key], rel=1e-6, abs=1e-7), (key, split)
+
+
+def test_a_seed_gives_the_same_completions(results):
+    a, b, c = (results["seeds"][n] for n in "abc")
+    assert a == b
+    assert a["reward"] != c["reward"]
+
+
+def test_fields_not_implemented_are_refused_by_name():
+    with pytest.raises(ValueError, match="use_vllm=True: not supported"):
+        GRPOConfig(output_dir="x", use_vllm=True)
+    with pytest.raises(ValueError, match="entropy_coef=0.1: not supported"):
+        GRPOConfig(output_dir="x", entropy_coef=0.1)
+    with pytest.raises(ValueError, match="loss_type"):
+        GRPOConfig(output_dir="x", loss_type="vespo")
+    with pytest.raises(ValueError, match="generation_batch_size, steps_per_generation"):
+        RLOOConfig(output_dir="x", generation_batch_size=8, steps_per_generation=2)
+    with pytest.raises(ValueError, match="must be a multiple of num_generations"):
+        GRPOConfig(output_dir="x", per_device_train_batch_size=3).rollout_sizes(1)
+    with pytest.raises(ValueError, match="tools is not supported"):
+        GRPOTrainer("unused", reward_funcs=len, args=GRPOConfig(output_dir="x"), tools=[len])
+
+
+def test_scale_rewards_takes_trls_booleans():
+    assert GRPOConfig(output_dir="x", scale_rewards=False).scale_rewards == "none"
+    assert GRPOConfig(output_dir="x", reward_funcs="a:f, b:g").reward_funcs == ["a:f", "b:g"]
