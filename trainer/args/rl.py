@@ -149,11 +149,9 @@ class RLConfig(TRLConfig):
             raise ValueError(
                 "generation_batch_size, steps_per_generation: set one; each follows from the other"
             )
-        if self.reward_weights is not None and self.reward_funcs is not None:
-            if len(self.reward_weights) != len(self.reward_funcs):
-                raise ValueError(
-                    f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward functions"
-                )
+        weights, funcs = self.reward_weights, self.reward_funcs
+        if weights is not None and funcs is not None and len(weights) != len(funcs):
+            raise ValueError(f"reward_weights: {len(weights)} weights for {len(funcs)} reward functions")
         return self
 
     def rollout_sizes(self, readers: int) -> tuple[int, int]:
