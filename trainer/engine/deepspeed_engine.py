@@ -236,13 +236,19 @@ def _replay_cpu_adam_bias_state(ds: Any) -> None:
 @contextmanager
 def checkpointing_off(module: torch.nn.Module) -> Iterator[None]:
     """Inside: the HF model's activation checkpointing off (a generation keeps its KV cache, which
-    HF turns off under checkpointing in training mode); back on, as it was, on exit."""
+    HF turns off under checkpointing in training mode); back on, as it was, on exit. transformers 5
+    calls it activation checkpointing; a model of its own may have only the old names."""
     model = module.get_base_model() if hasattr(module, "get_base_model") else module
-    on = bool(getattr(model, "is_gradient_checkpointing", False))
+    new = hasattr(model, "activation_checkpointing_enable")
+    on = bool(getattr(model, "is_activation_checkpointing" if new else "is_gradient_checkpointing", False))
     if on:
-        model.gradient_checkpointing_disable()
+        (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()
     try:
         yield
     finally:
         if on:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kwargs = {"use_reentrant": False}
+            if new:
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

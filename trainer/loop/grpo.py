@@ -70,8 +70,8 @@ class GRPOTrainer(Trainer):
         ):
             if given is not None:
                 raise ValueError(f"{name}: {what} is not supported; rollouts are single-turn HF generate")
-        if eval_dataset is not None:
-            raise ValueError(f"{name}: eval_dataset: evaluation with generation is not implemented")
+        if args.eval_strategy != "no" or args.eval_on_start:  # a set never evaluated is left aside, as HF's
+            raise ValueError(f"{name}: eval_strategy: evaluation with generation is not implemented")
         set_seed(args.seed)
         path = model if isinstance(model, str) else None
         model, processing_class = load_model(model, args, processing_class, quantization_config)
