@@ -1,14 +1,15 @@
 """Instruction rows and preference pairs from the standard library's functions, for the offline
 SFT-then-DPO recipe (``make sft-dpo``; docs/sft.md).
 
-    python scripts/recipes/stdlib_tasks.py OUT_DIR [--sft N] [--pairs N] [--max_chars N] [--seed S]
+    python scripts/recipes/stdlib_tasks.py OUT_DIR [--sft N] [--pairs N] [--prompts N] [--max_chars N] [--seed S]
 
 Each documented function of the stdlib corpus (the default job's own text) becomes a task: the
 prompt is its ``def`` line and docstring, the completion its body. ``OUT_DIR/sft.jsonl`` holds
 ``prompt``/``completion`` rows; ``OUT_DIR/prefs.jsonl`` holds ``prompt``/``chosen``/``rejected`` pairs
 of other functions (of two lines or more), whose chosen answer is the function's body and whose
-rejected answer is the same lines in a shuffled order. The two sets share no function. The rows
-depend only on the Python installation and the arguments.
+rejected answer is the same lines in a shuffled order; ``OUT_DIR/prompts.jsonl`` holds the prompts
+alone of functions in neither, for online RL (``make grpo``; docs/rl.md). The sets share no function.
+The rows depend only on the Python installation and the arguments.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--sft", type=int, default=1500, help="instruction rows")
     parser.add_argument("--pairs", type=int, default=800, help="preference pairs")
+    parser.add_argument(
+        "--prompts", type=int, default=512, help="prompts for online RL (def line and docstring)"
+    )
     parser.add_argument("--max_chars", type=int, default=360, help="longest function (prompt and body)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -61,17 +65,22 @@ def main() -> int:
         (prompt, body, scrambled(body, random.Random(args.seed + i))) for i, (prompt, body) in enumerate(rest)
     ]
     pairs = [{"prompt": p, "chosen": b, "rejected": r} for p, b, r in shuffled if r is not None][: args.pairs]
-    if len(sft) < args.sft or len(pairs) < args.pairs:
+    paired = {row["prompt"] for row in pairs}
+    prompts = [{"prompt": p} for p, _ in rest if p not in paired][: args.prompts]
+    if len(sft) < args.sft or len(pairs) < args.pairs or len(prompts) < args.prompts:
         print(
-            f"stdlib_tasks: {len(tasks)} functions, too few for --sft {args.sft} and --pairs {args.pairs}",
+            f"stdlib_tasks: {len(tasks)} functions, too few for --sft {args.sft}, --pairs {args.pairs} "
+            f"and --prompts {args.prompts}",
             file=sys.stderr,
         )
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out / "sft.jsonl", [{"prompt": p, "completion": c} for p, c in sft])
     write_jsonl(args.out / "prefs.jsonl", pairs)
+    write_jsonl(args.out / "prompts.jsonl", prompts)
     print(
-        f"stdlib_tasks: {len(sft)} rows in {args.out / 'sft.jsonl'}, {len(pairs)} pairs in {args.out / 'prefs.jsonl'}"
+        f"stdlib_tasks: {len(sft)} rows in {args.out / 'sft.jsonl'}, {len(pairs)} pairs in {args.out / 'prefs.jsonl'}, "
+        f"{len(prompts)} prompts in {args.out / 'prompts.jsonl'}"
     )
     return 0
 

@@ -42,7 +42,7 @@ def test_plan_cli_names_the_reference_and_what_the_cache_saves(capsys):
     )
     assert main(["plan", "--model", "llama-7b", "--objective", "dpo", "--reference", "model", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["objective"] == {"name": "dpo", "reference_model": True}
+    assert result["objective"] == {"name": "dpo", "reference_model": True, "generation_rows": 0}
     assert result["recommended"]["reference_gb_per_gpu"] > 0
     assert main(["plan", "--model", "llama-7b", "--objective", "orpo", "--reference", "model"]) == 2
     assert (

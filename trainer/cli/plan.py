@@ -71,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what the run trains; a preference objective's micro-batch counts pairs (2 sequences each)",
     )  # fmt: skip
     run.add_argument(
+        "--generation-batch", type=int, default=0, metavar="N",
+        help="online RL (grpo, rloo): completions each GPU generates at once, its KV cache counted "
+        "(default: --micro-batch; TRL's is micro-batch x steps_per_generation)",
+    )  # fmt: skip
+    run.add_argument(
         "--reference", choices=["cached", "model"], default="cached",
         help="DPO's reference: the cached pass (no model held in training; the default) or a reference "
         "model beside the policy, as TRL holds one",
@@ -240,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     def config_for(setup: Setup) -> dict[str, Any]:
         return deepspeed_config(setup, args.precision, args.micro_batch, cluster.world_size, spec.hidden_size)
 
-    objective = Objective(args.objective, args.reference == "model")
+    objective = Objective(args.objective, args.reference == "model", args.generation_batch)
     result = make_plan(spec, cluster, args.seq_len, args.micro_batch, args.precision, config_for,
                        args.lora_r, args.qlora, options, objective, args.optim)  # fmt: skip
     best = result["recommended"]
@@ -315,6 +320,8 @@ def _objective_lines(result: dict[str, Any]) -> list[str]:
     """What a preference objective changes: the pairs, and DPO's reference and what it costs."""
     objective, m = result["objective"], result["model"]
     entry = OBJECTIVES[objective["name"]]
+    if entry.data == "prompts":
+        return _generation_lines(result)
     if entry.sequences_per_row == 1:
         return []
     rows = "a pair" if entry.data == "pairs" else "a completion and its KL partner"
@@ -334,6 +341,31 @@ def _objective_lines(result: dict[str, Any]) -> list[str]:
         f"reference: the cached pass, scored before step 0; no model held in training, where a reference "
         f"model would add {cost} (--reference model plans with one)"
     ]
+
+
+def _generation_lines(result: dict[str, Any]) -> list[str]:
+    """What online RL adds: a rollout's KV cache, and under ZeRO-3 the weights gathered to generate."""
+    row = result["recommended"] or leanest(result)
+    objective = result["objective"]
+    rows = objective["generation_rows"] or result["micro_batch"]
+    generation = row["generation"]
+    lines = [
+        f"objective {objective['name']}: the policy generates {rows} completions at once per GPU "
+        f"(prompt and completion: seq_len tokens); KV cache {generation['kv_cache']:.2f} GB"
+    ]
+    if "gathered_weights" in generation:
+        lines.append(
+            f"generation under ZeRO-3: the weights gathered whole, {generation['gathered_weights']:.2f} GB"
+        )
+    elif "gathered_layer" in generation:
+        lines.append(
+            f"generation under ZeRO-3: the whole weights do not fit beside the cache, so each forward "
+            f"gathers a layer at a time ({generation['gathered_layer']:.2f} GB), as training does"
+        )
+    lines.append(
+        "a rollout is let go before the backward: the activations column holds the larger of the two"
+    )
+    return lines
 
 
 def _recommendation(result: dict[str, Any]) -> list[str]:

@@ -312,6 +312,14 @@ def tensor_parallel_allreduce_bytes(spec: ModelSpec, tokens: float, precision: s
     return 4 * spec.n_layers * tokens * spec.hidden_size * param_bytes(precision) * 2 * (tp - 1) / tp
 
 
+def kv_cache_bytes(spec: ModelSpec, seq_len: int, rows: int, precision: str) -> int:
+    """A generation's KV cache on one GPU: keys and values of every layer for ``rows`` sequences of
+    ``seq_len`` tokens (prompt and completion), in the run's precision."""
+    kv_heads = spec.n_kv_heads or spec.n_heads
+    head_dim = spec.head_dim or spec.hidden_size // spec.n_heads
+    return 2 * spec.n_layers * kv_heads * head_dim * seq_len * rows * param_bytes(precision)
+
+
 def reference_bytes(n_params: int, stage: int, dp: int, precision: str) -> int:
     """A frozen reference model's weights on one GPU: whole under ZeRO 0-2, a 1/dp share under
     ZeRO-3 (as DeepSpeed partitions a second engine's), in the training precision."""

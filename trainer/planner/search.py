@@ -16,9 +16,11 @@ from trainer.planner.memory import (
     cpu_bytes_per_node,
     expert_state_bytes,
     knobs_from_config,
+    kv_cache_bytes,
     lora_params,
     lora_state_bytes,
     loss_tile_tokens,
+    param_bytes,
     reference_bytes,
     tensor_parallel_allreduce_bytes,
     tensor_parallel_params,
@@ -76,6 +78,11 @@ def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micr
         reference = reference_bytes(held, setup.zero_stage, dp, precision)
     model_gb = (states["params"] + states["grads"] + states["optimizer"] + reference) / GB
     buffers_gb, acts_gb = sum(buffers.values()) / GB, acts["gpu"] / GB
+    generation = generation_bytes(spec, setup, seq_len, micro_batch, precision, objective, lora_r, states,
+                                  cluster.gpu_memory_gb * (1 - HEADROOM) * GB - (model_gb + buffers_gb) * GB)  # fmt: skip
+    # A rollout is generated before the step's forwards, and let go before the backward: the larger
+    # of the two counts.
+    acts_gb = max(acts_gb, sum(generation.values()) / GB)
     total = model_gb + buffers_gb + acts_gb
     host = states["cpu"] + acts["cpu"]
     cpu_node = cpu_bytes_per_node(spec, setup, cluster, precision, host) / GB
@@ -92,6 +99,7 @@ def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micr
         "buffers": {k: v / GB for k, v in buffers.items()},
         "activations_gb_per_gpu": acts_gb,
         "activations": {k: v / GB for k, v in acts.items() if k not in ("gpu", "cpu")},
+        "generation": {k: v / GB for k, v in generation.items()},
         "total_gb_per_gpu": total,
         "gpu_gb_per_node": total * cluster.gpus_per_node,
         "activations_cpu_gb_per_rank": acts["cpu"] / GB,
@@ -105,6 +113,28 @@ def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micr
         )
         / GB,
     }
+
+
+def generation_bytes(
+    spec: ModelSpec, setup: Setup, seq_len: int, micro_batch: int, precision: str, objective: Objective,
+    lora_r: int | None, states: dict[str, int], room: float,
+) -> dict[str, int]:  # fmt: skip
+    """What a rollout holds on one GPU beside the model states ({} for an objective that does not
+    generate): ``kv_cache`` for its rows of ``seq_len`` tokens, and under ZeRO-3 the weights gathered:
+    whole (``gathered_weights``, less this GPU's partition) where they fit in ``room`` with the
+    cache, else one layer at a time (``gathered_layer``), as the trainer gathers them
+    (``trainer.engine.zero.fits_whole``)."""
+    if not objective.generates:
+        return {}
+    rows = objective.generation_rows or micro_batch
+    out = {"kv_cache": kv_cache_bytes(spec, seq_len, rows, precision)}
+    if setup.zero_stage == 3:
+        whole = param_bytes(precision) * spec.n_params - states["params"]
+        if whole + out["kv_cache"] <= room:
+            out["gathered_weights"] = max(whole, 0)
+        else:
+            out["gathered_layer"] = param_bytes(precision) * spec.largest_layer_params
+    return out
 
 
 def sequence_parallel_problems(spec: ModelSpec, cluster: Cluster, seq_len: int, n: int) -> list[str]:

@@ -115,16 +115,25 @@ class Setup:
 @dataclass(frozen=True)
 class Objective:
     """What the run trains: a name of the objectives' registry, whose entry says how many sequences
-    a micro-batch row forwards (a preference pair: two). ``reference_model``: an objective that
+    a micro-batch row forwards (a preference pair: two) and whether the policy generates its rows
+    (``generation_rows`` at once on each GPU). ``reference_model``: an objective that
     scores a reference (DPO) holding a reference model beside the policy through training (TRL's
     default) instead of this trainer's cached pass, which holds none."""
 
     name: str = DEFAULT
     reference_model: bool = False
+    #: Completions a GPU generates at once (online RL's rollouts; 0: the micro-batch).
+    generation_rows: int = 0
 
     @property
     def sequences_per_row(self) -> int:
         return OBJECTIVES[self.name].sequences_per_row
+
+    @property
+    def generates(self) -> bool:
+        """Whether the policy generates the step's data (online RL): a KV cache, and under ZeRO-3
+        the weights gathered for the generation."""
+        return OBJECTIVES[self.name].data == "prompts"
 
 
 # ---------------------------------------------------------------- model specs
