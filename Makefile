@@ -33,7 +33,7 @@ else
 DEMO_LAUNCH ?= $(LAUNCH)
 endif
 
-.PHONY: install install-dev demo sft-dpo test test-cpu test-all lint format bench presets clean
+.PHONY: install install-dev demo sft-dpo grpo test test-cpu test-all lint format bench presets clean
 
 # `install`: the project and what a run needs; `install-dev` adds what the tests and lint use (pytest,
 # ruff, the optional integrations they exercise: peft, wandb, MLflow, and pytorch_optimizer, the LARS
@@ -74,6 +74,16 @@ sft-dpo: install
 	$(BIN)/python scripts/recipes/stdlib_tasks.py output/stdlib_tasks
 	$(DEMO_LAUNCH) scripts/train.py --config scripts/recipes/sft_stdlib.yaml
 	$(DEMO_LAUNCH) scripts/train.py --config scripts/recipes/dpo_stdlib.yaml
+
+# Online RL on the default job's model (docs/rl.md): GRPO on the stdlib's documented functions' def
+# lines and docstrings, rewarded for bodies that parse; the share that parse on held-out prompts is
+# measured before and after. make demo trains the model first.
+grpo: install
+	test -d output/default/final || $(MAKE) demo
+	$(BIN)/python scripts/recipes/stdlib_tasks.py output/stdlib_tasks
+	$(BIN)/python scripts/recipes/parse_share.py output/default/final output/stdlib_tasks/held_prompts.jsonl
+	$(DEMO_LAUNCH) scripts/train.py --config scripts/recipes/grpo_stdlib.yaml
+	$(BIN)/python scripts/recipes/parse_share.py output/grpo/final output/stdlib_tasks/held_prompts.jsonl
 
 PYTEST := $(BIN)/python -m pytest -q
 

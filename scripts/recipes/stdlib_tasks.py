@@ -1,14 +1,15 @@
 """Instruction rows and preference pairs from the standard library's functions, for the offline
 SFT-then-DPO recipe (``make sft-dpo``; docs/sft.md).
 
-    python scripts/recipes/stdlib_tasks.py OUT_DIR [--sft N] [--pairs N] [--prompts N] [--max_chars N] [--seed S]
+    python scripts/recipes/stdlib_tasks.py OUT_DIR [--sft N] [--pairs N] [--prompts N] [--held_prompts N] [--max_chars N] [--seed S]
 
 Each documented function of the stdlib corpus (the default job's own text) becomes a task: the
 prompt is its ``def`` line and docstring, the completion its body. ``OUT_DIR/sft.jsonl`` holds
 ``prompt``/``completion`` rows; ``OUT_DIR/prefs.jsonl`` holds ``prompt``/``chosen``/``rejected`` pairs
 of other functions (of two lines or more), whose chosen answer is the function's body and whose
 rejected answer is the same lines in a shuffled order; ``OUT_DIR/prompts.jsonl`` holds the prompts
-alone of functions in neither, for online RL (``make grpo``; docs/rl.md). The sets share no function.
+alone of functions in neither, for online RL (``make grpo``; docs/rl.md), and
+``OUT_DIR/held_prompts.jsonl`` more, held out to measure it. The sets share no function.
 The rows depend only on the Python installation and the arguments.
 """
 
@@ -55,6 +56,7 @@ def main() -> int:
     parser.add_argument(
         "--prompts", type=int, default=512, help="prompts for online RL (def line and docstring)"
     )
+    parser.add_argument("--held_prompts", type=int, default=64, help="prompts held out to measure the RL")
     parser.add_argument("--max_chars", type=int, default=360, help="longest function (prompt and body)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -66,11 +68,16 @@ def main() -> int:
     ]
     pairs = [{"prompt": p, "chosen": b, "rejected": r} for p, b, r in shuffled if r is not None][: args.pairs]
     paired = {row["prompt"] for row in pairs}
-    prompts = [{"prompt": p} for p, _ in rest if p not in paired][: args.prompts]
-    if len(sft) < args.sft or len(pairs) < args.pairs or len(prompts) < args.prompts:
+    unpaired = [{"prompt": p} for p, _ in rest if p not in paired]
+    prompts, held = unpaired[: args.prompts], unpaired[args.prompts : args.prompts + args.held_prompts]
+    if (
+        len(sft) < args.sft
+        or len(pairs) < args.pairs
+        or len(prompts) + len(held) < args.prompts + args.held_prompts
+    ):
         print(
             f"stdlib_tasks: {len(tasks)} functions, too few for --sft {args.sft}, --pairs {args.pairs} "
-            f"and --prompts {args.prompts}",
+            f"and --prompts {args.prompts} + --held_prompts {args.held_prompts}",
             file=sys.stderr,
         )
         return 2
@@ -78,6 +85,7 @@ def main() -> int:
     write_jsonl(args.out / "sft.jsonl", [{"prompt": p, "completion": c} for p, c in sft])
     write_jsonl(args.out / "prefs.jsonl", pairs)
     write_jsonl(args.out / "prompts.jsonl", prompts)
+    write_jsonl(args.out / "held_prompts.jsonl", held)
     print(
         f"stdlib_tasks: {len(sft)} rows in {args.out / 'sft.jsonl'}, {len(pairs)} pairs in {args.out / 'prefs.jsonl'}, "
         f"{len(prompts)} prompts in {args.out / 'prompts.jsonl'}"

@@ -93,6 +93,19 @@ TEST_NODES = {
     "--model_name_or_path BASE --dataset prefs.jsonl": "tests/e2e/test_preference_cli.py::test_the_zero3_run_tiled_its_loss",
     "deepspeed --num_gpus 2 scripts/train.py --objective dpo --sequence_parallel_size 2 --model_name_or_path BASE "
     "--dataset prefs.jsonl": "tests/e2e/test_preference_cli.py::test_dpo_on_two_ranks_follows_one_process",
+    **dict.fromkeys(
+        [
+            "deepspeed --num_gpus 2 scripts/train.py --objective grpo --zero_stage 3 --model_name_or_path BASE "
+            "--dataset prompts.jsonl --reward_funcs my_rewards:parses,my_rewards:length --num_generations 8",
+            "deepspeed --num_gpus 2 scripts/train.py --objective grpo --zero_stage 3 --use_peft true --lora_r 4 "
+            "--beta 0.2 --model_name_or_path BASE --dataset prompts.jsonl --reward_funcs my_rewards:parses",
+            "python scripts/train.py --objective rloo --model_name_or_path BASE --dataset prompts.jsonl "
+            "--reward_funcs my_rewards:parses",
+        ],
+        "tests/e2e/test_grpo_cli.py::test_trls_metric_names_are_logged",
+    ),
+    "scripts/bench_rl.py": "tests/e2e/test_bench_rl.py::test_ours_and_trl_train_the_same_grpo_job",
+    "scripts/recipes/parse_share.py": "tests/e2e/test_recipe_sft_dpo.py::test_grpo_recipe_trains_on_the_prompts",
 }
 # make targets: who runs each (a test node, CI, a prerequisite), or why nothing does.
 MAKE_TARGETS = {
@@ -104,6 +117,7 @@ MAKE_TARGETS = {
     "make lint": "not run by the tests: ruff over the tree, run before each commit",
     "make bench": "not run by the tests: the full benchmark (minutes); test_bench.py runs it scaled down",
     "make sft-dpo": "tests/e2e/test_recipe_sft_dpo.py::test_sft_trains_the_default_model_and_dpo_starts_from_it_at_ln2",
+    "make grpo": "tests/e2e/test_recipe_sft_dpo.py::test_grpo_recipe_trains_on_the_prompts",
 }
 # Files a command shown with its output needs, so that it prints what the doc shows.
 EXAMPLE_FILES = {

@@ -1,7 +1,9 @@
-"""The offline SFT-then-DPO recipe (``make sft-dpo``), scaled down: the default job's model for 2 steps,
-``scripts/recipes/stdlib_tasks.py`` for the rows and pairs, then ``scripts/train.py --config
-scripts/recipes/sft_stdlib.yaml`` and ``--config scripts/recipes/dpo_stdlib.yaml`` with the model and
-data paths of the test and a few steps, each one process (``make sft-dpo`` runs these lines)."""
+"""The offline SFT-then-DPO recipe (``make sft-dpo``) and the online RL one (``make grpo``), scaled
+down: the default job's model for 2 steps, ``scripts/recipes/stdlib_tasks.py`` for the rows, pairs
+and prompts, then ``scripts/train.py --config scripts/recipes/sft_stdlib.yaml``, ``--config
+scripts/recipes/dpo_stdlib.yaml`` and ``--config scripts/recipes/grpo_stdlib.yaml`` with the model
+and data paths of the test and a few steps, each one process, and ``scripts/recipes/parse_share.py``
+on the GRPO run's model (``make sft-dpo`` and ``make grpo`` run these lines)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,18 @@ SHORT = ["--max_steps", "4", "--logging_steps", "1", "--eval_steps", "4", "--sav
 def recipe(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft_dpo")
     launch(
-        ["scripts/recipes/stdlib_tasks.py", str(root / "tasks"), "--sft", "96", "--pairs", "48"],
+        [
+            "scripts/recipes/stdlib_tasks.py",
+            str(root / "tasks"),
+            "--sft",
+            "96",
+            "--pairs",
+            "48",
+            "--prompts",
+            "16",
+            "--held_prompts",
+            "4",
+        ],
         launcher="python",
     )
     launch(["scripts/train.py", "--output_dir", str(root / "default"), "--max_steps", "2", "--eval_strategy", "no",
@@ -31,6 +44,13 @@ def recipe(tmp_path_factory):
     for stage, config, model, data in stages:
         launch(["scripts/train.py", "--config", config, "--output_dir", str(root / stage), "--model_name_or_path",
                 str(root / model / "final"), "--dataset", str(root / "tasks" / data), *SHORT], launcher="python")  # fmt: skip
+    launch(["scripts/train.py", "--config", "scripts/recipes/grpo_stdlib.yaml", "--output_dir", str(root / "grpo"),
+            "--model_name_or_path", str(root / "default" / "final"), "--dataset", str(root / "tasks" / "prompts.jsonl"),
+            "--max_steps", "2", "--logging_steps", "1", "--max_completion_length", "16"], launcher="python")  # fmt: skip
+    measured = launch(["scripts/recipes/parse_share.py", str(root / "grpo" / "final"),
+                       str(root / "tasks" / "held_prompts.jsonl"), "--samples", "2", "--max_new_tokens", "16",
+                       "--temperature", "0.7", "--batch", "8"], launcher="python")  # fmt: skip
+    (root / "parse_share.json").write_text(measured.stdout.strip().splitlines()[-1])
     return root
 
 
@@ -58,3 +78,27 @@ def test_sft_trains_the_default_model_and_dpo_starts_from_it_at_ln2(recipe):
     assert {"rewards/chosen", "rewards/accuracies", "logps/chosen"} <= set(dpo[0])
     assert any("eval_loss" in r for r in read_metrics(recipe / "dpo"))
     assert (recipe / "dpo" / "final" / "config.json").is_file()
+
+
+def test_grpo_recipe_trains_on_the_prompts(recipe):
+    """The prompts are def lines and docstrings that parse alone; GRPO generates 8 completions of
+    each of 2 prompts a step, scores them with ``python_body`` and logs the share that parse; the
+    measure runs on the held-out prompts (an untrained model writes no body that parses)."""
+    prompts = [
+        json.loads(line)["prompt"] for line in (recipe / "tasks" / "prompts.jsonl").read_text().splitlines()
+    ]
+    held = [
+        json.loads(line)["prompt"]
+        for line in (recipe / "tasks" / "held_prompts.jsonl").read_text().splitlines()
+    ]
+    assert (len(prompts), len(held)) == (16, 4) and not set(prompts) & set(held)
+    for prompt in prompts:
+        (function,) = ast.parse(prompt).body
+        assert ast.get_docstring(function) is not None and len(function.body) == 1
+    rows = [r for r in read_metrics(recipe / "grpo") if "loss" in r and "train_runtime" not in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert {"reward", "rewards/python_body/mean", "python/parses", "completions/mean_length"} <= set(row)
+        assert 0 <= row["python/parses"] <= 1 and row["completions/mean_length"] <= 16
+    measured = json.loads((recipe / "parse_share.json").read_text())
+    assert measured["completions"] == 8 and 0 <= measured["parse_share"] <= 1

@@ -104,3 +104,70 @@ def test_fields_not_implemented_are_refused_by_name():
 def test_scale_rewards_takes_trls_booleans():
     assert GRPOConfig(output_dir="x", scale_rewards=False).scale_rewards == "none"
     assert GRPOConfig(output_dir="x", reward_funcs="a:f, b:g").reward_funcs == ["a:f", "b:g"]
+
+
+PROMPT = 'def f(x):\n    """Doc."""\n'
+
+
+@pytest.mark.parametrize(
+    "completion, score, whole",
+    [
+        ("    return x\n", 1.05, 1.0),  # all code, one statement
+        ("    return x", 1.05, 1.0),  # cut at the length cap where the line happens to parse
+        ("    y = x + 1\n    return y\n", 1.1, 1.0),
+        ("    y = x + 1\n    return y\n    garbage (\n", 12 / 20 + 0.1, 0.0),  # 12 of 20 characters parse
+        ("    return\n" * 10, 0.1 + 0.05, 1.0),  # one distinct line of ten
+        ("\n    return # return # return\n", 6 / 20 + 0.05, 1.0),  # comments are not code
+        ("\n    self\n    pass\n", 0.0, 0.0),  # nothing that does something
+        ("def()\n", 0.0, 0.0),
+    ],
+)
+def test_python_body_rewards_code_that_parses(completion, score, whole):
+    from trainer.loop.rewards import python_body
+
+    logged = {}
+    assert python_body([PROMPT], [completion], log_metric=logged.__setitem__) == [pytest.approx(score)]
+    assert logged == {"python/parses": whole}
+
+
+def test_reward_functions_by_name_and_a_reward_model_by_path(tmp_path):
+    """``module:function`` imports a callable (its name logged as TRL logs it); any other name is a
+    sequence classifier's path, whose first logit scores prompt and completion together; an async
+    callable is awaited; None is NaN; a count that is not one per completion is refused by name."""
+    import math
+
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from tests.helpers.preference_scenarios import tokenizer
+    from trainer.loop.rewards import Rewards
+
+    tok = tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)  # fmt: skip
+    model = LlamaForSequenceClassification(config)
+    model.save_pretrained(tmp_path / "judge")
+    tok.save_pretrained(tmp_path / "judge")
+    rewards = Rewards(["tests.helpers.grpo_scenarios:colour_named", str(tmp_path / "judge"),
+                       "tests.helpers.grpo_scenarios:vowels"], [1.0, 0.5, 2.0])  # fmt: skip
+    assert rewards.names == ["colour_named", "judge", "vowels"]
+    prompts, completions = (
+        ["What colour is a cat?", "What colour is the sea?"],
+        [" It is red.", " It is blue."],
+    )
+    scores = rewards.score(prompts, completions, [[1], [2]], [{"subject": "a cat"}, {"subject": "the sea"}],
+                           None, torch.device("cpu"))  # fmt: skip
+    assert scores[0, 0] == 1.0 and math.isnan(scores[1, 0])
+    inputs = tok([p + c for p, c in zip(prompts, completions, strict=True)], return_tensors="pt", padding=True,
+                 padding_side="right", add_special_tokens=False)  # fmt: skip
+    with torch.no_grad():
+        expected = model.eval()(**inputs).logits[:, 0]
+    assert scores[:, 1].tolist() == pytest.approx(expected.tolist(), abs=1e-6)
+    assert scores[:, 2].tolist() == pytest.approx([2 / 5, 3 / 5])
+    with pytest.raises(ValueError, match="names no importable function"):
+        Rewards(["tests.helpers.grpo_scenarios:missing"], None)
+    with pytest.raises(ValueError, match="returned 1 rewards for 2 completions"):
+        Rewards([lambda **kw: [1.0]], None).score(
+            prompts, completions, [[1], [2]], [{}, {}], None, torch.device("cpu")
+        )

@@ -190,27 +190,73 @@ def _is_async(func: Any) -> bool:
 
 
 def python_body(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
-    """For prompts that are a Python function's ``def`` line and docstring: 1 where the completion
-    is a body the function parses with (``ast``), plus 0.05 for each of its statements up to 4 (a
-    body that does something beats a bare ``pass``); 0 where it does not parse or has no statement.
-    Only the completion's whole lines count (one cut at ``max_completion_length`` keeps the lines
-    before its last newline). Logs the share that parse as ``python/parses``."""
-    import ast
-
-    scores = []
+    """For prompts that are a Python function's ``def`` line and docstring: how much of the
+    completion is code that continues the function and parses (``ast``). The longest run of leading
+    lines with which the function parses and has a statement that does something (not ``pass``,
+    not an expression that calls nothing, such as a bare name or a second string) is kept; the
+    score is the characters of its code (comments and spaces left out) over the completion's
+    non-space characters, times the share of its non-blank lines that are distinct (a repeated line
+    is no more code), plus 0.05 for each distinct such statement up to 4; 0 where no leading line
+    makes one. 1.2 at most. A completion cut at ``max_completion_length`` in the middle of a line
+    counts that line too: it parses or it does not. Logs the share of completions that parse whole
+    as ``python/parses``. It verifies syntax, not meaning."""
+    scores, whole = [], 0
     for prompt, completion in zip(prompts, completions, strict=True):
         prompt = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         completion = completion if isinstance(completion, str) else completion[0]["content"]
-        body = completion[: completion.rfind("\n") + 1]
-        try:
-            function = ast.parse(prompt + body).body[0]
-        except (SyntaxError, ValueError, IndexError):
-            scores.append(0.0)
-            continue
-        statements = (
-            len(function.body) - 1 if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef) else 0
-        )
-        scores.append(1.0 + 0.05 * min(statements, 4) if statements > 0 else 0.0)
+        lines = completion.splitlines(keepends=True)
+        lines[-1:] = [lines[-1] + "\n"] if lines and not lines[-1].endswith("\n") else lines[-1:]
+        written = len("".join(completion.split()))
+        score = 0.0
+        for k in range(len(lines), 0, -1):
+            statements = _body_statements(prompt + "".join(lines[:k]))
+            if statements:
+                kept = [line.strip() for line in lines[:k] if line.strip()]
+                code = _code_characters(prompt + "".join(lines[:k]), prompt.count("\n"))
+                score = code / written * len(set(kept)) / len(kept) + 0.05 * min(len(statements), 4)
+                whole += k == len(lines)
+                break
+        scores.append(score)
     if "log_metric" in kwargs:
-        kwargs["log_metric"]("python/parses", sum(s > 0 for s in scores) / max(len(scores), 1))
+        kwargs["log_metric"]("python/parses", whole / max(len(scores), 1))
     return scores
+
+
+def _code_characters(source: str, after_line: int) -> int:
+    """The characters of ``source``'s tokens after its first ``after_line`` lines that are code:
+    not comments, line ends or indentation (``source`` parses)."""
+    import io
+    import tokenize
+
+    layout = {
+        tokenize.COMMENT,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENDMARKER,
+    }
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return sum(len(t.string) for t in tokens if t.type not in layout and t.start[0] > after_line)
+
+
+def _body_statements(source: str) -> set[str]:
+    """The distinct statements (as ``ast.dump`` writes them) of the first function's body in
+    ``source`` that do something: not ``pass``, not an expression that calls nothing (empty where
+    ``source`` does not parse)."""
+    import ast
+
+    try:
+        function = ast.parse(source).body[0]
+    except (SyntaxError, ValueError, IndexError):
+        return set()
+    if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+        return set()
+    active = (ast.Call, ast.Await, ast.Yield, ast.YieldFrom)
+    inert = lambda node: (
+        isinstance(node, ast.Pass)
+        or (  # noqa: E731
+            isinstance(node, ast.Expr) and not isinstance(node.value, active)
+        )
+    )
+    return {ast.dump(node) for node in function.body if not inert(node)}

@@ -1,6 +1,6 @@
 """PNG plots of one or more runs' metrics.jsonl over steps: loss, learning rate, throughput, memory,
-a streamed mixture's realised share of each source, and a mixture of experts' router loss and
-expert imbalance per layer.
+a streamed mixture's realised share of each source, an RL run's reward, and a mixture of experts'
+router loss and expert imbalance per layer.
 
 Several runs are overlaid in each plot, one colour per run. Figures are built with matplotlib's
 object API on the Agg canvas, so plotting needs no display and touches no global pyplot state.
@@ -39,6 +39,11 @@ PLOTS: dict[str, tuple[str, str, list[tuple[str, str, str, float]]]] = {
         "Realised share of each source",
         "share of blocks trained",
         [("source_share/*", "", "-", 1.0)],
+    ),
+    "reward": (
+        "Reward of each rollout (online RL)",
+        "reward",
+        [("reward", "mean", "-", 1.0), ("reward_std", "std", ":", 1.0)],
     ),
     "router_loss": ("Router load-balancing loss", "aux_loss", [("aux_loss", "", "-", 1.0)]),
     "expert_imbalance": (

@@ -1,0 +1,200 @@
+"""The online RL benchmark's two halves: the job it prepares once (a Llama saved with its tokenizer,
+and prompts that are the standard library's documented functions), and the worker each rank of a
+system runs.
+
+    python -m trainer.bench.rl prepare ROOT --hidden_size H --layers L --prompts N
+    torchrun ... -m trainer.bench.rl worker ROOT SYSTEM OUT --zero_stage S --steps N ...
+
+Systems: ``ours`` (``trainer.GRPOTrainer``: rollouts by the training engine, under ZeRO-3 the
+weights gathered once per rollout where they fit) and ``trl`` (``trl.GRPOTrainer`` on DeepSpeed
+through HF's Trainer, its default ``ds3_gather_for_generation``). Both train the same job with the
+same arguments and rewards (``trainer.loop.rewards.python_body`` and ``variety``). The worker writes
+``OUT/result.json``: every step's wall time, the time spent in ``generate`` and the tokens it
+generated, the losses and rewards. scripts/bench_rl.py runs both and reports the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("ours", "trl")
+
+
+def prepare(root: Path, hidden_size: int, layers: int, prompts: int, seed: int) -> None:
+    """``root/base`` (the model and the stdlib tokenizer) and ``root/prompts.jsonl``: the def line and
+    docstring of documented functions of the standard library, drawn with ``seed``."""
+    import ast
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.args import DataArguments, ModelArguments
+    from trainer.data import get_tokenizer
+    from trainer.data.sources import corpus_files
+
+    tokenizer = get_tokenizer(ModelArguments(vocab_size=4096), DataArguments(dataset="stdlib"))
+    found = []
+    for path in corpus_files()[:300]:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) and node.col_offset == 0:
+                head = lines[node.lineno - 1 : node.body[0].end_lineno]
+                if len(head) <= 6:
+                    found.append("\n".join(head) + "\n")
+    random.Random(seed).shuffle(found)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in found[:prompts]))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+        num_hidden_layers=layers, num_attention_heads=max(hidden_size // 64, 1),
+        num_key_value_heads=max(hidden_size // 64, 1), max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+
+
+def variety(completions: list[str], **kwargs: Any) -> list[float]:
+    """A dense second reward: the distinct characters of a completion, over 20 (an untrained model
+    rarely writes a body that parses, so ``python_body`` alone would give every completion 0)."""
+    return [len(set(text)) / 20 for text in completions]
+
+
+class GenerationClock:
+    """Wraps a model's ``generate``: the wall time of each call and the positions it generated."""
+
+    def __init__(self, model: Any):
+        self.seconds: list[float] = []
+        self.tokens: list[int] = []
+        self.inner = model.generate
+        model.generate = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = self.inner(*args, **kwargs)
+        self.seconds.append(time.perf_counter() - start)
+        prompt = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        self.tokens.append(int(out.shape[0] * (out.shape[1] - prompt.shape[1])))
+        return out
+
+
+def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None:
+    import datasets
+    import torch
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from trainer.loop.rewards import python_body
+    from trainer.runtime.distributed import dist_info
+
+    times: list[float] = []
+    marks: dict[str, float] = {}
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            marks["train_begin"] = time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - self.start)
+
+    rows = datasets.load_dataset("json", data_files=str(root / "prompts.jsonl"), split="train")
+    tokenizer = AutoTokenizer.from_pretrained(root / "base")
+    common = dict(
+        output_dir=str(out), max_steps=opts.steps, per_device_train_batch_size=opts.rows_per_rank,
+        num_generations=opts.num_generations, max_completion_length=opts.max_completion_length,
+        learning_rate=opts.learning_rate, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+        report_to="none", disable_tqdm=True, seed=0, gradient_checkpointing=opts.gradient_checkpointing, bf16=False,
+        temperature=0.7,
+    )  # fmt: skip
+    started = time.perf_counter()
+    if system == "ours":
+        from trainer import GRPOConfig, GRPOTrainer
+
+        args = GRPOConfig(**common, zero_stage=opts.zero_stage)
+        trainer = GRPOTrainer(str(root / "base"), [python_body, variety], args=args, train_dataset=rows,
+                              processing_class=tokenizer, callbacks=[Clock()])  # fmt: skip
+    else:
+        import trl
+
+        ds_config = {
+            "zero_optimization": {"stage": opts.zero_stage},
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        }
+        # On CPU ranks accelerate counts one process unless told it runs on the CPU (then gloo, all ranks).
+        args = trl.GRPOConfig(**common, deepspeed=ds_config, use_cpu=not torch.cuda.is_available())
+        trainer = trl.GRPOTrainer(str(root / "base"), [python_body, variety], args=args, train_dataset=rows,
+                                  processing_class=tokenizer, callbacks=[Clock()])  # fmt: skip
+    clock = GenerationClock(trainer.model)
+    trainer.train()
+    total = time.perf_counter() - started
+    stage = trainer.ds_config["zero_optimization"]["stage"] if system == "ours" else (
+        trainer.model_wrapped.zero_optimization_stage()
+    )  # fmt: skip
+    history = [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
+    if dist_info().is_main:
+        result = {
+            "system": system, "zero_stage": opts.zero_stage, "engine_zero_stage": stage, "step_s": times,
+            "generate_s": clock.seconds, "generated_tokens": clock.tokens, "losses": [r["loss"] for r in history],
+            "rewards": [r.get("reward") for r in history], "grad_norms": [r["grad_norm"] for r in history], "setup_s": marks["train_begin"] - started,
+            "wall_s": total, "world_size": dist_info().world_size, "torch": torch.__version__,
+        }  # fmt: skip
+        (out / "result.json").write_text(json.dumps(result, indent=1))
+
+
+def summary(result: dict[str, Any], warmup: int) -> dict[str, float]:
+    """Median step time after the first ``warmup`` steps (steps/s from it), and generation tokens/s
+    over the calls after the first ``warmup``."""
+    times = sorted(result["step_s"][warmup:]) or sorted(result["step_s"])
+    median = times[len(times) // 2]
+    seconds, tokens = result["generate_s"][warmup:], result["generated_tokens"][warmup:]
+    if not seconds:
+        seconds, tokens = result["generate_s"], result["generated_tokens"]
+    return {
+        "median_step_s": median,
+        "steps_per_s": 1 / median,
+        "generate_mean_s": sum(seconds) / len(seconds),
+        "generation_tokens_per_s": sum(tokens) / sum(seconds),
+    }
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.bench.rl")
+    sub = p.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare")
+    prep.add_argument("root", type=Path)
+    for name, default in (("hidden_size", 256), ("layers", 4), ("prompts", 256), ("seed", 0)):
+        prep.add_argument(f"--{name}", type=int, default=default)
+    work = sub.add_parser("worker")
+    work.add_argument("root", type=Path)
+    work.add_argument("system", choices=SYSTEMS)
+    work.add_argument("out", type=Path)
+    for name, default in (("zero_stage", 2), ("steps", 8), ("rows_per_rank", 4), ("num_generations", 4),
+                          ("max_completion_length", 32)):  # fmt: skip
+        work.add_argument(f"--{name}", type=int, default=default)
+    work.add_argument("--learning_rate", type=float, default=1e-5)
+    work.add_argument("--gradient_checkpointing", action="store_true")
+    opts = p.parse_args(argv)
+    if opts.command == "prepare":
+        prepare(opts.root, opts.hidden_size, opts.layers, opts.prompts, opts.seed)
+    else:
+        worker(opts.root, opts.system, opts.out, opts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
