@@ -1,11 +1,11 @@
-"""TRL's own example scripts (``trl/scripts/dpo.py``, ``sft.py`` and ``kto.py``, as the installed TRL
+"""TRL's own example scripts (``trl/scripts/dpo.py``, ``sft.py``, ``kto.py``, ``grpo.py`` and ``rloo.py``, as the installed TRL
 ships them), ported as a user ports them: the ``from trl import ...`` lines that name a trainer or its
 config name ours instead, nothing else changes. The ported file is written at test time beside the
 run's data, never into the project.
 
 Usage: ``python tests/helpers/trl_scripts.py OUT`` writes ``OUT/model`` (a tiny Llama and its
-tokenizer) and ``OUT/dpo_data``, ``OUT/sft_data``, ``OUT/kto_data`` (JSON lines a ``load_dataset`` of
-the directory reads).
+tokenizer) and ``OUT/dpo_data``, ``OUT/sft_data``, ``OUT/kto_data``, ``OUT/prompts_data`` (JSON lines a
+``load_dataset`` of the directory reads).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 # What a port takes from this project instead of TRL; the rest of each import stays TRL's.
-OURS = {"DPOTrainer", "DPOConfig", "SFTTrainer", "SFTConfig", "KTOTrainer", "KTOConfig"}
+OURS = {"DPOTrainer", "DPOConfig", "SFTTrainer", "SFTConfig", "KTOTrainer", "KTOConfig", "GRPOTrainer", "GRPOConfig",
+        "RLOOTrainer", "RLOOConfig"}  # fmt: skip
 _FROM_TRL = re.compile(r"^(?P<indent>\s*)from trl import (?P<names>[^()\n]+)$", re.MULTILINE)
 
 
@@ -49,6 +50,7 @@ def write_ported(name: str, out: Path) -> Path:
 
 def write_inputs(out: Path) -> None:
     """The base models (a Llama, and a Mixtral for SFT) and the data directories."""
+    from tests.helpers.grpo_scenarios import prompts
     from tests.helpers.kto_scenarios import completions
     from tests.helpers.preference_scenarios import base, pairs
     from tests.helpers.sft_scenarios import moe_base, rows
@@ -59,6 +61,7 @@ def write_inputs(out: Path) -> None:
         ("dpo_data", pairs("text")),
         ("sft_data", rows("prompt_completion")),
         ("kto_data", completions()),
+        ("prompts_data", prompts()),
     )
     for name, data in data_sets:
         (out / name).mkdir(exist_ok=True)

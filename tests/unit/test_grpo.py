@@ -103,7 +103,14 @@ def test_fields_not_implemented_are_refused_by_name():
 
 def test_scale_rewards_takes_trls_booleans():
     assert GRPOConfig(output_dir="x", scale_rewards=False).scale_rewards == "none"
-    assert GRPOConfig(output_dir="x", reward_funcs="a:f, b:g").reward_funcs == ["a:f", "b:g"]
+    from trainer.args import RunConfig
+
+    run = RunConfig.from_flat({"objective": "grpo", "reward_funcs": "a:f, b:g", "output_dir": "x"})
+    assert run.data.reward_funcs == ["a:f", "b:g"]
+    with pytest.raises(ValueError, match="reward_funcs: objective grpo scores its completions"):
+        RunConfig.from_flat({"objective": "grpo", "output_dir": "x"})
+    with pytest.raises(ValueError, match="reward_funcs: objective causal_lm generates nothing"):
+        RunConfig.from_flat({"reward_funcs": "a:f", "output_dir": "x"})
 
 
 PROMPT = 'def f(x):\n    """Doc."""\n'

@@ -116,6 +116,11 @@ class DataArguments(ArgsModel):
         "save_to_disk, or a hub name.",
     )
     dataset_config: str | None = Field(None, description="Hub dataset configuration name.")
+    reward_funcs: list[str] | None = Field(
+        None,
+        description="Online RL (objective grpo, rloo): the reward functions, as module:function (Python "
+        "callables with TRL's signature) or reward models' paths; several comma-separated.",
+    )
     text_column: str = Field("text", description="Column holding raw text.")
     data_format: DataFormat = Field(
         "text",
@@ -177,6 +182,14 @@ class DataArguments(ArgsModel):
     cache_dir: str | None = Field(
         None, description="Tokenisation cache (default: ~/.cache/trainer/datasets)."
     )
+
+    @field_validator("reward_funcs", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        """``a:f,b:g`` on the command line: one name per comma."""
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     @field_validator("dataset_mixture", mode="before")
     @classmethod

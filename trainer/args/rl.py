@@ -8,9 +8,6 @@ before anything is built. TRL's vLLM fields other than ``use_vllm`` are accepted
 ``use_vllm`` is refused.
 
 Where ours differs from TRL's:
-- ``reward_funcs`` may also be given here (TRL takes it as the trainer's argument only): the CLI's
-  ``--reward_funcs module:function[,module:function]``; a name that is not ``module:function`` is a
-  reward model's path;
 - ``bf16`` keeps this project's default (off; ``precision: auto`` picks bf16 on GPUs that have it);
 - there is no evaluation with generation: an evaluation set is refused.
 """
@@ -49,11 +46,6 @@ class RLConfig(TRLConfig):
     )
     max_length: int | None = Field(None, description="Refused when set (REFUSED).")
     disable_dropout: bool = Field(False, description="Set every dropout probability of the model to 0.")
-    reward_funcs: list[str] | None = Field(
-        None,
-        description="Reward functions as module:function (Python callables with TRL's signature) or "
-        "reward models' paths; the trainer's reward_funcs argument takes precedence.",
-    )
     reward_weights: list[float] | None = Field(
         None, description="One weight per reward function (default 1)."
     )
@@ -135,23 +127,12 @@ class RLConfig(TRLConfig):
         """TRL's ``"auto"`` pads to a multiple of 128 on Neuron only: no padding here."""
         return None if isinstance(value, str) and value.lower() in ("auto", "none", "null") else value
 
-    @field_validator("reward_funcs", mode="before")
-    @classmethod
-    def _listed(cls, value: Any) -> Any:
-        """``a:f,b:g`` on the command line: one name per comma."""
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
-
     @model_validator(mode="after")
     def _batches(self) -> RLConfig:
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
             raise ValueError(
                 "generation_batch_size, steps_per_generation: set one; each follows from the other"
             )
-        weights, funcs = self.reward_weights, self.reward_funcs
-        if weights is not None and funcs is not None and len(weights) != len(funcs):
-            raise ValueError(f"reward_weights: {len(weights)} weights for {len(funcs)} reward functions")
         return self
 
     def rollout_sizes(self, readers: int) -> tuple[int, int]:

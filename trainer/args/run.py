@@ -79,6 +79,22 @@ class RunConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _rewards(self) -> RunConfig:
+        """Online RL needs its reward functions; other objectives take none."""
+        generates, funcs = OBJECTIVES[self.training.objective].data == "prompts", self.data.reward_funcs
+        if generates and not funcs:
+            raise ValueError(
+                f"reward_funcs: objective {self.training.objective} scores its completions with reward functions; "
+                "give them as module:function (or a reward model's path), comma-separated"
+            )
+        if funcs and not generates:
+            raise ValueError(f"reward_funcs: objective {self.training.objective} generates nothing to reward")
+        weights = getattr(self.training, "reward_weights", None)
+        if funcs and weights is not None and len(weights) != len(funcs):
+            raise ValueError(f"reward_weights: {len(weights)} weights for {len(funcs)} reward functions")
+        return self
+
+    @model_validator(mode="after")
     def _sequence_split(self) -> RunConfig:
         sp, block = self.training.sequence_parallel_size, self.data.block_size
         if sp > 1 and self.training.pipeline_parallel_size > 1:

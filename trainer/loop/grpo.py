@@ -89,11 +89,10 @@ class GRPOTrainer(Trainer):
         if args.disable_dropout:
             disable_dropout(model)
             disable_dropout(reference)
-        funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
-        if funcs is None:
-            raise ValueError(
-                f"{name}: reward_funcs: give the reward functions (or set the config's reward_funcs)"
-            )
+        run_config = kwargs.get("run_config")  # the command line's --reward_funcs
+        funcs = reward_funcs if reward_funcs is not None else run_config.data.reward_funcs if run_config else None
+        if not funcs:
+            raise ValueError(f"{name}: reward_funcs: give the reward functions")
         self.rewards = Rewards(funcs, args.reward_weights, reward_processing_classes, args.model_init_kwargs)
         self.eos_token_ids = _eos_ids(model, processing_class)
         self.generation_config = GenerationConfig(
