@@ -100,7 +100,13 @@ def ours(out: Path, keys: tuple[str, ...]) -> dict[str, list[float]]:
 
 @pytest.mark.parametrize(
     "name, keys",
-    [("dpo", DPO_METRICS), ("sft", SFT_METRICS), ("kto", KTO_METRICS), ("grpo", RL_METRICS), ("rloo", RL_METRICS)],
+    [
+        ("dpo", DPO_METRICS),
+        ("sft", SFT_METRICS),
+        ("kto", KTO_METRICS),
+        ("grpo", RL_METRICS),
+        ("rloo", RL_METRICS),
+    ],
 )
 def test_trls_script_with_our_import_gives_trls_numbers(runs, name, keys):
     out, logs = runs

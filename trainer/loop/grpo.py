@@ -90,7 +90,9 @@ class GRPOTrainer(Trainer):
             disable_dropout(model)
             disable_dropout(reference)
         run_config = kwargs.get("run_config")  # the command line's --reward_funcs
-        funcs = reward_funcs if reward_funcs is not None else run_config.data.reward_funcs if run_config else None
+        funcs = (
+            reward_funcs if reward_funcs is not None else run_config.data.reward_funcs if run_config else None
+        )
         if not funcs:
             raise ValueError(f"{name}: reward_funcs: give the reward functions")
         self.rewards = Rewards(funcs, args.reward_weights, reward_processing_classes, args.model_init_kwargs)

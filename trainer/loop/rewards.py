@@ -253,10 +253,8 @@ def _body_statements(source: str) -> set[str]:
     if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
         return set()
     active = (ast.Call, ast.Await, ast.Yield, ast.YieldFrom)
-    inert = lambda node: (
-        isinstance(node, ast.Pass)
-        or (  # noqa: E731
-            isinstance(node, ast.Expr) and not isinstance(node.value, active)
-        )
-    )
-    return {ast.dump(node) for node in function.body if not inert(node)}
+    inert = [node for node in function.body if isinstance(node, ast.Pass)]
+    inert += [
+        node for node in function.body if isinstance(node, ast.Expr) and not isinstance(node.value, active)
+    ]
+    return {ast.dump(node) for node in function.body if node not in inert}
