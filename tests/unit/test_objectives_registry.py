@@ -15,11 +15,12 @@ from trainer.args import RunConfig
 from trainer.objectives import DEFAULT, NAMES, OBJECTIVES, exports
 
 ROOT = Path(__file__).resolve().parents[2]
-# TRL's loss types named like an objective: CPO's "simpo" (the objective simpo is CPO running it)
-# and KTO's "kto" (beside apo_zero_unpaired), in the configs that declare them and the losses.
+# TRL's loss types named like an objective: CPO's "simpo" (the objective simpo is CPO running it),
+# KTO's "kto" (beside apo_zero_unpaired) and GRPO's "grpo" (beside dapo, bnpo, dr_grpo), in the
+# configs that declare them and the losses.
 LOSS_TYPE_NAMES = {
     (f"trainer/{where}/preference.py", name) for where in ("args", "engine") for name in ("simpo", "kto")
-}
+} | {(f"trainer/{where}/rl.py", "grpo") for where in ("args", "engine")}
 
 
 def test_an_objectives_name_is_written_only_in_the_registry():
@@ -43,7 +44,8 @@ def test_each_entry_loads_and_its_parts_agree(name):
     entry = OBJECTIVES[name]
     config = entry.config_class()
     assert name in config.OBJECTIVES
-    args = RunConfig.from_flat({"objective": name}).training
+    rewards = {"reward_funcs": "module:function"} if entry.data == "prompts" else {}  # online RL needs some
+    args = RunConfig.from_flat({"objective": name, **rewards}).training
     assert type(args) is config and args.objective == name
     trainer_class = entry.trainer_class()
     assert getattr(trainer, trainer_class.__name__) is trainer_class

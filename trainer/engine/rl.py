@@ -10,7 +10,7 @@ current policy's log-probabilities and entropies come from the engine's per-toke
 
 Each loss is a sum over the micro-batch with a count, so a step's loss is TRL's however its window
 is split over micro-batches and ranks. The count comes with the batch (``count``), set by the
-producer from the loss type:
+producer from the objective's rule (``count_of``):
 - ``grpo``: each completion's token mean, counted once per completion;
 - ``bnpo``: the micro-batch's token mean, counted once per micro-batch (TRL's per-micro-batch mean);
 - ``dr_grpo``: tokens summed over ``max_completion_length``, counted once per completion;
@@ -68,6 +68,12 @@ class PolicyObjective(Objective):
 
     def count(self, batch: Batch) -> float:
         return float(batch["count"])
+
+    def count_of(self, rows: int, tokens: float, micro_batches: int) -> float:
+        """A rollout micro-batch's count (``count`` reads it from the batch): its ``rows``, by
+        default. ``tokens``: the generation batch's completion tokens on every rank, shared by its
+        ``micro_batches`` (every rank's)."""
+        return float(rows)
 
     def input_tokens(self, batch: Batch, every_id: bool = False) -> int:
         """The tokens the rollout read and wrote, counted once per generation (TRL's ``num_tokens``)."""
@@ -140,6 +146,15 @@ class GRPO(PolicyObjective):
         self.delta, self.bias_correction = args.delta, args.use_bias_correction_kl
         kl = ("kl",) if self.beta else ()
         self.metric_names = (*kl, "entropy", *CLIP_METRICS, "clip_ratio/low_min", "clip_ratio/high_max")
+
+    def count_of(self, rows: int, tokens: float, micro_batches: int) -> float:
+        """By ``loss_type`` (the module's docstring): one per micro-batch (bnpo), the generation's
+        tokens shared by its micro-batches (dapo), else one per completion."""
+        if self.loss_type == "bnpo":
+            return 1.0
+        if self.loss_type == "dapo":
+            return max(tokens, 1.0) / micro_batches
+        return float(rows)
 
     def loss_sum(self, tokens: Tokens, batch: Batch, items: float) -> tuple[torch.Tensor, Any]:
         logps, entropy, outputs = self.policy_logps(tokens, batch)

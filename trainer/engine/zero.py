@@ -62,6 +62,11 @@ def gathered(
         yield
 
 
+def partitioned(module: torch.nn.Module) -> bool:
+    """Whether ZeRO-3 partitioned the module's parameters (at creation, or by its engine)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
 def fits_whole(module: torch.nn.Module, device: torch.device, share: float = 0.5) -> bool:
     """Whether a partitioned model's whole weights fit in ``share`` of ``device``'s free memory (a
     CPU's: its available RAM), leaving the rest to the KV cache and the activations of generation."""

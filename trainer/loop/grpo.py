@@ -25,7 +25,7 @@ from transformers import GenerationConfig, set_seed
 
 from trainer.args.rl import GRPOConfig, RLConfig, RLOOConfig
 from trainer.engine.objectives import Tokens
-from trainer.engine.zero import frozen_forward
+from trainer.engine.zero import frozen_forward, partitioned
 from trainer.loop.preference import disable_dropout, is_peft, load_model
 from trainer.loop.rewards import Reward, Rewards
 from trainer.loop.rollouts import RolloutProducer, RolloutRows
@@ -196,7 +196,7 @@ def _reference_copy(
     partitioned at creation (ZeRO-3's) cannot be copied: it must come by path, or train with LoRA."""
     if path is not None:
         reference, _ = load_model(path, args, tokenizer)
-    elif any(hasattr(p, "ds_id") for p in model.parameters()):
+    elif partitioned(model):
         raise ValueError(
             "beta > 0: the model was partitioned at creation (ZeRO-3), so no reference copy can be taken; "
             "give the model by path, train with LoRA (the reference is the base with its adapters off), or set beta 0"

@@ -183,7 +183,7 @@ class RolloutProducer:
         batches = []
         for i in range(self.steps):
             batch = {k: v[i * micro : (i + 1) * micro] for k, v in buffer.items()}
-            batch["count"] = self._count(args, batch, global_tokens, readers)
+            batch["count"] = objective.count_of(len(batch["advantages"]), global_tokens, self.steps * readers)
             batch["input_tokens"] = tokens if i == 0 else 0
             batches.append(batch)
         return batches
@@ -206,15 +206,6 @@ class RolloutProducer:
             if token in self.eos:
                 return row[: i + 1]
         return row
-
-    def _count(self, args: Any, batch: dict[str, torch.Tensor], global_tokens: float, readers: int) -> float:
-        """The micro-batch's share of its step's normaliser (``trainer.engine.rl``)."""
-        loss_type = getattr(args, "loss_type", "grpo")
-        if loss_type == "bnpo":
-            return 1.0
-        if loss_type == "dapo":
-            return max(global_tokens, 1.0) / (self.steps * readers)
-        return float(len(batch["advantages"]))
 
     @torch.no_grad()
     def _scored_logps(self, trainer: Any, buffer: dict[str, torch.Tensor]) -> torch.Tensor | None:

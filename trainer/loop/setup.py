@@ -152,8 +152,7 @@ def load_checkpoint(trainer: Any, path: Path, weights_only: bool = False) -> Non
     from it too, its position re-divided among this run's data ranks."""
     saved, kept = ckpt.load(trainer.engine, path, trainer.dist, restore_rng=not weights_only)
     if not weights_only:
-        if hasattr(trainer.producer, "load_state_dict"):  # a rollout buffer the checkpoint kept
-            trainer.producer.load_state_dict(kept.get("producer", {}))
+        trainer.producer.load_state_dict(kept.get("producer", {}))  # a rollout buffer the checkpoint kept
         samples = len(trainer.train_dataset)
         trainer.state = resumed_state(saved, trainer.state, samples, trainer.mesh.data_ranks, trainer.args)
 

@@ -46,9 +46,23 @@ class Producer(Protocol):
     def windows(self, trainer: Any, sampler: Any) -> Iterator[Window]:
         """Each step's micro-batches, from ``sampler``'s position on (the epoch's rows on this rank)."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this rank's producer beyond the run's position (a rollout
+        buffer in use); tensors, numbers and lists only."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what ``state_dict`` gave, from the checkpoint resumed."""
+
 
 class LoaderProducer:
-    """The default producer: the data loader's accumulation windows over the training set."""
+    """The default producer: the data loader's accumulation windows over the training set (its
+    position is the run's: nothing of its own to keep)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
 
     def windows(self, trainer: Any, sampler: Any) -> Iterator[Window]:
         return accumulation_windows(

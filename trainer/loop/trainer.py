@@ -47,9 +47,7 @@ from trainer.loop.vote import Preemption, WindowCounts, add_source_blocks, poll,
 from trainer.observe.metrics import summary_table
 from trainer.observe.results import ResultsAPI
 from trainer.observe.throughput import flops_per_token_for_model
-from trainer.runtime.distributed import (
-    print_main,
-)
+from trainer.runtime.distributed import print_main
 from trainer.runtime.ownership import claim_output_dir
 from trainer.runtime.resilience import EXIT_PREEMPTED, PreemptionFlag, Watchdog, fault_plan
 
@@ -144,8 +142,7 @@ class Trainer(HFMethods, ResultsAPI):
             self.checkpoints = Checkpoints(args, saver_args, weakly(self._saved))
         self.checkpoints.start_snapshots()
         self.checkpoints.data = sampler  # a stream's position goes into every checkpoint
-        if hasattr(self.producer, "state_dict"):  # a rollout buffer goes into every checkpoint
-            self.checkpoints.rank_state = lambda: {"producer": self.producer.state_dict()}
+        self.checkpoints.rank_state = lambda: {"producer": self.producer.state_dict()}  # a rollout buffer
         self._fire("on_train_begin")
         if args.eval_on_start and self.eval_dataset is not None:
             self.evaluate()
