@@ -122,7 +122,8 @@ def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None
     if system == "ours":
         from trainer import GRPOConfig, GRPOTrainer
 
-        args = GRPOConfig(**common, zero_stage=opts.zero_stage)
+        # fp32 as TRL's bf16=False: ours's precision "auto" would pick bf16 on a CPU with bf16 instructions.
+        args = GRPOConfig(**common, zero_stage=opts.zero_stage, precision="fp32")
         trainer = GRPOTrainer(str(root / "base"), [python_body, variety], args=args, train_dataset=rows,
                               processing_class=tokenizer, callbacks=[Clock()])  # fmt: skip
     else:
