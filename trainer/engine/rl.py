@@ -25,6 +25,7 @@ own (``reward``, ``completions/*``) are recorded by the producer (``record_rollo
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -94,8 +95,9 @@ class PolicyObjective(Objective):
 
     def metric_means(self, device: torch.device, evaluation: bool = False) -> dict[str, float]:
         means = super().metric_means(device, evaluation)
-        if not evaluation:
-            means.update({k: sum(v) / len(v) for k, v in self.rollout_metrics.items() if v})
+        if not evaluation:  # as TRL: a rollout's NaN (no completion scored) is left out of the mean
+            kept = {k: [x for x in v if not math.isnan(x)] for k, v in self.rollout_metrics.items()}
+            means.update({k: sum(v) / len(v) if v else float("nan") for k, v in kept.items()})
             self.rollout_metrics = {}
         return means
 

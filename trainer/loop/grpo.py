@@ -73,7 +73,12 @@ class GRPOTrainer(Trainer):
         if args.eval_strategy != "no" or args.eval_on_start:  # a set never evaluated is left aside, as HF's
             raise ValueError(f"{name}: eval_strategy: evaluation with generation is not implemented")
         set_seed(args.seed)
-        path = model if isinstance(model, str) else None
+        run_config = kwargs.get(
+            "run_config"
+        )  # a run of the command line: its model's path, its --reward_funcs
+        path = (
+            model if isinstance(model, str) else run_config.model.model_name_or_path if run_config else None
+        )
         model, processing_class = load_model(model, args, processing_class, quantization_config)
         if processing_class is None:
             raise ValueError(f"{name}: give processing_class (the tokenizer) with a model object")
@@ -130,6 +135,16 @@ class GRPOTrainer(Trainer):
         self._reference_model, self._reference_tokens = reference, None
         self._reference_stack = contextlib.ExitStack()  # the frozen reference's engine, once built
         self.producer = RolloutProducer(self)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        raise NotImplementedError(
+            f"{type(self).__name__}.evaluate: evaluation with generation is not implemented"
+        )
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__}.predict: prediction with generation is not implemented"
+        )
 
     @classmethod
     def pairs(cls, dataset: Any, name: str, args: RLConfig, tokenizer: Any) -> Any:
@@ -192,14 +207,16 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
 def _reference_copy(
     model: torch.nn.Module, path: str | None, args: RLConfig, tokenizer: Any
 ) -> torch.nn.Module:
-    """A frozen copy of the initial policy: loaded again from its path, else copied whole. A model
-    partitioned at creation (ZeRO-3's) cannot be copied: it must come by path, or train with LoRA."""
+    """A frozen copy of the initial policy: loaded again from its path (a model partitioned at
+    creation, ZeRO-3's, is loaded partitioned the same way), else copied whole; a partitioned model
+    without a path cannot be copied."""
     if path is not None:
         reference, _ = load_model(path, args, tokenizer)
     elif partitioned(model):
         raise ValueError(
-            "beta > 0: the model was partitioned at creation (ZeRO-3), so no reference copy can be taken; "
-            "give the model by path, train with LoRA (the reference is the base with its adapters off), or set beta 0"
+            "beta > 0: the model was partitioned at creation (ZeRO-3) and has no path to load a reference "
+            "from; give model_name_or_path, train with LoRA (the reference is the base with its adapters "
+            "off), or set beta 0"
         )
     else:
         reference = copy.deepcopy(model)
