@@ -104,12 +104,19 @@ def run(out: Path, name: str, method: str, ours: bool, data: Any = None, peft_co
     if ours:
         if dist.is_initialized():
             dist.barrier()
-        return history(read_metrics(out / name))
+        tiles = trainer.engine.tokens.tiles  # (head, tokens a tile) where the log-probabilities were tiled
+        return {**history(read_metrics(out / name)), "tile_tokens": tiles[1] if tiles else None}
     return history(trainer.state.log_history)
 
 
-def parity(out: Path, method: str = "grpo", **fields: Any) -> dict[str, Any]:
-    return {"trl": run(out, "trl", method, False, **fields), "ours": run(out, "ours", method, True, **fields)}
+def parity(
+    out: Path, method: str = "grpo", ours: dict[str, Any] | None = None, **fields: Any
+) -> dict[str, Any]:
+    """TRL's run and ours of the same fields; ``ours``: fields only ours has."""
+    return {
+        "trl": run(out, "trl", method, False, **fields),
+        "ours": run(out, "ours", method, True, **fields, **(ours or {})),
+    }
 
 
 @scenario
@@ -155,6 +162,13 @@ def grpo_scaled_masked(out: Path) -> dict[str, Any]:
 def grpo_lora_beta(out: Path) -> dict[str, Any]:
     """LoRA with beta > 0: the reference is the base with its adapters off, in both."""
     return parity(out, peft_config=lora(), beta=0.2, learning_rate=1.0)
+
+
+@scenario
+def grpo_tiled(out: Path) -> dict[str, Any]:
+    """Ours computes the completions' log-probabilities and entropies from the last hidden states 5
+    tokens at a time (the tiled per-token service), never the whole logits; TRL's its own way."""
+    return parity(out, ours={"tiled_loss": "true", "tile_tokens": 5}, temperature=0.8, beta=0.1)
 
 
 @scenario

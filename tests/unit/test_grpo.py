@@ -18,8 +18,8 @@ from trainer import GRPOConfig, GRPOTrainer, RLOOConfig
 
 SCRIPT = "tests/helpers/grpo_scenarios.py"
 PARITY = ["grpo_dapo", "grpo_grpo", "grpo_bnpo", "grpo_dr_grpo", "gspo_buffer", "grpo_scaled_masked",
-          "grpo_lora_beta", "grpo_conversation", "rloo", "rloo_normalized"]  # fmt: skip
-KL = {"gspo_buffer", "grpo_lora_beta", "rloo"}  # beta > 0: kl is logged
+          "grpo_lora_beta", "grpo_tiled", "grpo_conversation", "rloo", "rloo_normalized"]  # fmt: skip
+KL = {"gspo_buffer", "grpo_lora_beta", "grpo_tiled", "rloo"}  # beta > 0: kl is logged
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,11 @@ def test_the_runs_exercise_what_they_claim(results):
     assert max(results["grpo_lora_beta"]["trl"]["kl"]) > 0
     assert max(results["rloo"]["trl"]["kl"]) > 0
     assert min(grpo["frac_reward_zero_std"]) < 1
+
+
+def test_the_tiled_run_never_held_the_whole_logits(results):
+    assert results["grpo_tiled"]["ours"]["tile_tokens"] == 5
+    assert results["grpo_dapo"]["ours"]["tile_tokens"] is None
 
 
 def test_on_policy_the_ratio_is_one(results):
