@@ -58,24 +58,15 @@ class GRPOTrainer(Trainer):
         environment_factory: Any = None,
         **kwargs: Any,
     ):
-        """TRL's arguments; ``kwargs``: the Trainer's own (``run_config``, ``plan``)."""
+        """TRL's arguments; ``kwargs``: the Trainer's own (``run_config``, ``plan``: a run of the
+        command line, whose model path loads the reference and whose ``--reward_funcs`` score)."""
         name, config = type(self).__name__, self.config_class
         args = args or config()
         if not isinstance(args, config):
             raise TypeError(f"{name}: args must be {config.__name__}, got {type(args).__name__}")
-        for given, what in (
-            (tools, "tools"),
-            (rollout_func, "rollout_func"),
-            (environment_factory, "environment_factory"),
-        ):
-            if given is not None:
-                raise ValueError(f"{name}: {what} is not supported; rollouts are single-turn HF generate")
-        if args.eval_strategy != "no" or args.eval_on_start:  # a set never evaluated is left aside, as HF's
-            raise ValueError(f"{name}: eval_strategy: evaluation with generation is not implemented")
+        _refuse(name, args, tools=tools, rollout_func=rollout_func, environment_factory=environment_factory)
         set_seed(args.seed)
-        run_config = kwargs.get(
-            "run_config"
-        )  # a run of the command line: its model's path, its --reward_funcs
+        run_config = kwargs.get("run_config")
         path = (
             model if isinstance(model, str) else run_config.model.model_name_or_path if run_config else None
         )
@@ -94,7 +85,6 @@ class GRPOTrainer(Trainer):
         if args.disable_dropout:
             disable_dropout(model)
             disable_dropout(reference)
-        run_config = kwargs.get("run_config")  # the command line's --reward_funcs
         funcs = (
             reward_funcs if reward_funcs is not None else run_config.data.reward_funcs if run_config else None
         )
@@ -102,21 +92,7 @@ class GRPOTrainer(Trainer):
             raise ValueError(f"{name}: reward_funcs: give the reward functions")
         self.rewards = Rewards(funcs, args.reward_weights, reward_processing_classes, args.model_init_kwargs)
         self.eos_token_ids = _eos_ids(model, processing_class)
-        self.generation_config = GenerationConfig(
-            max_new_tokens=args.max_completion_length,
-            do_sample=True,
-            pad_token_id=processing_class.pad_token_id,
-            bos_token_id=processing_class.bos_token_id,
-            eos_token_id=self.eos_token_ids,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            cache_implementation=args.cache_implementation,
-            **(args.generation_kwargs or {}),
-            disable_compile=True,
-        )
+        self.generation_config = _generation_config(args, processing_class, self.eos_token_ids)
         super().__init__(
             model,
             args,
@@ -194,6 +170,34 @@ class RLOOTrainer(GRPOTrainer):
 def prompt_rows(prompts: Any, args: RLConfig, readers: int) -> RolloutRows:
     size, _ = args.rollout_sizes(readers)
     return RolloutRows(prompts, size // args.num_generations, args.num_generations, args.num_iterations)
+
+
+def _refuse(name: str, args: RLConfig, **unsupported: Any) -> None:
+    """One line for what this trainer does not do, before anything loads."""
+    for what, given in unsupported.items():
+        if given is not None:
+            raise ValueError(f"{name}: {what} is not supported; rollouts are single-turn HF generate")
+    if args.eval_strategy != "no" or args.eval_on_start:  # a set never evaluated is left aside, as HF's
+        raise ValueError(f"{name}: eval_strategy: evaluation with generation is not implemented")
+
+
+def _generation_config(args: RLConfig, tokenizer: Any, eos_ids: list[int]) -> GenerationConfig:
+    """TRL's sampling: its fields, then ``generation_kwargs`` over them; never compiled."""
+    return GenerationConfig(
+        max_new_tokens=args.max_completion_length,
+        do_sample=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=eos_ids,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        cache_implementation=args.cache_implementation,
+        **(args.generation_kwargs or {}),
+        disable_compile=True,
+    )
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
