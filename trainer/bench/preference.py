@@ -107,7 +107,8 @@ def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None
             "tiled_loss": "true" if opts.tiled else "false",
             "sequence_parallel_size": opts.sequence_parallel_size,
         }
-        args = DPOConfig(**common, zero_stage=opts.zero_stage, **long)
+        # fp32 as TRL's bf16=False: ours's precision "auto" would pick bf16 on a CPU with bf16 instructions.
+        args = DPOConfig(**common, zero_stage=opts.zero_stage, precision="fp32", **long)
         reference = str(root / "base") if system == "ours_ref_model" else None
         trainer = DPOTrainer(str(root / "base"), reference, args=args, train_dataset=rows,
                              processing_class=tokenizer, callbacks=[Clock()])  # fmt: skip

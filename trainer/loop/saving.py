@@ -39,8 +39,9 @@ class Checkpoints:
         self.snapshots: Snapshots | None = None
         self.saved: tuple[int, bool] | None = None  # (step, weights alone) of the last save
         self.data: Any = None  # the run's sampler; a stream's position goes into every checkpoint
-        #: What each rank keeps beside its RNG states in every checkpoint and snapshot (the producer's).
-        self.rank_state: Callable[[], dict[str, Any]] = dict
+        #: The run's producer: what it keeps of this rank goes beside the RNG states of every
+        #: checkpoint and snapshot (it holds no reference to the Trainer: no cycle).
+        self.producer: Any = None
         self.in_flight: list[Participant] = []  # in the step's vote: [self] while anything is in flight
 
     @property
@@ -87,7 +88,7 @@ class Checkpoints:
         self.saved = (state.global_step, model_only)
         self._stamp(state)
         state.stateful_callbacks = stateful()
-        kept = self.rank_state()
+        kept = self._rank_state()
         self._committed(lambda: self.saver.save(engine, state, model_only=model_only, rank_state=kept))
         self._refresh()
 
@@ -125,8 +126,11 @@ class Checkpoints:
     def take_snapshot(self, engine: Any, state: TrainerState) -> None:
         """A snapshot of this step (due every ``snapshot_steps`` steps)."""
         self._stamp(state)
-        self.snapshots.take(engine, state, self.rank_state())
+        self.snapshots.take(engine, state, self._rank_state())
         self._refresh()
+
+    def _rank_state(self) -> dict[str, Any]:
+        return {"producer": self.producer.state_dict()} if self.producer is not None else {}
 
     def _stamp(self, state: TrainerState) -> None:
         """A stream's position at this step: every rank's lanes, gathered (every rank saves)."""

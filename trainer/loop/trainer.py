@@ -142,7 +142,7 @@ class Trainer(HFMethods, ResultsAPI):
             self.checkpoints = Checkpoints(args, saver_args, weakly(self._saved))
         self.checkpoints.start_snapshots()
         self.checkpoints.data = sampler  # a stream's position goes into every checkpoint
-        self.checkpoints.rank_state = lambda: {"producer": self.producer.state_dict()}  # a rollout buffer
+        self.checkpoints.producer = self.producer  # what it keeps (a rollout buffer) goes into each too
         self._fire("on_train_begin")
         if args.eval_on_start and self.eval_dataset is not None:
             self.evaluate()
