@@ -102,28 +102,23 @@ class PolicyObjective(Objective):
         return means
 
     def record_global(
-        self, values: list[tuple[torch.Tensor, torch.Tensor]], extremes: list[torch.Tensor]
+        self, values: list[tuple[torch.Tensor, torch.Tensor]], low: torch.Tensor, high: torch.Tensor
     ) -> None:
-        """This micro-batch's metrics over every rank: each (sum, count) pair's mean, then each of
-        ``extremes``' (a per-completion value, NaN where undefined) minimum over all ranks' (the
-        first) or maximum (the rest); recorded as one item each rank holds alike."""
+        """This micro-batch's metrics over every rank, recorded as one item that each rank holds
+        alike: each (sum, count) pair's mean, then the least of ``low`` and the most of ``high``
+        (per-completion values, NaN where a completion has no token) over every rank's."""
         sums = torch.stack([torch.stack([s.double(), c.double()]) for s, c in values]).flatten()
         sums = all_reduce_sum(sums.detach()).view(-1, 2)
         means = sums[:, 0] / sums[:, 1].clamp(min=1.0)
-        picked = []
-        for i, x in enumerate(extremes):
-            x = x.detach().double()
-            sign = 1.0 if i == 0 else -1.0  # a minimum, or a maximum as the minimum of negatives
-            local = torch.where(torch.isnan(x), torch.full_like(x, float("inf")), sign * x).min()
-            picked.append(local)
-        if picked:
-            lowest = torch.stack(picked)
-            if torch.distributed.is_initialized():
-                torch.distributed.all_reduce(lowest, op=torch.distributed.ReduceOp.MIN)
-            signs = torch.tensor([1.0] + [-1.0] * (len(picked) - 1), dtype=lowest.dtype, device=lowest.device)
-            lowest = torch.where(torch.isinf(lowest), torch.full_like(lowest, float("nan")), lowest * signs)
-            means = torch.cat([means, lowest.to(means)])
-        self.record_metrics(torch.cat([means, means.new_ones(1)]).float())
+        inf = float("inf")  # NaN left out: +inf under a minimum (the maximum is the negatives' minimum)
+        least = torch.stack(
+            [low.double().nan_to_num(nan=inf).min(), (-high.double()).nan_to_num(nan=inf).min()]
+        )
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+        extremes = (least * least.new_tensor([1.0, -1.0])).detach()
+        extremes = extremes.masked_fill(torch.isinf(extremes), float("nan"))  # no completion had a token
+        self.record_metrics(torch.cat([means, extremes, means.new_ones(1)]).float())
 
 
 def clip_flags(coef: torch.Tensor, advantages: torch.Tensor, low: float, high: float) -> list[torch.Tensor]:
@@ -202,7 +197,7 @@ class GRPO(PolicyObjective):
         flags = clip_flags(coef.detach(), advantages, self.epsilon_low, self.epsilon_high)
         values = ([masked(kl.detach())] if kl is not None else []) + [masked(entropy.detach())]
         values += [masked(f) for f in flags]
-        self.record_global(values, [per_completion(flags[0]), per_completion(flags[1])])
+        self.record_global(values, per_completion(flags[0]), per_completion(flags[1]))
 
 
 class RLOO(PolicyObjective):
@@ -222,5 +217,5 @@ class RLOO(PolicyObjective):
         flags = clip_flags(coef.detach(), advantages, self.epsilon_low, self.epsilon_high)
         rows = mask.new_tensor(float(mask.shape[0]))
         values = [((entropy.detach() * mask).sum(), mask.sum())] + [(f.sum(), rows) for f in flags]
-        self.record_global(values, [flags[0], flags[1]])
+        self.record_global(values, flags[0], flags[1])
         return loss, outputs
