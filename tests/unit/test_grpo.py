@@ -183,3 +183,27 @@ def test_reward_functions_by_name_and_a_reward_model_by_path(tmp_path):
         Rewards([lambda **kw: [1.0]], None).score(
             prompts, completions, [[1], [2]], [{}, {}], None, torch.device("cpu")
         )
+
+
+def test_a_buffer_resumed_on_another_number_of_ranks_is_refused():
+    """Each rank's buffer holds its own completions: a checkpoint inside a buffer resumes only on
+    the ranks that generated it (a resume at a generation's first step regenerates)."""
+    from types import SimpleNamespace
+
+    from trainer.loop.rollouts import RolloutProducer, RolloutRows
+
+    args = GRPOConfig(
+        output_dir="x", per_device_train_batch_size=4, num_generations=4, steps_per_generation=2
+    )
+    mesh = SimpleNamespace(readers=1, data_ranks=(1, 0))
+    state = SimpleNamespace(epoch_index=0, samples_into_epoch=4)  # one micro-batch into the first buffer
+    trainer = SimpleNamespace(args=args, state=state, mesh=mesh, rewards=None, processing_class=None,
+                              generation_config=None, eos_token_ids=[0],
+                              train_dataset=RolloutRows(list(range(8)), 2, 4, 1))  # fmt: skip
+    producer = RolloutProducer(trainer)
+    producer.load_state_dict({"key": [0, 0], "readers": 2, "buffer": [{}, {}]})
+    with pytest.raises(RuntimeError, match="generated on 2 ranks; this run has 1"):
+        next(producer.windows(trainer, None))
+    producer.load_state_dict({"key": [0, 1], "readers": 1, "buffer": [{}, {}]})  # not the one resumed into
+    with pytest.raises(RuntimeError, match="rollout buffer of generation 0 is not in the checkpoint"):
+        next(producer.windows(trainer, None))

@@ -92,6 +92,7 @@ class RolloutProducer:
         self.group, self.passes = args.num_generations, args.num_iterations
         self.buffer: list[dict[str, Any]] | None = None
         self.key: tuple[int, int] | None = None  # (epoch, generation) the buffer holds
+        self.readers = trainer.mesh.readers  # the ranks that generated it
 
     # ---- the step's windows -----------------------------------------------------------------------
 
@@ -111,6 +112,12 @@ class RolloutProducer:
                 if generation >= generations:
                     break
                 key = (state.epoch_index, generation)
+                if self.key == key and self.readers != readers:
+                    raise RuntimeError(
+                        f"the checkpoint resumed from is inside a rollout buffer generated on {self.readers} ranks; "
+                        f"this run has {readers}: resume on {self.readers} ranks, or from a checkpoint at the "
+                        "step that starts a generation"
+                    )
                 if self.key != key:
                     if within:
                         raise RuntimeError(
@@ -124,7 +131,7 @@ class RolloutProducer:
                     ]
                     share = len(indices) // readers
                     rows = [prompts[i] for i in indices[rank * share : (rank + 1) * share]]
-                    self.buffer, self.key = self.generate(trainer, rows), key
+                    self.buffer, self.key, self.readers = self.generate(trainer, rows), key, readers
                 batch = dict(self.buffer[within % self.steps])
                 if within >= self.steps:  # a later pass over the buffer: its tokens were counted
                     batch["input_tokens"] = 0
@@ -331,11 +338,11 @@ class RolloutProducer:
         """The buffer a checkpoint keeps (tensors and numbers), with the generation it holds."""
         if self.buffer is None:
             return {}
-        return {"key": list(self.key), "buffer": self.buffer}
+        return {"key": list(self.key), "readers": self.readers, "buffer": self.buffer}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
-            self.key, self.buffer = tuple(state["key"]), state["buffer"]
+            self.key, self.readers, self.buffer = tuple(state["key"]), state["readers"], state["buffer"]
 
 
 def _gathered(values: torch.Tensor) -> torch.Tensor:
