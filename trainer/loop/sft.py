@@ -3,7 +3,7 @@
 
 The model may be given by name (loaded with the config's ``model_init_kwargs``) and wrapped in
 ``peft_config``'s adapters; the sets are prepared by TRL's rules (``trainer.data.sft``); the loss
-and metrics are TRL's (``trainer.engine.objectives.SFT``), token-exact over micro-batches and ranks
+and metrics are TRL's (``trainer.engine.sft.SFT``), token-exact over micro-batches and ranks
 as every causal-LM run here. Not implemented, and refused by name: vision-language sets and
 processors, ``compute_loss_func`` (TRL deprecates it: override ``compute_loss``),
 ``optimizer_cls_and_kwargs``, and a ``chat_template_path`` that is not a Jinja file.
@@ -22,7 +22,8 @@ from trainer.args.training import TrainingArguments
 from trainer.args.trl import SFTConfig
 from trainer.data import CausalLMCollator
 from trainer.data.sft import has_generation_marks, is_conversational, prepare_sft
-from trainer.engine.objectives import SFT, Objective
+from trainer.engine.objectives import Objective
+from trainer.engine.sft import SFT
 from trainer.loop.preference import is_peft, load_model
 from trainer.loop.trainer import Trainer
 
