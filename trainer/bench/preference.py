@@ -74,23 +74,11 @@ def prepare(root: Path, hidden_size: int, layers: int, vocab_size: int, pairs: i
 def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None:
     import datasets
     import torch
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     from trainer.runtime.distributed import dist_info
 
-    times: list[float] = []
-    marks: dict[str, float] = {}
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            marks["train_begin"] = time.perf_counter()
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            times.append(time.perf_counter() - self.start)
-
+    clock = StepClock()
     rows = datasets.load_dataset("json", data_files=str(root / "pairs.jsonl"), split="train")
     tokenizer = AutoTokenizer.from_pretrained(root / "base")
     common = dict(
@@ -111,21 +99,16 @@ def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None
         args = DPOConfig(**common, zero_stage=opts.zero_stage, precision="fp32", **long)
         reference = str(root / "base") if system == "ours_ref_model" else None
         trainer = DPOTrainer(str(root / "base"), reference, args=args, train_dataset=rows,
-                             processing_class=tokenizer, callbacks=[Clock()])  # fmt: skip
+                             processing_class=tokenizer, callbacks=[clock.callback()])  # fmt: skip
     else:
         import trl
 
-        ds_config = {
-            "zero_optimization": {"stage": opts.zero_stage},
-            "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto",
-            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
-        }
         # On CPU ranks accelerate counts one process unless told it runs on the CPU (then gloo, all ranks).
-        args = trl.DPOConfig(**common, deepspeed=ds_config, use_cpu=not torch.cuda.is_available())
+        args = trl.DPOConfig(
+            **common, deepspeed=trl_deepspeed_config(opts.zero_stage), use_cpu=not torch.cuda.is_available()
+        )
         trainer = trl.DPOTrainer(str(root / "base"), args=args, train_dataset=rows, processing_class=tokenizer,
-                                 callbacks=[Clock()])  # fmt: skip
+                                 callbacks=[clock.callback()])  # fmt: skip
     trainer.train()
     total = time.perf_counter() - started
     # The stage DeepSpeed's engine ran: ours's resolved config, TRL's engine itself.
@@ -137,11 +120,48 @@ def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
     if dist_info().is_main:
         result = {
-            "system": system, "zero_stage": opts.zero_stage, "step_s": times, "losses": losses,
-            "engine_zero_stage": stage, "setup_s": marks["train_begin"] - started, "wall_s": total, "world_size": dist_info().world_size,
+            "system": system, "zero_stage": opts.zero_stage, "step_s": clock.times, "losses": losses,
+            "engine_zero_stage": stage, "setup_s": clock.marks["train_begin"] - started, "wall_s": total, "world_size": dist_info().world_size,
             "torch": torch.__version__,
         }  # fmt: skip
         (out / "result.json").write_text(json.dumps(result, indent=1))
+
+
+class StepClock:
+    """Each training step's wall time and when training began, from HF's callback events (the
+    same clock for ours and TRL's trainers)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.marks: dict[str, float] = {}
+
+    def callback(self) -> Any:
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class Clock(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                clock.marks["train_begin"] = time.perf_counter()
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                self.start = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                clock.times.append(time.perf_counter() - self.start)
+
+        return Clock()
+
+
+def trl_deepspeed_config(zero_stage: int) -> dict[str, Any]:
+    """The DeepSpeed file TRL's trainers get, as users write it: the stage, the rest from the arguments."""
+    return {
+        "zero_optimization": {"stage": zero_stage},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+    }
 
 
 def main(argv: list[str]) -> int:

@@ -23,6 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainer.bench.preference import StepClock, trl_deepspeed_config
+from trainer.bench.preference import summary as step_summary
+
 SYSTEMS = ("ours", "trl")
 
 
@@ -91,24 +94,12 @@ class GenerationClock:
 def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None:
     import datasets
     import torch
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     from trainer.loop.rewards import python_body
     from trainer.runtime.distributed import dist_info
 
-    times: list[float] = []
-    marks: dict[str, float] = {}
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            marks["train_begin"] = time.perf_counter()
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            times.append(time.perf_counter() - self.start)
-
+    clock = StepClock()
     rows = datasets.load_dataset("json", data_files=str(root / "prompts.jsonl"), split="train")
     tokenizer = AutoTokenizer.from_pretrained(root / "base")
     common = dict(
@@ -125,22 +116,17 @@ def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None
         # fp32 as TRL's bf16=False: ours's precision "auto" would pick bf16 on a CPU with bf16 instructions.
         args = GRPOConfig(**common, zero_stage=opts.zero_stage, precision="fp32")
         trainer = GRPOTrainer(str(root / "base"), [python_body, variety], args=args, train_dataset=rows,
-                              processing_class=tokenizer, callbacks=[Clock()])  # fmt: skip
+                              processing_class=tokenizer, callbacks=[clock.callback()])  # fmt: skip
     else:
         import trl
 
-        ds_config = {
-            "zero_optimization": {"stage": opts.zero_stage},
-            "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto",
-            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
-        }
         # On CPU ranks accelerate counts one process unless told it runs on the CPU (then gloo, all ranks).
-        args = trl.GRPOConfig(**common, deepspeed=ds_config, use_cpu=not torch.cuda.is_available())
+        args = trl.GRPOConfig(
+            **common, deepspeed=trl_deepspeed_config(opts.zero_stage), use_cpu=not torch.cuda.is_available()
+        )
         trainer = trl.GRPOTrainer(str(root / "base"), [python_body, variety], args=args, train_dataset=rows,
-                                  processing_class=tokenizer, callbacks=[Clock()])  # fmt: skip
-    clock = GenerationClock(trainer.model)
+                                  processing_class=tokenizer, callbacks=[clock.callback()])  # fmt: skip
+    generation = GenerationClock(trainer.model)
     trainer.train()
     total = time.perf_counter() - started
     stage = trainer.ds_config["zero_optimization"]["stage"] if system == "ours" else (
@@ -149,9 +135,9 @@ def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None
     history = [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
     if dist_info().is_main:
         result = {
-            "system": system, "zero_stage": opts.zero_stage, "engine_zero_stage": stage, "step_s": times,
-            "generate_s": clock.seconds, "generated_tokens": clock.tokens, "losses": [r["loss"] for r in history],
-            "rewards": [r.get("reward") for r in history], "grad_norms": [r["grad_norm"] for r in history], "setup_s": marks["train_begin"] - started,
+            "system": system, "zero_stage": opts.zero_stage, "engine_zero_stage": stage, "step_s": clock.times,
+            "generate_s": generation.seconds, "generated_tokens": generation.tokens, "losses": [r["loss"] for r in history],
+            "rewards": [r.get("reward") for r in history], "grad_norms": [r["grad_norm"] for r in history], "setup_s": clock.marks["train_begin"] - started,
             "wall_s": total, "world_size": dist_info().world_size, "torch": torch.__version__,
         }  # fmt: skip
         (out / "result.json").write_text(json.dumps(result, indent=1))
@@ -160,14 +146,11 @@ def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None
 def summary(result: dict[str, Any], warmup: int) -> dict[str, float]:
     """Median step time after the first ``warmup`` steps (steps/s from it), and generation tokens/s
     over the calls after the first ``warmup``."""
-    times = sorted(result["step_s"][warmup:]) or sorted(result["step_s"])
-    median = times[len(times) // 2]
     seconds, tokens = result["generate_s"][warmup:], result["generated_tokens"][warmup:]
     if not seconds:
         seconds, tokens = result["generate_s"], result["generated_tokens"]
     return {
-        "median_step_s": median,
-        "steps_per_s": 1 / median,
+        **step_summary(result, warmup),
         "generate_mean_s": sum(seconds) / len(seconds),
         "generation_tokens_per_s": sum(tokens) / sum(seconds),
     }
