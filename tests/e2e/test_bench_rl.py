@@ -30,8 +30,9 @@ def test_ours_and_trl_train_the_same_grpo_job(tmp_path):
         assert r["peak_rss_bytes"] > 0 and r["steps_per_s"] > 0 and r["generation_tokens_per_s"] > 0
         assert r["generated_tokens"] == [2 * 16] * 3  # each rank's 2 rows, 16 new positions, a step
     ours, trl = results
-    assert ours["rewards"] == pytest.approx(trl["rewards"], rel=1e-6)
-    assert ours["grad_norms"] == pytest.approx(trl["grad_norms"], rel=1e-4)
-    assert ours["losses"] == pytest.approx(trl["losses"], rel=1e-4, abs=1e-6)
+    assert ours["rewards"] == trl["rewards"]  # the same completions, scored alike
+    # 5e-7 apart here over 3 AdamW steps; an on-policy loss is advantages that cancel (about 1e-7).
+    assert ours["grad_norms"] == pytest.approx(trl["grad_norms"], rel=1e-5)
+    assert ours["losses"] == pytest.approx(trl["losses"], rel=1e-5, abs=1e-6)
     assert ours["rewards"][0] != ours["rewards"][1]  # the rollouts change step to step
     assert "| 3 | trl |" in proc.stdout and "over ours: tokens/s" in proc.stdout
