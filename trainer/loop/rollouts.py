@@ -34,6 +34,7 @@ import torch
 
 from trainer.engine.rl import GRPO, RLOO
 from trainer.loop.stages import Window
+from trainer.runtime.distributed import all_gather_object
 
 IGNORED = ("count", "input_tokens")  # a micro-batch's numbers that are not tensors of rows
 
@@ -347,8 +348,6 @@ class RolloutProducer:
 
 def _gathered(values: torch.Tensor) -> torch.Tensor:
     """Every rank's ``values`` (1-D, on the host), concatenated in rank order."""
-    from trainer.runtime.distributed import all_gather_object
-
     return torch.tensor([v for part in all_gather_object(values.tolist()) for v in part], dtype=values.dtype)
 
 
