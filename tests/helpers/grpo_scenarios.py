@@ -21,7 +21,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from tests.helpers.preference_scenarios import COLOURS, SUBJECTS, base, lora, main
 from tests.helpers.scaffold import read_metrics
-from trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer, TrainerCallback
 from trainer.cli.main import exit_now
 from trainer.runtime.distributed import dist_info
 
@@ -100,13 +100,41 @@ def run(out: Path, name: str, method: str, ours: bool, data: Any = None, peft_co
     args = config(output_dir=str(out / name), **extra, **{**COMMON, **fields})
     trainer = trainer_class(base(out), reward_funcs=funcs or [colour_named, length_reward], args=args,
                             train_dataset=data if data is not None else prompts(), peft_config=peft_config)  # fmt: skip
+    watch = WatchGeneration()
+    if ours:
+        trainer.add_callback(watch)
     trainer.train()
     if ours:
         if dist.is_initialized():
             dist.barrier()
         tiles = trainer.engine.tokens.tiles  # (head, tokens a tile) where the log-probabilities were tiled
-        return {**history(read_metrics(out / name)), "tile_tokens": tiles[1] if tiles else None}
+        # The last rollout's weights under ZeRO-3: (bytes gathered once, the whole model's).
+        gathered = list(trainer.engine.gathered)
+        return {
+            **history(read_metrics(out / name)),
+            "tile_tokens": tiles[1] if tiles else None,
+            "gathered": gathered,
+            "generation_status": sorted(watch.seen),
+        }
     return history(trainer.state.log_history)
+
+
+class WatchGeneration(TrainerCallback):
+    """``seen``, filled as the engine's model generates: at each forward of a generation (one given a
+    KV cache), before ZeRO-3's hooks fetch anything, the status of its first and last partitioned
+    parameters that ZeRO-3 releases after use (not persistent): AVAILABLE where held gathered,
+    NOT_AVAILABLE where not."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, str]] = set()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, engine: Any = None, **kwargs: Any) -> None:
+        engine.module.register_forward_pre_hook(self.record, with_kwargs=True)
+
+    def record(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        params = [p for p in module.parameters() if hasattr(p, "ds_status") and not p.ds_persist]
+        if params and kwargs.get("cache", kwargs.get("past_key_values")) is not None:
+            self.seen.add((params[0].ds_status.name, params[-1].ds_status.name))
 
 
 def parity(
@@ -212,8 +240,8 @@ def seeds(out: Path) -> dict[str, Any]:
 @scenario
 def grpo_ranks(out: Path) -> dict[str, Any]:
     """Under a launcher: TRL's trainer (DDP) and ours on the same global batch, each rank its share:
-    ours at ZeRO-2 and at ZeRO-3 (the weights gathered once for generation, and gathered by each
-    forward: ``ds3_gather_for_generation=False``)."""
+    ours at ZeRO-2 and at ZeRO-3 (the weights gathered once for generation; half of them, the rest
+    gathered by each forward; all gathered by each forward: ``ds3_gather_for_generation=False``)."""
     world = dist_info().world_size
     per_rank = dict(per_device_train_batch_size=COMMON["per_device_train_batch_size"] // world)
     if dist_info().is_main:  # one rank writes the model (save_pretrained writes on the main process only)
@@ -225,6 +253,15 @@ def grpo_ranks(out: Path) -> dict[str, Any]:
         "trl": run(out, "trl", "grpo", False, **per_rank),
         "zero2": run(out, "zero2", "grpo", True, zero_stage=2, **per_rank),
         "zero3": run(out, "zero3", "grpo", True, zero_stage=3, **per_rank),
+        "zero3_half": run(
+            out,
+            "zero3_half",
+            "grpo",
+            True,
+            zero_stage=3,
+            generation_gather_gb=(out / "base" / "model.safetensors").stat().st_size / 2 / 1e9,
+            **per_rank,
+        ),
         "zero3_layers": run(
             out, "zero3_layers", "grpo", True, zero_stage=3, ds3_gather_for_generation=False, **per_rank
         ),  # fmt: skip

@@ -8,6 +8,7 @@ before anything is built. TRL's vLLM fields other than ``use_vllm`` are accepted
 ``use_vllm`` is refused.
 
 Where ours differs from TRL's:
+- ``generation_gather_gb`` (this project's own) bounds the weights a ZeRO-3 rollout gathers at once;
 - ``bf16`` keeps this project's default (off; ``precision: auto`` picks bf16 on GPUs that have it);
 - there is no evaluation with generation: an evaluation set is refused.
 """
@@ -56,6 +57,13 @@ class RLConfig(TRLConfig):
         True,
         description="Under ZeRO-3, gather the weights for generation (as memory allows, once per "
         "rollout); false: every forward of the generation gathers each layer as training does.",
+    )
+    generation_gather_gb: float | None = Field(
+        None,
+        gt=0,
+        description="Under ZeRO-3 with ds3_gather_for_generation: the most GB of weights a rank gathers "
+        "once for a rollout, in the model's order (default: half its free device memory, the least over "
+        "the ranks); each forward gathers the rest as training does. Not a TRL field.",
     )
     shuffle_dataset: bool = Field(True, description="Shuffle the prompts (seeded by seed).")
     generation_batch_size: int | None = Field(

@@ -353,14 +353,16 @@ def _generation_lines(result: dict[str, Any]) -> list[str]:
         f"objective {objective['name']}: the policy generates {rows} completions at once per GPU "
         f"(prompt and completion: seq_len tokens); KV cache {generation['kv_cache']:.2f} GB"
     ]
-    if "gathered_weights" in generation:
+    if "gathered_layer" in generation:
         lines.append(
-            f"generation under ZeRO-3: the weights gathered whole, {generation['gathered_weights']:.2f} GB"
+            f"generation under ZeRO-3: the whole weights do not fit, so {generation['gathered_weights']:.2f} GB "
+            f"of them are gathered once per rollout and each forward gathers the rest a layer at a time "
+            f"({generation['gathered_layer']:.2f} GB), as training does"
         )
-    elif "gathered_layer" in generation:
+    elif "gathered_weights" in generation:
         lines.append(
-            f"generation under ZeRO-3: the whole weights do not fit beside the cache, so each forward "
-            f"gathers a layer at a time ({generation['gathered_layer']:.2f} GB), as training does"
+            f"generation under ZeRO-3: the weights gathered whole once per rollout, "
+            f"{generation['gathered_weights']:.2f} GB"
         )
     lines.append(
         "a rollout is let go before the backward: the activations column holds the larger of the two"

@@ -26,6 +26,8 @@ from trainer.engine.partitions import Partitioned
 from trainer.engine.sequence_parallel import SequenceParallel
 from trainer.engine.tensor_parallel import tensor_groups, warn_whole_head
 from trainer.engine.tiling import Tiling, decoder_and_head, offload_activations, tile_mlp
+from trainer.planner import GENERATION_SHARE
+from trainer.runtime.distributed import all_gather_object
 from trainer.runtime.mesh import Mesh
 
 
@@ -92,6 +94,7 @@ class DeepSpeedEngine(Engine):
         tiles = (decoder_and_head(self.module)[1], tiling.loss) if tiling.loss else None
         self.tokens = Tokens(self.ds, tiles, self.sp)
         self.untiled = Tokens(self.ds, None, self.sp)
+        self.gathered = (0, 0)  # by the last rollout: bytes of weights gathered once, of the whole
         if mesh.tensor > 1:
             warn_whole_head(self.module, mesh.tensor)
 
@@ -140,15 +143,23 @@ class DeepSpeedEngine(Engine):
         return self.module.generate(**inputs, **kwargs)
 
     @torch.no_grad()
-    def rollout(self, inputs: Batch, config: Any, gather: bool = True) -> torch.Tensor:
+    def rollout(
+        self, inputs: Batch, config: Any, gather: bool = True, max_bytes: float | None = None
+    ) -> torch.Tensor:
         """Prompts and completions the HF model samples from this rank's left-padded prompts
         (``config``: a ``GenerationConfig``), with its KV cache: activation checkpointing is off
-        meanwhile, the module's mode as it is. Under ZeRO-3, ``gather``: the weights gathered whole
-        once for the generation where they fit in the device's free memory (``zero.whole_model``),
-        else gathered by each forward as in training; ranks step together until all are done."""
+        meanwhile, the module's mode as it is. Under ZeRO-3, ``gather``: as much of the weights as
+        ``max_bytes`` hold (default: ``GENERATION_SHARE`` of the free device memory, the least over
+        the ranks) gathered once for the generation, the whole model where it fits
+        (``zero.generation_weights``); the rest is gathered by each forward as in training, the ranks
+        stepping together until all are done. ``self.gathered``: (bytes gathered once, whole bytes)."""
         partitioned = bool(self.ds.zero_optimization_partition_weights())
-        whole = gather and partitioned and zero.fits_whole(self.module, self.device)
-        with zero.whole_model(self.ds, whole), checkpointing_off(self.module):
+        budget = 0.0
+        if gather and partitioned:
+            own = GENERATION_SHARE * zero.device_free_bytes(self.device) if max_bytes is None else max_bytes
+            budget = min(all_gather_object(own))  # every rank gathers the same parameters
+        with zero.generation_weights(self.ds, budget) as self.gathered, checkpointing_off(self.module):
+            whole = self.gathered[0] == self.gathered[1]
             return self.module.generate(
                 **self.to_device(inputs), generation_config=config, synced_gpus=partitioned and not whole
             )

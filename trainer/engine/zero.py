@@ -67,29 +67,74 @@ def partitioned(module: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
-def fits_whole(module: torch.nn.Module, device: torch.device, share: float = 0.5) -> bool:
-    """Whether a partitioned model's whole weights fit in ``share`` of ``device``'s free memory (a
-    CPU's: its available RAM), leaving the rest to the KV cache and the activations of generation."""
-    need = sum(p.ds_numel * p.element_size() if hasattr(p, "ds_numel") else 0 for p in module.parameters())
+def device_free_bytes(device: torch.device) -> int:
+    """The device's free memory (a CPU's: its available RAM)."""
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        import psutil
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
 
-        free = psutil.virtual_memory().available
-    return need <= share * free
+    return psutil.virtual_memory().available
 
 
 @contextlib.contextmanager
-def whole_model(ds_engine: Any, enabled: bool = True) -> Iterator[None]:
+def generation_weights(ds_engine: Any, budget: float) -> Iterator[tuple[int, int]]:
+    """Inside: as much of a ZeRO-3 engine's weights as ``budget`` bytes hold, gathered once on every
+    rank for a generation. Where all fit, the whole model (``whole_model``: the generation forwards
+    as a ZeRO-2 model does); else the parameters in the module's order up to the budget, kept
+    gathered (``kept_gathered``) while each forward gathers and releases the rest as training does.
+    Yields (bytes gathered once, the whole weights' bytes); every rank must pass the same budget.
+    A no-op, yielding (0, 0), where nothing is partitioned."""
+    params = [p for p in ds_engine.module.parameters() if hasattr(p, "ds_numel")]
+    sizes = [p.ds_numel * p.element_size() for p in params]
+    total = sum(sizes)
+    if total and budget >= total:
+        with whole_model(ds_engine):
+            yield total, total
+        return
+    kept = used = 0
+    while kept < len(params) and used + sizes[kept] <= budget:
+        used, kept = used + sizes[kept], kept + 1
+    with kept_gathered(ds_engine, params[:kept]):
+        yield used, total
+
+
+# Marks the parameters a generation keeps gathered: ZeRO-3 releases a parameter only when no module
+# is using it (``ds_active_sub_modules`` empty), and no module's ``ds_id`` is negative.
+_KEPT = -1
+
+
+@contextlib.contextmanager
+def kept_gathered(ds_engine: Any, params: list[torch.Tensor]) -> Iterator[None]:
+    """Inside: ``params`` gathered once on every rank and kept so, while ZeRO-3's hooks gather and
+    release the other parameters at each forward (they pass over parameters that are whole already);
+    on exit they are partitioned again and the trace the forwards recorded is dropped."""
+    with deepspeed.zero.GatheredParameters(params, enabled=bool(params)):
+        for param in params:
+            param.ds_active_sub_modules.add(_KEPT)
+        try:
+            yield
+        finally:
+            for param in params:
+                param.ds_active_sub_modules.discard(_KEPT)
+            _drop_trace(ds_engine)
+
+
+def _drop_trace(ds_engine: Any) -> None:
+    """Forget the module order ZeRO-3 recorded: a generation's forwards are not the training step's,
+    whose prefetching follows it."""
+    offload = getattr(getattr(ds_engine, "optimizer", None), "parameter_offload", None)
+    coordinator = getattr(offload, "param_coordinator", None)
+    if coordinator is not None and not coordinator.is_invalid_trace():
+        coordinator._invalidate_trace()
+
+
+@contextlib.contextmanager
+def whole_model(ds_engine: Any) -> Iterator[None]:
     """Inside: a ZeRO-3 engine's weights gathered whole on every rank, once, with its per-module
     gathering hooks taken off (each forward would otherwise release what it used and gather it
     again); the hooks are put back and the weights partitioned again on exit. A generation then
-    forwards as a ZeRO-2 model does. A no-op when not ``enabled`` or nothing is partitioned."""
-    offload = getattr(getattr(ds_engine, "optimizer", None), "parameter_offload", None)
-    if not enabled or offload is None:
-        yield
-        return
+    forwards as a ZeRO-2 model does."""
+    offload = ds_engine.optimizer.parameter_offload
     params = list(ds_engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params):
         for param in params:
@@ -100,9 +145,7 @@ def whole_model(ds_engine: Any, enabled: bool = True) -> Iterator[None]:
         try:
             yield
         finally:
-            coordinator = getattr(offload, "param_coordinator", None)
-            if coordinator is not None and not coordinator.is_invalid_trace():
-                coordinator._invalidate_trace()  # the generation's forwards were not the training trace
+            _drop_trace(ds_engine)
             offload._register_deepspeed_module(offload.module)
 
 

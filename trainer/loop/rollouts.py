@@ -34,6 +34,7 @@ import torch
 
 from trainer.engine.rl import GRPO, RLOO
 from trainer.loop.stages import Window
+from trainer.planner import GB
 from trainer.runtime.distributed import all_gather_object
 
 IGNORED = ("count", "input_tokens")  # a micro-batch's numbers that are not tensors of rows
@@ -153,10 +154,12 @@ class RolloutProducer:
         prompt_rows = self._prompt_ids(prompts, args.chat_template_kwargs or {})
         pad_id = self.tokenizer.pad_token_id
         prompt_ids, prompt_mask = pad(prompt_rows, pad_id, left=True)
+        most = None if args.generation_gather_gb is None else args.generation_gather_gb * GB
         sequences = engine.rollout(
             {"input_ids": prompt_ids, "attention_mask": prompt_mask},
             self.generation_config,
             args.ds3_gather_for_generation,
+            most,
         ).cpu()
         completion_rows = [self._cut(row) for row in sequences[:, prompt_ids.shape[1] :].tolist()]
         texts = self.tokenizer.batch_decode(completion_rows, skip_special_tokens=True)

@@ -71,6 +71,7 @@ from trainer.planner.search import (
 )
 from trainer.planner.spec import (
     GB,
+    GENERATION_SHARE,
     HEADROOM,
     PRESETS,
     Cluster,
@@ -86,6 +87,7 @@ __all__ = [
     "DS_ALLREDUCE_BUCKET",
     "DS_DEFAULT_KNOBS",
     "GB",
+    "GENERATION_SHARE",
     "HEADROOM",
     "LOSS_BYTES_PER_LOGIT",
     "LOSS_TILE_BYTES",

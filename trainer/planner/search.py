@@ -26,7 +26,7 @@ from trainer.planner.memory import (
     tensor_parallel_params,
     tiled_loss_auto,
 )
-from trainer.planner.spec import GB, HEADROOM, Cluster, ModelSpec, Objective, Setup
+from trainer.planner.spec import GB, GENERATION_SHARE, HEADROOM, Cluster, ModelSpec, Objective, Setup
 
 # (offload_optimizer, offload_param) choices, cheapest first.
 OFFLOADS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
@@ -78,7 +78,7 @@ def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micr
         reference = reference_bytes(held, setup.zero_stage, dp, precision)
     model_gb = (states["params"] + states["grads"] + states["optimizer"] + reference) / GB
     buffers_gb, acts_gb = sum(buffers.values()) / GB, acts["gpu"] / GB
-    generation = generation_bytes(spec, setup, seq_len, micro_batch, precision, objective, lora_r, states,
+    generation = generation_bytes(spec, setup, seq_len, micro_batch, precision, objective,
                                   cluster.gpu_memory_gb * (1 - HEADROOM) * GB - (model_gb + buffers_gb) * GB)  # fmt: skip
     # A rollout is generated before the step's forwards, and let go before the backward: the larger
     # of the two counts.
@@ -117,22 +117,23 @@ def estimate(spec: ModelSpec, setup: Setup, cluster: Cluster, seq_len: int, micr
 
 def generation_bytes(
     spec: ModelSpec, setup: Setup, seq_len: int, micro_batch: int, precision: str, objective: Objective,
-    lora_r: int | None, states: dict[str, int], room: float,
+    room: float,
 ) -> dict[str, int]:  # fmt: skip
     """What a rollout holds on one GPU beside the model states ({} for an objective that does not
-    generate): ``kv_cache`` for its rows of ``seq_len`` tokens, and under ZeRO-3 the weights gathered:
-    whole (``gathered_weights``, less this GPU's partition) where they fit in ``room`` with the
-    cache, else one layer at a time (``gathered_layer``), as the trainer gathers them
-    (``trainer.engine.zero.fits_whole``)."""
+    generate): ``kv_cache`` for its rows of ``seq_len`` tokens, and under ZeRO-3 the weights gathered
+    once (``gathered_weights``, whole tensors beside this GPU's partitions): as many as ``GENERATION_SHARE`` of the
+    ``room`` left beside the model states holds, the whole model where it fits, as the trainer
+    gathers them (``trainer.engine.zero.generation_weights``). Where not all fit, each forward
+    gathers the rest a layer at a time (``gathered_layer``), as training does."""
     if not objective.generates:
         return {}
     rows = objective.generation_rows or micro_batch
     out = {"kv_cache": kv_cache_bytes(spec, seq_len, rows, precision)}
     if setup.zero_stage == 3:
-        whole = param_bytes(precision) * spec.n_params - states["params"]
-        if whole + out["kv_cache"] <= room:
-            out["gathered_weights"] = max(whole, 0)
-        else:
+        whole = param_bytes(precision) * spec.n_params
+        kept = min(whole, max(GENERATION_SHARE * room, 0))
+        out["gathered_weights"] = round(kept)
+        if kept < whole:
             out["gathered_layer"] = param_bytes(precision) * spec.largest_layer_params
     return out
 

@@ -18,6 +18,9 @@ GB = 1e9  # the ZeRO paper's unit: its 120 GB for 7.5B parameters is 7.5e9 x 16 
 # Share of each stated memory size kept free for the CUDA context, NCCL, allocator fragmentation
 # (or, on the host, the OS and data loaders).
 HEADROOM = 0.10
+# Share of the memory free beside the model states a ZeRO-3 rollout fills with weights gathered once
+# (the rest is left to its KV cache and activations); the planner and the engine apply the same rule.
+GENERATION_SHARE = 0.5
 
 # HF-style configs of well-known architectures, counted by the same code as a user's config.json.
 PRESETS: dict[str, dict[str, Any]] = {
