@@ -217,40 +217,51 @@ def flip_byte(path: Path) -> None:
 
 # World-size change: micro-batch 1 and a global batch of 6 divide into 1, 2 and 3 ranks.
 WORLD = dict(per_device_train_batch_size=1, gradient_accumulation_steps=3)
+# The runs that change world size: ZeRO 2 and 3 with the default AdamW, and ZeRO-3 with torch's SGD
+# and a momentum (a DeepSpeed file's optimizer), whose state the universal conversion names as Adam's.
+SGD = {
+    "optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": 0.9}},
+    "zero_allow_untested_optimizer": True,
+}
+WORLD_RUNS = {"zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3),
+              "zero3_sgd": dict(zero_stage=3, optim="sgd", deepspeed=SGD)}  # fmt: skip
 
 
 def world_src(out: Path) -> dict:
     """On 2 ranks: the runs that 1 or 3 ranks will continue, and their trajectories to match."""
     result = {}
-    for stage in (2, 3):
-        run = out / "world" / f"zero{stage}"
-        trainer, losses = train(run / "source", zero_stage=stage, **WORLD)
+    for name, fields in WORLD_RUNS.items():
+        run = out / "world" / name
+        trainer, losses = train(run / "source", **fields, **WORLD)
         save_weights(trainer, run / "source.pt")
-        result[f"zero{stage}"] = after(losses, 0)
+        result[name] = after(losses, 0)
     return result
 
 
 class MomentProbe(TrainerCallback):
-    """At train begin (after the resume), compares a parameter's Adam moment with the converted file."""
+    """At train begin (after the resume), compares a parameter's optimizer state with the converted
+    file: Adam's two moments, or SGD's momentum buffer (the conversion's ``exp_avg``)."""
 
-    def __init__(self):
+    def __init__(self, moments: dict[str, str]):
         self.trainer: Trainer | None = None
+        self.moments = moments  # the live state's name: the universal file's
         self.report: dict = {}
 
     def on_train_begin(self, args, state, control, **kw):
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         universal = Path(args.output_dir) / f"checkpoint-{SAVE_AT}" / "universal" / "ds" / "zero"
-        worst = {"fp32": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
+        files = {"fp32": "fp32", **self.moments}
+        worst = dict.fromkeys(files, 0.0)
         for name, param in self.trainer.engine.module.named_parameters():
-            for key in worst:
+            for key, file in files.items():
                 live = (
                     safe_get_full_fp32_param(param)
                     if key == "fp32"
                     else safe_get_full_optimizer_state(param, key)
                 )
                 saved = torch.load(
-                    universal / name / f"{key}.pt", weights_only=False
+                    universal / name / f"{file}.pt", weights_only=False
                 )  # ZeRO-3: a flat tensor
                 saved = (saved["param"] if isinstance(saved, dict) else saved).flatten()
                 worst[key] = max(worst[key], (live.flatten().float() - saved.float()).abs().max().item())
@@ -258,8 +269,10 @@ class MomentProbe(TrainerCallback):
         groups = getattr(opt, "optimizer", opt).param_groups
         self.report = {
             "max_abs_diff": worst,
+            "state_keys": sorted({k for s in getattr(opt, "optimizer", opt).state.values() for k in s}),
             "groups": [
-                {k: v for k, v in g.items() if k in ("lr", "weight_decay", "betas", "eps")} for g in groups
+                {k: v for k, v in g.items() if k in ("lr", "weight_decay", "betas", "eps", "momentum")}
+                for g in groups
             ],
         }
 
@@ -268,19 +281,22 @@ def world_dst(out: Path) -> dict:
     """On 1 or 3 ranks: resume each 2-rank checkpoint-5 with the same arguments."""
     world = dist_info().world_size
     result = {}
-    for stage in (2, 3):
-        run = out / "world" / f"zero{stage}"
+    for name, fields in WORLD_RUNS.items():
+        run = out / "world" / name
         target = run / f"on{world}"
         copy_checkpoints(run / "source", target, [SAVE_AT])
-        probe, ran = MomentProbe(), StepsRun()
-        trainer = probe.trainer = build(
-            target, resume="auto", callbacks=[probe, ran], zero_stage=stage, **WORLD
+        moments = (
+            {"momentum_buffer": "exp_avg"}
+            if "sgd" in name
+            else {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
         )
+        probe, ran = MomentProbe(moments), StepsRun()
+        trainer = probe.trainer = build(target, resume="auto", callbacks=[probe, ran], **fields, **WORLD)
         trainer.train()
         losses = losses_of(trainer)
         save_weights(trainer, run / f"on{world}.pt")
         ds_config = json.loads((target / "ds_config.json").read_text())
-        result[f"zero{stage}"] = {
+        result[name] = {
             "losses": after(losses, SAVE_AT),
             "ran": ran.report(),
             "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,

@@ -210,6 +210,8 @@ class DeepSpeedEngine(Engine):
                     state["step"] = state["step"].clone()
         if isinstance(self.ds.basic_optimizer, Partitioned):
             self.ds.basic_optimizer.after_universal_load()
+        elif isinstance(self.ds.basic_optimizer, torch.optim.SGD):
+            zero.momentum_from_adam_names(self.ds.optimizer)
         return client_state
 
 

@@ -259,8 +259,9 @@ def convert_to_universal(source: str | Path, target: str | Path) -> None:
     """DeepSpeed's ``ds_to_universal`` of the checkpoint ``source`` (a tag directory) into ``target``,
     in this process (no worker processes forked from a training rank); it writes ``latest_universal``
     next to ``target``. The tool reads Adam's two moments of every group: a checkpoint of our LARS or
-    Muon, whose groups keep a momentum alone, is converted from a copy that names it ``exp_avg``
-    beside a zero ``exp_avg_sq`` (``Partitioned.after_universal_load`` names it back)."""
+    Muon, or torch's SGD, whose groups keep a momentum alone (or no state), is converted from a copy
+    that names it ``exp_avg`` (zeros where there is none) beside a zero ``exp_avg_sq``
+    (``Partitioned.after_universal_load`` and ``momentum_from_adam_names`` name it back)."""
     source, target = Path(source), Path(target)
     scratch = target.parent / f"{target.name}.adam-named"
     try:
@@ -286,6 +287,27 @@ def universal_param_groups(directory: str | Path, tag: str) -> list[dict[str, An
     return saved["optimizer_state_dict"]["param_groups"]
 
 
+def momentum_from_adam_names(zero_optimizer: Any) -> None:
+    """After a universal load into torch's SGD under ZeRO, its state under its own names again: the
+    ``exp_avg`` that ``convert_to_universal`` made of the momentum buffer is the buffer where the
+    group has a momentum, and nothing where it has none (plain SGD keeps no state); the zero second
+    moment and the step that came with it go. The state is keyed by ZeRO's fp32 partition of each
+    group (ZeRO-3 empties the groups' own parameter lists between steps)."""
+    optimizer = zero_optimizer.optimizer
+    flats = getattr(zero_optimizer, "fp32_partitioned_groups_flat", None)
+    if flats is None:
+        flats = zero_optimizer.single_partition_of_fp32_groups
+    for group, flat in zip(optimizer.param_groups, flats, strict=True):
+        state = optimizer.state.get(flat)
+        if not state:
+            continue
+        momentum = state.pop("exp_avg", None)
+        state.pop("exp_avg_sq", None)
+        state.pop("step", None)
+        if group.get("momentum") and momentum is not None:
+            state["momentum_buffer"] = momentum
+
+
 def _with_adam_names(source: Path, scratch: Path) -> Path:
     """``source``, or ``scratch``: links to its files, but for copies of the optimizer shards whose
     group states each hold ``exp_avg``, ``exp_avg_sq`` and ``step``."""
@@ -297,7 +319,10 @@ def _with_adam_names(source: Path, scratch: Path) -> Path:
             states, flats = optim["optimizer_state_dict"]["state"], optim["fp32_flat_groups"]
         else:
             states, flats = optim["base_optimizer_state"]["state"], optim["single_partition_of_fp32_groups"]
-        if all("exp_avg" in states[i] and "exp_avg_sq" in states[i] for i in range(len(flats))):
+        # A group with no state (plain SGD keeps none) counts as not Adam-named.
+        if all(
+            "exp_avg" in states.get(i, {}) and "exp_avg_sq" in states.get(i, {}) for i in range(len(flats))
+        ):
             continue
         # ZeRO-3's universal load reads the first group's step: a momentum alone takes another's (or 0).
         step = next((state["step"] for state in states.values() if "step" in state), torch.tensor(0.0))
