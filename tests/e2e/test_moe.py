@@ -11,10 +11,16 @@ step 3: the agent restarts both ranks, they resume from checkpoint-2 and end bit
 uninterrupted run ended. A copy of that checkpoint is refused, naming both sizes, by a run without
 expert parallelism. ``final/`` holds every expert in HF's layout, and ``from_pretrained`` loads it
 as a Mixtral.
+
+DeepSeek-V3's shape (``--model_type deepseek_v3``: a dense first layer, then routed experts chosen
+within groups with the router's score correction bias, beside a shared expert) on 2 ranks with
+expert parallelism at ZeRO-3 against one process: the same steps, and an export that keeps the
+shared expert and the correction bias under HF's names.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -33,12 +39,18 @@ COMMON = [
 ]  # fmt: skip
 SPLIT = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
 RUNS = ("zero3", "ep_zero1", "ep_zero2_offload", "ep_zero3")
+DEEPSEEK = [
+    "scripts/train.py", *tiny_flags(save_steps=4, model_config_overrides={
+        **TINY_MODEL, "num_hidden_layers": 3, "moe_intermediate_size": 32, "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    }), "--model_type", "deepseek_v3", "--optim", "adamw_torch",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    out = {name: root / name for name in ("one", *RUNS, "resumed", "refused")}
+    out = {name: root / name for name in ("one", *RUNS, "resumed", "refused", "deepseek_one", "deepseek_ep")}
 
     def two_ranks(where: str) -> None:
         stage = next((c for c in where if c.isdigit()), "3")  # "resumed": the ZeRO-3 run's
@@ -69,7 +81,11 @@ def runs(tmp_path_factory):
     two_ranks("ep_zero3")
     together(lambda: two_ranks("resumed"), refused)
     two_ranks("ep_zero1")
-    two_ranks("ep_zero2_offload")
+    deepseek_one = [*DEEPSEEK, "--per_device_train_batch_size", "8", "--output_dir", str(out["deepseek_one"])]
+    deepseek_ep = [*DEEPSEEK, *SPLIT, "--zero_stage", "3", "--expert_parallel_size", "2",
+                   "--output_dir", str(out["deepseek_ep"])]  # fmt: skip
+    together(lambda: launch(deepseek_one, launcher="python"), lambda: two_ranks("ep_zero2_offload"))
+    launch(deepseek_ep, launcher="deepspeed")
     return out
 
 
@@ -129,3 +145,29 @@ def test_the_export_is_a_mixtral_with_every_expert(runs):
     assert experts.gate_up_proj.shape == (4, 2 * 128, 64) and experts.down_proj.shape == (4, 64, 128)
     ids = torch.arange(1, 17)[None]
     assert torch.allclose(ep(ids).logits, one(ids).logits, rtol=1e-5, atol=5e-6)  # 9e-7 apart here
+
+
+def test_deepseek_v3_with_expert_parallelism_takes_one_process_steps_and_exports_whole(runs):
+    """The routed experts split over the 2 ranks; the shared expert, the router and its correction
+    bias stay whole on each. Losses and grad norms within 1e-5 of one process (1.2e-7 apart here),
+    and the export loads as a DeepSeek-V3 whose logits are one process's."""
+    one, ranks = train_rows(runs["deepseek_one"]), train_rows(runs["deepseek_ep"])
+    ds_config = json.loads((runs["deepseek_ep"] / "ds_config.json").read_text())
+    assert ds_config["expert_parallel"] == {"autoep_size": 2, "enabled": True}
+    assert [r["step"] for r in ranks] == [1, 2, 3, 4]
+    assert ranks[-1]["loss"] < ranks[0]["loss"] - 0.05  # it trained
+    for a, b in zip(one, ranks, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a["step"])
+    assert_same_weights(runs["deepseek_ep"] / "final", runs["deepseek_one"] / "final", rtol=1e-5, atol=1e-6)
+    ep = AutoModelForCausalLM.from_pretrained(runs["deepseek_ep"] / "final")
+    one_model = AutoModelForCausalLM.from_pretrained(runs["deepseek_one"] / "final")
+    assert type(ep).__name__ == "DeepseekV3ForCausalLM"
+    block = ep.model.layers[1].mlp  # layer 0 is dense
+    assert block.experts.gate_up_proj.shape[0] == 8 and block.shared_experts.down_proj.weight.shape == (
+        64,
+        32,
+    )
+    assert block.gate.e_score_correction_bias.shape == (8,)
+    ids = torch.arange(1, 17)[None]
+    assert torch.allclose(ep(ids).logits, one_model(ids).logits, rtol=1e-5, atol=5e-6)

@@ -8,7 +8,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from trainer.cli.main import main
 from trainer.planner import Cluster, Setup, estimate, layer_saved_bytes, model_state_bytes
@@ -38,6 +45,28 @@ MIXTRAL_8X7B = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size
             ),
             Qwen3MoeForCausalLM,
         ),  # fmt: skip
+        # DeepSeek-V3: the first layer dense, a shared expert beside the routed ones, latent attention
+        # with and without the queries' low rank
+        *(
+            (
+                DeepseekV3Config(
+                    **SMALL,
+                    n_routed_experts=4,
+                    moe_intermediate_size=24,
+                    n_shared_experts=1,
+                    first_k_dense_replace=1,
+                    n_group=2,
+                    topk_group=1,
+                    kv_lora_rank=8,
+                    q_lora_rank=q_rank,
+                    qk_rope_head_dim=4,
+                    qk_nope_head_dim=8,
+                    v_head_dim=8,
+                ),
+                DeepseekV3ForCausalLM,
+            )  # fmt: skip
+            for q_rank in (None, 12)
+        ),
     ],
 )
 def test_parameters_are_counted_as_hf_builds_them(config, model):

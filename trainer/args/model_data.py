@@ -26,10 +26,10 @@ class ModelArguments(ArgsModel):
         None,
         description="A local HF model directory (or hub name) to fine-tune; None builds from model_config.",
     )
-    model_type: Literal["llama", "gpt2", "mixtral", "qwen3_moe"] = Field(
+    model_type: Literal["llama", "gpt2", "mixtral", "qwen3_moe", "deepseek_v3"] = Field(
         "llama",
         description="Architecture built from model_config: a Llama, a GPT-2, or a mixture of experts "
-        "(mixtral, qwen3_moe: 8 experts, 2 per token).",
+        "(mixtral, qwen3_moe, deepseek_v3: 8 experts, 2 per token; deepseek_v3 adds a shared expert).",
     )
     model_config_overrides: dict[str, Any] | str | None = Field(  # str: JSON, for HF's parser
         default_factory=dict, description="Config fields for a model built from scratch (hidden_size, ...)."

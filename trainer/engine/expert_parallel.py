@@ -15,8 +15,10 @@ What this module adds around it:
 - each block's HF layout, read before it is replaced, so the export gives HF's names and shapes
   back: every expert gathered from the ranks of its group, the fused gate/up matrix joined again,
   the router's weight under its own name. DeepSpeed's own consolidation refuses AutoEP.
-- refusals, before DeepSpeed builds anything, of blocks that export cannot give back (experts as a
-  list of modules, shared experts, a router's correction bias).
+- the parts of a block AutoEP keeps as they are, under their HF names again: shared experts (and
+  their gate), and the router's score correction bias (DeepSeek-V3).
+- the refusal, before DeepSpeed builds anything, of blocks whose experts are a list of modules,
+  which the export cannot give back.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ class Layout:
     down_shape: tuple[int, ...]
     ffn: int
     router_bias: bool
+    # Modules AutoEP keeps as they are, (HF's name in the block, AutoEP's attribute): shared experts, their gate.
+    shared: tuple[tuple[str, str], ...] = ()
+    correction: str | None = None  # the router's score correction bias, by its HF name in the block
 
     def hf_tensors(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> dict[str, torch.Tensor]:
         """HF's expert matrices from AutoEP's whole ``w1``/``w3`` [experts, ffn, hidden] and ``w2``
@@ -135,6 +140,16 @@ class ExpertParallel:
                     state[f"{layout.block}.{layout.router}.weight"] = gate.weight.detach().cpu().clone()
                     if layout.router_bias:
                         state[f"{layout.block}.{layout.router}.bias"] = gate.bias.detach().cpu().clone()
+            if layout.correction is not None:  # a buffer, or a parameter partitioned like any other
+                bias = layer.router.e_score_correction_bias
+                with zero.gathered([bias], enabled=partitioned and hasattr(bias, "ds_id")):
+                    if rank0:
+                        state[f"{layout.block}.{layout.correction}"] = bias.detach().cpu().clone()
+            for name, attribute in layout.shared:
+                for key, tensor in getattr(layer, attribute).state_dict(keep_vars=True).items():
+                    with zero.gathered([tensor], enabled=partitioned and hasattr(tensor, "ds_id")):
+                        if rank0:
+                            state[f"{layout.block}.{name}.{key}"] = tensor.detach().cpu().clone()
             if rank0:
                 state.update(layout.hf_tensors(*experts))
         return state if rank0 else None
@@ -164,18 +179,23 @@ def layouts(model: torch.nn.Module, ds_config: dict[str, Any]) -> list[Layout]:
         )
     found = []
     for spec in specs:
-        why = (
-            "its experts are a list of modules" if spec.expert_storage != "fused_3d" or spec.expert_w3_name
-            else "it has shared experts" if spec.has_shared_experts
-            else "its router has a correction bias" if spec.e_score_correction_bias_path
-            else None
-        )  # fmt: skip
-        if why:
+        if spec.expert_storage != "fused_3d" or spec.expert_w3_name:
             raise ConfigError(
-                f"{PATH}: {spec.moe_module_name} ({spec.model_family}): {why}, which the export does not "
-                "put back in HF's layout yet; run without expert_parallel_size",
+                f"{PATH}: {spec.moe_module_name} ({spec.model_family}): its experts are a list of modules, "
+                "which the export does not put back in HF's layout yet; run without expert_parallel_size",
                 path=PATH,
             )
+        block = model.get_submodule(spec.moe_module_name)
+        shared = {
+            "shared_experts": spec.shared_experts_name if spec.has_shared_experts else None,
+            "shared_experts_gate": spec.shared_experts_gate_name,
+        }  # AutoEP's attribute: HF's name
+        owner = (
+            spec.router_name
+            if spec.e_score_correction_bias_path is None
+            else spec.e_score_correction_bias_path
+        )
+        has_correction = getattr(block.get_submodule(owner), "e_score_correction_bias", None) is not None
         experts = model.get_submodule(f"{spec.moe_module_name}.{spec.experts_name}")
         gate_up, down = getattr(experts, spec.expert_w1_name), getattr(experts, spec.expert_w2_name)
         found.append(
@@ -189,6 +209,8 @@ def layouts(model: torch.nn.Module, ds_config: dict[str, Any]) -> list[Layout]:
                 down_shape=tuple(getattr(down, "ds_shape", down.shape)),
                 ffn=spec.ffn_hidden_size,
                 router_bias=spec.gate_bias,
+                shared=tuple((name, attribute) for attribute, name in shared.items() if name),
+                correction=f"{owner}.e_score_correction_bias".lstrip(".") if has_correction else None,
             )
         )
     return found

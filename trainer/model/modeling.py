@@ -15,6 +15,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     BitsAndBytesConfig,
+    DeepseekV3Config,
     GPT2Config,
     LlamaConfig,
     MixtralConfig,
@@ -44,6 +45,27 @@ _MOE = dict(DEFAULT_LLAMA, intermediate_size=344, num_experts_per_tok=2)
 DEFAULT_MOE = {
     "mixtral": (MixtralConfig, dict(_MOE, num_local_experts=8)),
     "qwen3_moe": (Qwen3MoeConfig, dict(_MOE, moe_intermediate_size=344, num_experts=8, head_dim=64)),
+    # DeepSeek-V3's shape: a dense first layer, then 8 routed experts (2 per token, chosen within the
+    # best of 2 groups, with the router's correction bias) beside one shared expert, and multi-head
+    # latent attention.
+    "deepseek_v3": (
+        DeepseekV3Config,
+        dict(
+            DEFAULT_LLAMA,
+            moe_intermediate_size=172,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            kv_lora_rank=64,
+            q_lora_rank=None,
+            qk_rope_head_dim=32,
+            qk_nope_head_dim=32,
+            v_head_dim=64,
+        ),
+    ),  # fmt: skip
 }
 
 

@@ -153,11 +153,15 @@ def _llama_like(cfg: dict[str, Any], name: str) -> ModelSpec:
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
     attention = h * q_out + 2 * h * kv_out + q_out * h + (q_out + 2 * kv_out + h if attn_bias else 0)
     attention += 2 * head_dim if str(cfg.get("model_type", "")).startswith("qwen3") else 0  # q and k norms
+    if cfg.get("kv_lora_rank"):  # DeepSeek's multi-head latent attention
+        attention = _latent_attention(cfg, h, heads)
     mlp = 3 * h * ffn  # gate, up and down projections
     experts, top_k, expert_ffn, moe_layers = _experts(cfg, layers, ffn)
     expert_params = moe_layers * experts * 3 * h * expert_ffn
-    # An MoE layer's MLP is its experts (counted apart) and a router with one row per expert.
-    mlps = (layers - moe_layers) * mlp + moe_layers * h * experts + expert_params
+    shared = int(cfg.get("n_shared_experts") or 0) * 3 * h * expert_ffn if experts else 0
+    # An MoE layer's MLP is its experts (counted apart), a router with one row per expert and its
+    # shared experts (DeepSeek's: every token passes them).
+    mlps = (layers - moe_layers) * mlp + moe_layers * (h * experts + shared) + expert_params
     embed = vocab * h
     lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * h
     total = embed + layers * (attention + 2 * h) + mlps + h + lm_head  # two RMSNorm weights a layer
@@ -171,14 +175,26 @@ def _llama_like(cfg: dict[str, Any], name: str) -> ModelSpec:
     )  # fmt: skip
 
 
+def _latent_attention(cfg: dict[str, Any], h: int, heads: int) -> int:
+    """A DeepSeek attention layer's parameters: queries (through a low-rank ``q_lora_rank`` with its
+    norm, or directly), the joint key-value compression with its norm and the shared rotary key, the
+    keys' and values' expansion, and the output projection."""
+    nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    kv_rank, v_dim, q_rank = int(cfg["kv_lora_rank"]), int(cfg["v_head_dim"]), cfg.get("q_lora_rank")
+    query = h * heads * (nope + rope) if not q_rank else h * q_rank + q_rank + q_rank * heads * (nope + rope)
+    return query + h * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v_dim) + heads * v_dim * h
+
+
 def _experts(cfg: dict[str, Any], layers: int, ffn: int) -> tuple[int, int, int, int]:
     """(experts per MoE layer, experts per token, an expert's MLP width, MoE layers) of an HF config:
     Mixtral's ``num_local_experts``, Qwen-MoE's ``num_experts`` (with ``moe_intermediate_size``,
-    ``decoder_sparse_step`` and ``mlp_only_layers``); (0, 0, 0, 0) for a dense model."""
-    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    ``decoder_sparse_step`` and ``mlp_only_layers``), DeepSeek's ``n_routed_experts`` (its first
+    ``first_k_dense_replace`` layers dense); (0, 0, 0, 0) for a dense model."""
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
     if experts < 2:
         return 0, 0, 0, 0
     step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+    dense |= set(range(int(cfg.get("first_k_dense_replace") or 0)))
     moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
     return (
         experts,
