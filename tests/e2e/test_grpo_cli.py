@@ -8,11 +8,13 @@ module:function,...`` on a saved tiny Llama and a JSON-lines file of prompts.
   restarts both ranks, they resume from checkpoint-2 (inside the buffer) and end bit for bit where
   the uninterrupted run ended: the same rollouts, rewards, losses and weights;
 - GRPO with LoRA on 2 ranks under ZeRO-3, ``beta`` > 0 (the reference is the base with its
-  adapters off); RLOO at TRL's defaults on 2 ranks under ZeRO-3 (its reference a frozen engine of
-  the base, loaded from its path and partitioned like the policy).
+  adapters off); RLOO at TRL's defaults on 2 ranks under ZeRO-3 through ``accelerate launch`` (its
+  reference a frozen engine of the base, loaded from its path and partitioned like the policy).
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -50,7 +52,7 @@ def runs(tmp_path_factory):
     rloo = ["--objective", "rloo", "--zero_stage", "3", "--max_steps", "3"]
     out["resumed_proc"] = launch(command("resumed", *BUFFER), restarts=1, env=crash)
     launch(command("lora_zero3", *lora), launcher="deepspeed")
-    launch(command("rloo_zero3", *rloo), launcher="deepspeed")
+    launch(command("rloo_zero3", *rloo), launcher="accelerate")
     return out
 
 
@@ -104,3 +106,6 @@ def test_rloo_under_zero3_against_a_partitioned_reference(runs):
     # The reference is the initial policy; RLOO's kl is the mean log-ratio (of either sign), not k3.
     assert rows[0]["kl"] == 0.0 and abs(rows[-1]["kl"]) > 1e-4
     assert (runs["rloo_zero3"] / "final" / "model.safetensors").is_file()
+    ds_config = json.loads((runs["rloo_zero3"] / "ds_config.json").read_text())
+    # accelerate started 2 ranks of 2 rows each
+    assert (ds_config["train_batch_size"], ds_config["zero_optimization"]["stage"]) == (2 * 2, 3)
