@@ -11,7 +11,10 @@ the same arguments:
 - ``ours``: ``trainer.GRPOTrainer``: the training engine generates; under ZeRO-3 it gathers the
   weights once per rollout where they fit, and its hooks stay off meanwhile;
 - ``trl``: ``trl.GRPOTrainer`` on DeepSpeed through HF's Trainer (``ds3_gather_for_generation``
-  at its default, true).
+  at its default, true);
+- at ZeRO-3, asked for by name: ``ours_half``, ours with half of the weights gathered once per
+  rollout (``generation_gather_gb``) and the rest by each forward, and ``ours_layers``, ours with
+  every forward gathering (``ds3_gather_for_generation`` false).
 
 Runs take turns, each alone on the machine. Reported per system and stage: the median step time
 after ``--warmup`` steps (steps/s), the mean time of a ``generate`` call and the tokens it
@@ -43,7 +46,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="bench_rl.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--stages", default="2,3", help="comma-separated ZeRO stages")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated systems, ours first")
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="comma-separated systems, ours first; at ZeRO-3 also ours_half, ours_layers",
+    )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     for name, default in (("steps", 8), ("rows_per_rank", 4), ("num_generations", 4),

@@ -129,7 +129,10 @@ def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None
 
 class StepClock:
     """Each training step's wall time and when training began, from HF's callback events (the
-    same clock for ours and TRL's trainers)."""
+    same clock for ours and TRL's trainers). A step's time runs from the end of the one before (from
+    the start of training for the first) to its own end: whatever makes its data counts, where each
+    trainer puts it. TRL's trainers generate rollouts inside ``training_step``, after
+    ``on_step_begin``; ours makes them before, in the producer stage."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -142,13 +145,12 @@ class StepClock:
 
         class Clock(TrainerCallback):
             def on_train_begin(self, args, state, control, **kwargs):
-                clock.marks["train_begin"] = time.perf_counter()
-
-            def on_step_begin(self, args, state, control, **kwargs):
-                self.start = time.perf_counter()
+                clock.marks["train_begin"] = self.last = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kwargs):
-                clock.times.append(time.perf_counter() - self.start)
+                now = time.perf_counter()
+                clock.times.append(now - self.last)
+                self.last = now
 
         return Clock()
 

@@ -27,6 +27,9 @@ from trainer.bench.preference import StepClock, trl_deepspeed_config
 from trainer.bench.preference import summary as step_summary
 
 SYSTEMS = ("ours", "trl")
+# Ours at ZeRO-3 with less gathered for generation (opt in through --systems): half of the weights
+# gathered once per rollout (generation_gather_gb), or none (ds3_gather_for_generation false).
+VARIANTS = ("ours_half", "ours_layers")
 
 
 def prepare(root: Path, hidden_size: int, layers: int, prompts: int, seed: int) -> None:
@@ -110,11 +113,17 @@ def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None
         temperature=0.7,
     )  # fmt: skip
     started = time.perf_counter()
-    if system == "ours":
+    if system.startswith("ours"):
         from trainer import GRPOConfig, GRPOTrainer
 
+        gather = {
+            "ours_half": {
+                "generation_gather_gb": (root / "base" / "model.safetensors").stat().st_size / 2 / 1e9
+            },
+            "ours_layers": {"ds3_gather_for_generation": False},
+        }.get(system, {})
         # fp32 as TRL's bf16=False: ours's precision "auto" would pick bf16 on a CPU with bf16 instructions.
-        args = GRPOConfig(**common, zero_stage=opts.zero_stage, precision="fp32")
+        args = GRPOConfig(**common, **gather, zero_stage=opts.zero_stage, precision="fp32")
         trainer = GRPOTrainer(str(root / "base"), [python_body, variety], args=args, train_dataset=rows,
                               processing_class=tokenizer, callbacks=[clock.callback()])  # fmt: skip
     else:
@@ -129,7 +138,7 @@ def worker(root: Path, system: str, out: Path, opts: argparse.Namespace) -> None
     generation = GenerationClock(trainer.model)
     trainer.train()
     total = time.perf_counter() - started
-    stage = trainer.ds_config["zero_optimization"]["stage"] if system == "ours" else (
+    stage = trainer.ds_config["zero_optimization"]["stage"] if system.startswith("ours") else (
         trainer.model_wrapped.zero_optimization_stage()
     )  # fmt: skip
     history = [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
@@ -165,7 +174,7 @@ def main(argv: list[str]) -> int:
         prep.add_argument(f"--{name}", type=int, default=default)
     work = sub.add_parser("worker")
     work.add_argument("root", type=Path)
-    work.add_argument("system", choices=SYSTEMS)
+    work.add_argument("system", choices=SYSTEMS + VARIANTS)
     work.add_argument("out", type=Path)
     for name, default in (("zero_stage", 2), ("steps", 8), ("rows_per_rank", 4), ("num_generations", 4),
                           ("max_completion_length", 32)):  # fmt: skip
