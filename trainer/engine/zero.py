@@ -294,9 +294,8 @@ def momentum_from_adam_names(zero_optimizer: Any) -> None:
     moment and the step that came with it go. The state is keyed by ZeRO's fp32 partition of each
     group (ZeRO-3 empties the groups' own parameter lists between steps)."""
     optimizer = zero_optimizer.optimizer
-    flats = getattr(zero_optimizer, "fp32_partitioned_groups_flat", None)
-    if flats is None:
-        flats = zero_optimizer.single_partition_of_fp32_groups
+    names = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition")
+    flats = next(getattr(zero_optimizer, n) for n in names if hasattr(zero_optimizer, n))  # ZeRO-3, 1-2, bf16
     for group, flat in zip(optimizer.param_groups, flats, strict=True):
         state = optimizer.state.get(flat)
         if not state:
