@@ -121,10 +121,10 @@ def generation_bytes(
 ) -> dict[str, int]:  # fmt: skip
     """What a rollout holds on one GPU beside the model states ({} for an objective that does not
     generate): ``kv_cache`` for its rows of ``seq_len`` tokens, and under ZeRO-3 the weights gathered
-    once (``gathered_weights``, whole tensors beside this GPU's partitions): as many as ``GENERATION_SHARE`` of the
-    ``room`` left beside the model states holds, the whole model where it fits, as the trainer
-    gathers them (``trainer.engine.zero.generation_weights``). Where not all fit, each forward
-    gathers the rest a layer at a time (``gathered_layer``), as training does."""
+    once (``gathered_weights``, whole tensors beside this GPU's partitions): as many as
+    ``GENERATION_SHARE`` of the ``room`` left beside the model states holds, the whole model where it
+    fits, as the trainer gathers them (``trainer.engine.zero.generation_weights``). Where not all
+    fit, each forward gathers the rest a layer at a time (``gathered_layer``), as training does."""
     if not objective.generates:
         return {}
     rows = objective.generation_rows or micro_batch
