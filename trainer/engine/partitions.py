@@ -17,6 +17,7 @@ import torch.distributed as dist
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
 from trainer.config.errors import ConfigError
+from trainer.engine import zero
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,8 @@ class Partitioned(torch.optim.Optimizer):
         copy ``convert_to_universal`` made: a group that keeps a momentum alone gets it back under
         its own name, without the zero second moment or the step that came with it."""
         for flat, layout in self.layouts.items():
-            state = self.state[flat]
-            if self.keeps_momentum_alone(self.param_groups[layout.param_group]) and "exp_avg" in state:
-                state["momentum_buffer"] = state.pop("exp_avg")
-                state.pop("exp_avg_sq", None)
-                state.pop("step", None)
+            if self.keeps_momentum_alone(self.param_groups[layout.param_group]):
+                zero.adam_names_undone(self.state[flat], momentum=True)
 
 
 def collective_device(device: torch.device) -> torch.device:

@@ -288,23 +288,26 @@ def universal_param_groups(directory: str | Path, tag: str) -> list[dict[str, An
 
 
 def momentum_from_adam_names(zero_optimizer: Any) -> None:
-    """After a universal load into torch's SGD under ZeRO, its state under its own names again: the
-    ``exp_avg`` that ``convert_to_universal`` made of the momentum buffer is the buffer where the
-    group has a momentum, and nothing where it has none (plain SGD keeps no state); the zero second
-    moment and the step that came with it go. The state is keyed by ZeRO's fp32 partition of each
-    group (ZeRO-3 empties the groups' own parameter lists between steps)."""
+    """After a universal load into torch's SGD under ZeRO, its state under its own names again
+    (``adam_names_undone``). The state is keyed by ZeRO's fp32 partition of each group (ZeRO-3
+    empties the groups' own parameter lists between steps)."""
     optimizer = zero_optimizer.optimizer
     names = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition")
     flats = next(getattr(zero_optimizer, n) for n in names if hasattr(zero_optimizer, n))  # ZeRO-3, 1-2, bf16
     for group, flat in zip(optimizer.param_groups, flats, strict=True):
-        state = optimizer.state.get(flat)
-        if not state:
-            continue
-        momentum = state.pop("exp_avg", None)
-        state.pop("exp_avg_sq", None)
-        state.pop("step", None)
-        if group.get("momentum") and momentum is not None:
-            state["momentum_buffer"] = momentum
+        adam_names_undone(optimizer.state.get(flat, {}), bool(group.get("momentum")))
+
+
+def adam_names_undone(state: dict[str, Any], momentum: bool) -> None:
+    """One flat tensor's state as ``convert_to_universal``'s copy named it, back to a momentum-only
+    optimizer's: the ``exp_avg`` made of the momentum buffer is the buffer again where the group keeps
+    one (``momentum``), and nothing where it keeps none; the zero second moment and the step that
+    came with it go."""
+    buffer = state.pop("exp_avg", None)
+    state.pop("exp_avg_sq", None)
+    state.pop("step", None)
+    if momentum and buffer is not None:
+        state["momentum_buffer"] = buffer
 
 
 def _with_adam_names(source: Path, scratch: Path) -> Path:
