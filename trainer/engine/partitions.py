@@ -17,7 +17,6 @@ import torch.distributed as dist
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
 from trainer.config.errors import ConfigError
-from trainer.engine import zero
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,19 @@ class Partitioned(torch.optim.Optimizer):
         its own name, without the zero second moment or the step that came with it."""
         for flat, layout in self.layouts.items():
             if self.keeps_momentum_alone(self.param_groups[layout.param_group]):
-                zero.adam_names_undone(self.state[flat], momentum=True)
+                adam_names_undone(self.state[flat], momentum=True)
+
+
+def adam_names_undone(state: dict[str, Any], momentum: bool) -> None:
+    """One flat tensor's state as ``zero.convert_to_universal``'s copy named it, back to a momentum-only
+    optimizer's: the ``exp_avg`` made of the momentum buffer is the buffer again where the group keeps
+    one (``momentum``), and nothing where it keeps none; the zero second moment and the step that
+    came with it go."""
+    buffer = state.pop("exp_avg", None)
+    state.pop("exp_avg_sq", None)
+    state.pop("step", None)
+    if momentum and buffer is not None:
+        state["momentum_buffer"] = buffer
 
 
 def collective_device(device: torch.device) -> torch.device:

@@ -24,6 +24,7 @@ from deepspeed.module_inject.layers import DS_TENSOR_MODEL_PARALLEL
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from trainer.config.files import precision_of
+from trainer.engine.partitions import adam_names_undone
 from trainer.planner import GB
 
 if TYPE_CHECKING:
@@ -296,18 +297,6 @@ def momentum_from_adam_names(zero_optimizer: Any) -> None:
     flats = next(getattr(zero_optimizer, n) for n in names if hasattr(zero_optimizer, n))  # ZeRO-3, 1-2, bf16
     for group, flat in zip(optimizer.param_groups, flats, strict=True):
         adam_names_undone(optimizer.state.get(flat, {}), bool(group.get("momentum")))
-
-
-def adam_names_undone(state: dict[str, Any], momentum: bool) -> None:
-    """One flat tensor's state as ``convert_to_universal``'s copy named it, back to a momentum-only
-    optimizer's: the ``exp_avg`` made of the momentum buffer is the buffer again where the group keeps
-    one (``momentum``), and nothing where it keeps none; the zero second moment and the step that
-    came with it go."""
-    buffer = state.pop("exp_avg", None)
-    state.pop("exp_avg_sq", None)
-    state.pop("step", None)
-    if momentum and buffer is not None:
-        state["momentum_buffer"] = buffer
 
 
 def _with_adam_names(source: Path, scratch: Path) -> Path:
