@@ -86,10 +86,15 @@ def environment(single_process: bool, words: tuple[str, ...] = ()) -> dict[str, 
     return env
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and every process under it, deepest first."""
+def stopped_tree(pid: int) -> list[int]:
+    """``pid`` and every process under it, each stopped (SIGSTOP) before its children are listed.
+
+    A stopped process can neither start a new child nor go on when its child is killed (a shell
+    would run its next command), so the tree is still whole when it is killed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGSTOP)
     found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [p for child in found for p in process_tree(int(child))] + [pid]
+    return [pid] + [p for child in found for p in stopped_tree(int(child))]
 
 
 def run(
@@ -105,7 +110,7 @@ def run(
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            for pid in process_tree(proc.pid):  # the launcher and its ranks (in sessions of their own)
+            for pid in stopped_tree(proc.pid):  # the launcher and its ranks (in sessions of their own)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             proc.wait()

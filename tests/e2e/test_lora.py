@@ -159,6 +159,12 @@ def test_what_lora_cannot_do_is_refused_by_name_before_loading(base, tmp_path, c
     cases = {
         "error: use_peft: LoRA adapts an existing model": ["--use_peft"],
         "error: use_peft: LoRA runs with ZeRO 0-3": ["--use_peft", *model, "--pipeline_parallel_size", "2"],
+        r"error: use_peft, expert_parallel_size: .* not with expert parallelism \(DeepSpeed's ZeRO 1-2": [
+            "--use_peft",
+            *model,
+            "--expert_parallel_size",
+            "2",
+        ],
         r"error: load_in_4bit: a 4-bit base \(QLoRA\) needs a CUDA GPU": [
             "--use_peft",
             "--load_in_4bit",

@@ -64,7 +64,8 @@ class RunConfig(BaseModel):
         if self.model.use_peft and self.training.expert_parallel_size > 1:
             raise ValueError(
                 "use_peft, expert_parallel_size: LoRA runs with ZeRO 0-3 and data parallelism, not with "
-                "expert parallelism (AutoEP replaces the blocks peft wrapped)"
+                "expert parallelism (DeepSpeed's ZeRO 1-2 and bf16 optimizers need an expert parameter "
+                "that trains, and its ZeRO-3 checkpoints cannot hold frozen experts)"
             )
         return self
 

@@ -94,10 +94,11 @@ class ExpertParallel:
 
     def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any], size: int):
         if isinstance(getattr(model, "peft_config", None), dict):
-            raise ConfigError(
-                f"{PATH}: LoRA runs with ZeRO 0-3 and data parallelism, not with expert parallelism "
-                "(AutoEP replaces the blocks peft wrapped)",
-                path=PATH,
+            raise ConfigError(  # DeepSpeed 0.19.8 with peft's frozen experts (args/run.py says the same)
+                "LoRA runs with ZeRO 0-3 and data parallelism, not with expert parallelism (DeepSpeed's "
+                "ZeRO 1-2 and bf16 optimizers need an expert parameter that trains, and its ZeRO-3 "
+                "checkpoints cannot hold frozen experts)",
+                path=f"use_peft, {PATH}",
             )
         allow_registry_default()
         self.size = size
@@ -172,7 +173,7 @@ def layouts(model: torch.nn.Module, ds_config: dict[str, Any]) -> list[Layout]:
     specs = AutoEP(model, parse_autoep_config(ds_config.get("expert_parallel") or {})).ep_parser()
     if not specs:
         raise ConfigError(
-            f"{PATH}: AutoEP found no mixture-of-experts block in {type(model).__name__} (its presets "
+            f"AutoEP found no mixture-of-experts block in {type(model).__name__} (its presets "
             "know Mixtral, Qwen3-MoE, Qwen3.5-MoE, DeepSeek-V2/V3 and MiniMax-M3; name others with "
             "expert_parallel.moe_layer_pattern, router_pattern and expert_pattern)",
             path=PATH,
@@ -181,7 +182,7 @@ def layouts(model: torch.nn.Module, ds_config: dict[str, Any]) -> list[Layout]:
     for spec in specs:
         if spec.expert_storage != "fused_3d" or spec.expert_w3_name:
             raise ConfigError(
-                f"{PATH}: {spec.moe_module_name} ({spec.model_family}): its experts are a list of modules, "
+                f"{spec.moe_module_name} ({spec.model_family}): its experts are a list of modules, "
                 "which the export does not put back in HF's layout yet; run without expert_parallel_size",
                 path=PATH,
             )
