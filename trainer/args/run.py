@@ -40,6 +40,14 @@ def _objective_hint(key: str, objective: Any) -> str | None:
     return f"a field of objective {', '.join(others)}, not of {objective or DEFAULT}; set --objective"
 
 
+# DeepSpeed 0.19.8 with peft's frozen experts; the engine refuses a LoRA model it is handed the same way.
+LORA_WITH_EXPERT_PARALLEL = (
+    "LoRA runs with ZeRO 0-3 and data parallelism, not with expert parallelism (DeepSpeed's ZeRO 1-2 "
+    "and bf16 optimizers need an expert parameter that trains, and its ZeRO-3 checkpoints cannot hold "
+    "frozen experts)"
+)
+
+
 class RunConfig(BaseModel):
     """A whole run: the three argument groups, validated together."""
 
@@ -62,11 +70,7 @@ class RunConfig(BaseModel):
                 "tensor parallelism (AutoTP does not split peft's wrapped layers)"
             )
         if self.model.use_peft and self.training.expert_parallel_size > 1:
-            raise ValueError(
-                "use_peft, expert_parallel_size: LoRA runs with ZeRO 0-3 and data parallelism, not with "
-                "expert parallelism (DeepSpeed's ZeRO 1-2 and bf16 optimizers need an expert parameter "
-                "that trains, and its ZeRO-3 checkpoints cannot hold frozen experts)"
-            )
+            raise ValueError(f"use_peft, expert_parallel_size: {LORA_WITH_EXPERT_PARALLEL}")
         return self
 
     @model_validator(mode="after")

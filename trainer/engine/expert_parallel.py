@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import groups
 
+from trainer.args.run import LORA_WITH_EXPERT_PARALLEL
 from trainer.config.errors import ConfigError
 from trainer.engine import zero
 
@@ -94,12 +95,7 @@ class ExpertParallel:
 
     def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any], size: int):
         if isinstance(getattr(model, "peft_config", None), dict):
-            raise ConfigError(  # DeepSpeed 0.19.8 with peft's frozen experts (args/run.py says the same)
-                "LoRA runs with ZeRO 0-3 and data parallelism, not with expert parallelism (DeepSpeed's "
-                "ZeRO 1-2 and bf16 optimizers need an expert parameter that trains, and its ZeRO-3 "
-                "checkpoints cannot hold frozen experts)",
-                path=f"use_peft, {PATH}",
-            )
+            raise ConfigError(LORA_WITH_EXPERT_PARALLEL, path=f"use_peft, {PATH}")
         allow_registry_default()
         self.size = size
         self.layouts = layouts(model, ds_config)
